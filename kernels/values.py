@@ -1,0 +1,223 @@
+"""The synthetic-KV value function, shared by every backend.
+
+A value is a pure function of ``(seed, layer, token position t, element e)``,
+where ``e`` indexes the token's row of the layer (all elements of that layer
+that belong to one token, in logical order).  Nothing depends on the physical
+block, the DCP rank or the launch shape.
+
+Generator ("hashed window into a normal pool")
+------------------------------------------------
+* A pool of ``POOL_SIZE`` = 2**18 standard-normal samples is made once, on the
+  host, from an integer generator (splitmix64 -> two uniforms -> Box-Muller in
+  float64) and standardised to sample mean 0 and sample std 1 exactly.
+* The values a mode stores are computed on the host from that pool in float64
+  (``mean + std * z``), rounded to float32, clamped to the storage dtype's
+  finite range and rounded to nearest-even into the storage dtype by torch.
+  The result is a small table of *storage bits* per (mean, std, dtype).
+* Token row ``t`` of layer ``l`` reads that table starting at a hashed offset:
+  ``value(t, e) = table[(h(key(seed, l), t) + e) mod POOL_SIZE]`` with
+  ``h = lowbias32(key + t)`` - one 32-bit integer hash per row.
+
+Why: the kernels do no floating-point work at all (a row hash, a gather from a
+table that stays in L2, a store of raw bits), so every backend - the Triton
+interpreter, a GPU, the torch backend - stores bit-identical bytes, and the
+interpreter's broken bf16/fp8 casts never run.  The cost per element is two
+integer ops and an L2-resident load, so a random fill is as cheap as a constant
+one.  The price is that the pool repeats: two rows whose offsets are close share
+a shifted window of samples.  Neighbouring elements and neighbouring tokens are
+still independent samples (different pool entries), which is what attention
+benchmarks need; the measured figures are in README.md.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+import torch
+
+POOL_BITS = 18
+POOL_SIZE = 1 << POOL_BITS
+POOL_MASK = POOL_SIZE - 1
+MASK32 = 0xFFFFFFFF
+
+# Modes of a fill.
+ZERO = "zero"
+CONSTANT = "constant"
+NORMAL = "normal"
+MODES = (ZERO, CONSTANT, NORMAL)
+
+# How the bytes of a cache tensor encode values.
+ENC_AUTO = "auto"
+ENC_NATIVE = "native"      # the tensor's own float dtype
+ENC_FP8_E4M3 = "fp8_e4m3"  # fp8 e4m3fn stored in uint8 (or a native fp8 tensor)
+ENC_FP8_E5M2 = "fp8_e5m2"
+ENC_PACKED = "packed"      # nvfp4, fp8 with embedded scales, int metadata: zero-filled
+ENCODINGS = (ENC_AUTO, ENC_NATIVE, ENC_FP8_E4M3, ENC_FP8_E5M2, ENC_PACKED)
+
+FLOAT_DTYPES = (
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+)
+_FP8_OF_ENCODING = {
+    ENC_FP8_E4M3: torch.float8_e4m3fn,
+    ENC_FP8_E5M2: torch.float8_e5m2,
+}
+# The integer dtype whose bits the kernels move for a given element size.
+BITS_DTYPE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def value_dtype(dtype: torch.dtype, encoding: str = ENC_AUTO) -> torch.dtype | None:
+    """The float dtype whose values a cache of ``dtype`` holds; None: zero-filled.
+
+    ``auto``: float dtypes hold themselves, ``uint8`` holds fp8 e4m3fn (vLLM's
+    ``fp8`` cache dtype stored as bytes).  ``packed`` zero-fills any dtype.
+    """
+    if encoding not in ENCODINGS:
+        raise ValueError(f"encoding {encoding!r} is not one of {ENCODINGS}")
+    if encoding == ENC_PACKED:
+        return None
+    if encoding in _FP8_OF_ENCODING:
+        fp8 = _FP8_OF_ENCODING[encoding]
+        if dtype not in (torch.uint8, torch.int8, fp8):
+            raise ValueError(
+                f"encoding {encoding!r} needs a uint8 or {fp8} cache, got dtype {dtype}"
+            )
+        return fp8
+    if dtype in FLOAT_DTYPES:
+        return dtype
+    if dtype == torch.uint8 and encoding == ENC_AUTO:
+        return torch.float8_e4m3fn
+    raise ValueError(
+        f"cache dtype {dtype} with encoding {encoding!r} is not supported: expected "
+        f"one of {[str(d) for d in FLOAT_DTYPES]}, uint8 with encoding "
+        f"'fp8_e4m3'/'fp8_e5m2', or encoding 'packed' (zero fill) for any dtype"
+    )
+
+
+def lowbias32(x: int) -> int:
+    """A 32-bit integer bijection with good avalanche (C. Wellons' lowbias32)."""
+    x &= MASK32
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & MASK32
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & MASK32
+    x ^= x >> 16
+    return x
+
+
+def lowbias32_np(x: np.ndarray) -> np.ndarray:
+    """``lowbias32`` over a uint64 array holding 32-bit values."""
+    x = x.astype(np.uint64) & np.uint64(MASK32)
+    x ^= x >> np.uint64(16)
+    x = (x * np.uint64(0x7FEB352D)) & np.uint64(MASK32)
+    x ^= x >> np.uint64(15)
+    x = (x * np.uint64(0x846CA68B)) & np.uint64(MASK32)
+    x ^= x >> np.uint64(16)
+    return x
+
+
+def layer_key(seed: int, layer: int) -> int:
+    """The 32-bit key of one layer's rows under ``seed`` (any Python int)."""
+    if seed < 0 or layer < 0:
+        raise ValueError(f"seed ({seed}) and layer ({layer}) must be >= 0")
+    k = lowbias32((seed & MASK32) ^ 0x5BD1E995)
+    k = lowbias32(k ^ ((seed >> 32) & MASK32))
+    return lowbias32(k + ((layer * 0x9E3779B9) & MASK32))
+
+
+def row_offsets(key: int, positions: np.ndarray, elem_offset: int = 0) -> np.ndarray:
+    """Pool offset of each token row: ``(lowbias32(key + t) + elem_offset) mod P``."""
+    t = np.asarray(positions, dtype=np.uint64)
+    h = lowbias32_np(t + np.uint64(key))
+    return ((h + np.uint64(elem_offset)) & np.uint64(POOL_MASK)).astype(np.int64)
+
+
+@functools.lru_cache(maxsize=1)
+def standard_normal_pool() -> np.ndarray:
+    """POOL_SIZE float64 samples, mean exactly 0 and std exactly 1."""
+    n = POOL_SIZE // 2
+    idx = np.arange(2 * n, dtype=np.uint64)
+    # splitmix64 over the counter: the same bits on every machine and numpy.
+    z = idx * np.uint64(0x9E3779B97F4A7C15) + np.uint64(0x6A09E667F3BCC909)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    z = z ^ (z >> np.uint64(31))
+    u = ((z >> np.uint64(11)).astype(np.float64) + 0.5) * (1.0 / (1 << 53))
+    u1, u2 = u[:n], u[n:]
+    r = np.sqrt(-2.0 * np.log(u1))
+    pool = np.concatenate([r * np.cos(2 * math.pi * u2), r * np.sin(2 * math.pi * u2)])
+    pool -= pool.mean()
+    pool /= pool.std()
+    return pool
+
+
+def encode(values: torch.Tensor | np.ndarray, vdtype: torch.dtype) -> torch.Tensor:
+    """float64 values -> storage bits of ``vdtype`` (float32 rounding, clamp, RNE)."""
+    x = torch.as_tensor(values, dtype=torch.float64).to(torch.float32)
+    fmax = torch.finfo(vdtype).max
+    x = x.clamp(-fmax, fmax)
+    bits = BITS_DTYPE[torch.empty((), dtype=vdtype).element_size()]
+    return x.to(vdtype).view(bits)
+
+
+@functools.lru_cache(maxsize=64)
+def _value_table_cpu(mode: str, mean: float, std: float, vdtype: torch.dtype | None, itemsize: int):
+    if mode == ZERO or vdtype is None:
+        return torch.zeros(1, dtype=BITS_DTYPE[itemsize])
+    if mode == CONSTANT:
+        return encode(np.array([mean]), vdtype)
+    if mode == NORMAL:
+        return encode(mean + std * standard_normal_pool(), vdtype)
+    raise ValueError(f"mode {mode!r} is not one of {MODES}")
+
+
+_DEVICE_TABLES: dict = {}
+
+
+def value_table(
+    mode: str,
+    mean: float,
+    std: float,
+    vdtype: torch.dtype | None,
+    itemsize: int,
+    device: torch.device,
+) -> torch.Tensor:
+    """Storage bits a fill draws from: POOL_SIZE entries (normal), 1 (constant/zero).
+
+    Cached per device; the table is the only device memory a fill needs besides
+    its plan, and its size does not depend on the fill.
+    """
+    if mode == ZERO or vdtype is None:
+        mode, mean, std, vdtype = ZERO, 0.0, 0.0, None
+    key = (mode, float(mean), float(std), vdtype, itemsize, torch.device(device))
+    table = _DEVICE_TABLES.get(key)
+    if table is None:
+        table = _value_table_cpu(mode, float(mean), float(std), vdtype, itemsize).to(device)
+        _DEVICE_TABLES[key] = table
+    return table
+
+
+def resolve_mode(std: float, mode: str | None = None) -> str:
+    """``normal`` when std > 0, else ``constant``; an explicit mode wins."""
+    if mode is not None:
+        if mode not in MODES:
+            raise ValueError(f"mode {mode!r} is not one of {MODES}")
+        return mode
+    if not (std >= 0.0) or math.isinf(std):
+        raise ValueError(f"std must be a finite number >= 0, got {std}")
+    return NORMAL if std > 0.0 else CONSTANT
+
+
+def dcp_positions(local: np.ndarray, world: int, rank: int, interleave: int) -> np.ndarray:
+    """Global token position of rank-local slot index ``local`` under DCP.
+
+    ``t = (l // I) * (I * W) + r * I + l % I`` (ARCHITECTURE.md, Geometry).
+    """
+    local = np.asarray(local, dtype=np.int64)
+    if world == 1:
+        return local
+    return (local // interleave) * (interleave * world) + rank * interleave + local % interleave
