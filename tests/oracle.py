@@ -1,0 +1,59 @@
+"""Independent reference for tests: what a fill must leave in a backing buffer.
+
+Nothing here uses kvfill's layout or backend code.  Values come from the value
+function's definition (scalar lowbias32, the encoded value table) and are
+written with plain tensor indexing on a view built identically over a copy of
+the buffer, so a layout bug in kvfill shows up as a byte mismatch.
+"""
+from __future__ import annotations
+
+import torch
+
+from kvfill.kernels import values as V
+
+
+def poisoned_buffer(nbytes: int, seed: int = 1234) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
+
+
+def dcp_position(local: int, world: int, rank: int, interleave: int) -> int:
+    return (local // interleave) * (interleave * world) + rank * interleave + local % interleave
+
+
+def row_bits(
+    *, mode, mean, std, seed, layer, position, row_size, vdtype, itemsize, elem_offset=0
+) -> torch.Tensor:
+    """The storage bits of one token row, from the value function's definition."""
+    table = V._value_table_cpu(mode, float(mean), float(std), vdtype, itemsize)
+    if mode == V.ZERO or vdtype is None:
+        return torch.zeros(row_size, dtype=table.dtype)
+    if mode == V.CONSTANT:
+        return table[0].repeat(row_size)
+    h = V.lowbias32(V.layer_key(seed, layer) + position) + elem_offset
+    idx = torch.tensor([(h + e) & V.POOL_MASK for e in range(row_size)])
+    return table[idx]
+
+
+def write_expected(
+    view: torch.Tensor,
+    *,
+    block_dim: int,
+    slot_dim: int | None,
+    kernel_split: int,
+    block: int,
+    slot: int,
+    bits: torch.Tensor,
+) -> None:
+    """Write one token row into ``view`` (a view of the expected buffer)."""
+    bits_dtype = V.BITS_DTYPE[view.element_size()]
+    v = view.view(bits_dtype)
+    idx: list = [slice(None)] * v.dim()
+    if slot_dim is None:
+        idx[block_dim] = block
+    else:
+        kbs = v.shape[slot_dim]
+        idx[block_dim] = block * kernel_split + slot // kbs
+        idx[slot_dim] = slot % kbs
+    target = v[tuple(idx)]
+    target.copy_(bits.view(target.shape))

@@ -1,0 +1,125 @@
+"""Every layout x every dtype x both backends, in poisoned memory: the planned
+slots hold the value function's bits and every other byte is unchanged."""
+import pytest
+import torch
+from cases import CASE_IDS, CASES, DTYPES, NUM_BLOCKS
+from oracle import poisoned_buffer, row_bits, write_expected
+
+from kvfill.kernels import CacheGroup, FillEngine, GroupFill
+from kvfill.kernels import values as V
+
+MEAN, STD, SEED = 0.25, 0.5, 11
+
+# (block, slot_start, slot_end, local_base): a partial first block, a whole
+# block and a partial last block of one request, placed out of order.
+SLOT_ENTRIES = [(4, 3, 8, 0), (1, 0, 8, 8), (5, 0, 2, 16)]
+STATE_ENTRIES = [(4, 0, 1, 7), (2, 0, 1, 9)]
+
+
+def _row_size(t, block_dim, slot_dim):
+    per = t.shape[block_dim] * (t.shape[slot_dim] if slot_dim is not None else 1)
+    return t.numel() // per
+
+
+def expected_fill(layers, case, dtype, encoding, entries, *, mode, mean=MEAN, std=STD, seed=SEED, dcp=(1, 0, 1)):
+    """Apply the oracle's writes to ``layers`` (views over the expected buffer)."""
+    from oracle import dcp_position
+
+    vdtype = V.value_dtype(dtype, encoding)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    for layer_id, caches in enumerate(layers.values()):
+        tensors = caches if isinstance(caches, list) else [caches]
+        elem_offset = 0
+        for t in tensors:
+            row = _row_size(t, case.block_dim, case.slot_dim)
+            for block, lo, hi, base in entries:
+                for s in range(lo, hi):
+                    bits = row_bits(
+                        mode=mode if vdtype is not None else V.ZERO,
+                        mean=mean,
+                        std=std,
+                        seed=seed,
+                        layer=layer_id,
+                        position=dcp_position(base + s, *dcp),
+                        row_size=row,
+                        vdtype=vdtype,
+                        itemsize=itemsize,
+                        elem_offset=elem_offset,
+                    )
+                    write_expected(
+                        t,
+                        block_dim=case.block_dim,
+                        slot_dim=case.slot_dim,
+                        kernel_split=case.kernel_split,
+                        block=block,
+                        slot=s,
+                        bits=bits,
+                    )
+            elem_offset += row
+
+
+def assert_same_bytes(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    diff = (actual != expected).nonzero().flatten()
+    assert diff.numel() == 0, (
+        f"{diff.numel()} byte(s) differ from the oracle, first at byte offsets {diff[:8].tolist()}"
+    )
+
+
+def make_engine(layers, case, encoding, backend, *, std=STD, mean=MEAN, seed=SEED, **group_kw):
+    group = CacheGroup(
+        layers,
+        num_blocks=NUM_BLOCKS,
+        block_dim=case.block_dim,
+        slot_dim=case.slot_dim,
+        encoding=encoding,
+        **group_kw,
+    )
+    return FillEngine({"g": group}, mean=mean, std=std, seed=seed, backend=backend)
+
+
+def plan_of(entries):
+    blocks, lo, hi, base = zip(*entries)
+    return {"g": GroupFill(block_ids=blocks, slot_start=lo, slot_end=hi, local_base=base)}
+
+
+@pytest.mark.parametrize("dtype_case", DTYPES, ids=[d[0] for d in DTYPES])
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_fill_writes_planned_slots_and_nothing_else(case, dtype_case, backend):
+    _, dtype, encoding = dtype_case
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    buf = poisoned_buffer(case.nbytes(itemsize))
+    poison = buf.clone()
+    expected = buf.clone()
+    layers = case.make(buf, dtype)
+    entries = STATE_ENTRIES if case.state_list else SLOT_ENTRIES
+
+    engine = make_engine(layers, case, encoding, backend)
+    stats = engine.fill(plan_of(entries))
+
+    expected_fill(case.make(expected, dtype), case, dtype, encoding, entries, mode=V.NORMAL)
+    assert_same_bytes(buf, expected)
+    assert (buf != poison).any(), "the fill wrote nothing"
+    assert stats.slots == sum(hi - lo for _, lo, hi, _ in entries) * sum(
+        len(c) if isinstance(c, list) else 1 for c in layers.values()
+    )
+    assert stats.launches == (engine.num_launch_classes if backend == "triton" else 0)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.name in ("vllm-LBNHC", "vllm-BHLNC", "mamba-states")], ids=lambda c: c.name)
+def test_constant_mode_writes_mean_rounded_to_dtype(case, backend):
+    dtype = torch.bfloat16
+    buf = poisoned_buffer(case.nbytes(2))
+    expected = buf.clone()
+    layers = case.make(buf, dtype)
+    entries = STATE_ENTRIES if case.state_list else SLOT_ENTRIES
+    engine = make_engine(layers, case, "auto", backend, std=0.0, mean=0.015)
+    engine.fill(plan_of(entries))
+    expected_fill(case.make(expected, dtype), case, dtype, "auto", entries, mode=V.CONSTANT, mean=0.015, std=0.0)
+    assert_same_bytes(buf, expected)
+    first = next(iter(layers.values()))
+    first = first[0] if isinstance(first, list) else first
+    idx = [0] * first.dim()
+    idx[case.block_dim] = entries[0][0]
+    if case.slot_dim is not None:
+        idx[case.slot_dim] = entries[0][1]
+    assert first[tuple(idx)].item() == torch.tensor(0.015, dtype=torch.bfloat16).item()
