@@ -55,8 +55,14 @@ def _engine(caches, block_dim, mean, std, seed, backend) -> FillEngine:
 
 def _whole_blocks_plan(engine: FillEngine, ids: np.ndarray) -> dict[str, GroupFill]:
     # The i-th id holds tokens [i * bs, (i + 1) * bs): block_ids read as one
-    # request's block table, so two placements hold the same logical KV.
-    return {g: GroupFill(block_ids=ids) for g in engine.groups}
+    # request's block table, so two placements hold the same logical KV.  A
+    # repeated id keeps its first position, so duplicates are idempotent.
+    _, first = np.unique(ids, return_index=True)
+    first.sort()
+    out = {}
+    for g, info in engine.groups.items():
+        out[g] = GroupFill(block_ids=ids[first], local_base=first * info.block_size)
+    return out
 
 
 @torch.library.custom_op("kvfill::fill_blocks", mutates_args=("caches",))
@@ -109,7 +115,8 @@ def fill_blocks(
 
     Values are a function of (seed, cache index, token position, element): the
     i-th id's block holds tokens ``[i * N, (i + 1) * N)`` where ``N`` is the
-    slot dim's size (dim 2 of >=4-d caches, dim 1 of 3-d caches).
+    slot dim's size (dim 2 of >=4-d caches, dim 1 of 3-d caches); a repeated
+    id keeps the position of its first occurrence.
 
     Example::
 
@@ -120,7 +127,10 @@ def fill_blocks(
     ``caches``), so it can be called inside ``torch.compile``d code.
     """
     tensors = _flatten(caches)
-    ids = torch.from_numpy(_ids_array(block_ids))
+    if isinstance(block_ids, torch.Tensor):
+        ids = block_ids.to(torch.int64)  # validated inside the op (traceable here)
+    else:
+        ids = torch.from_numpy(_ids_array(block_ids))
     torch.ops.kvfill.fill_blocks(tensors, ids, block_dim, float(mean), float(std), int(seed), backend)
 
 
