@@ -33,7 +33,7 @@ demo: venv
 	$(PY) bench/demo.py
 
 bench: venv
-	TRITON_INTERPRET=1 $(PY) bench/bench_fill.py
+	$(PY) bench/fill_bench.py
 
 clean:
 	rm -rf $(VENV) *.egg-info

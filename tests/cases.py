@@ -1,69 +1,34 @@
-"""Cache layouts the engine must address, each built over a poisoned byte buffer.
-
-A case builds its layer tensors as views of a given ``uint8`` buffer, so the
-test can build the very same views over a copy (the expected buffer) and
-compare every byte of the backing memory afterwards.
-"""
+"""Test layouts: bench/layouts.py's cases plus the same geometries built by
+vLLM itself (``create_kv_cache_views``): the six standard orders, kernel-block
+splitting and padded pages."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
-
 import torch
-
-NUM_BLOCKS = 6
-BLOCK_SIZE = 8
-HEADS = 2
-HEAD_DIM = 4
-NUM_LAYERS = 2
-STANDARD_LAYOUTS = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
-
-# (name, cache dtype, encoding)
-DTYPES = [
-    ("fp32", torch.float32, "auto"),
-    ("fp16", torch.float16, "auto"),
-    ("bf16", torch.bfloat16, "auto"),
-    ("fp8e4m3", torch.float8_e4m3fn, "auto"),
-    ("fp8e5m2", torch.float8_e5m2, "auto"),
-    ("u8-fp8e4m3", torch.uint8, "fp8_e4m3"),
-    ("u8-fp8e5m2", torch.uint8, "fp8_e5m2"),
-    ("u8-packed", torch.uint8, "packed"),
-]
-
-
-@dataclass
-class Case:
-    name: str
-    # (buffer, dtype) -> {layer name: tensor or list of state tensors}
-    make: Callable[[torch.Tensor, torch.dtype], dict]
-    nbytes: Callable[[int], int]  # itemsize -> buffer bytes
-    block_dim: int = 0
-    slot_dim: int | None = 2
-    kernel_split: int = 1
-    block_size: int = BLOCK_SIZE
-
-    @property
-    def state_list(self) -> bool:
-        return self.slot_dim is None
+from layouts import (  # noqa: F401  (re-exported for the tests)
+    BLOCK_SIZE,
+    CASES as BUILT_CASES,
+    DTYPES,
+    HEAD_DIM,
+    HEADS,
+    NUM_BLOCKS,
+    NUM_LAYERS,
+    STANDARD_LAYOUTS,
+    Case,
+    _dense,
+)
 
 
 def _spec(dtype, **kw):
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-    return FullAttentionSpec(
-        block_size=BLOCK_SIZE, num_kv_heads=HEADS, head_size=HEAD_DIM, dtype=dtype, **kw
-    )
+    return FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=HEADS, head_size=HEAD_DIM, dtype=dtype, **kw)
 
 
-def _vllm_views(layout_name: str, *, kernel_block_size=None, pad=0):
-    """Views exactly as vLLM builds them (create_kv_cache_views)."""
+def vllm_views(layout_name: str, *, kernel_block_size=None, pad=0):
+    """Views exactly as vLLM builds them."""
 
     def make(buf, dtype):
-        from vllm.v1.kv_cache_interface import (
-            KVCacheTensor,
-            compute_layout_strides,
-            create_kv_cache_views,
-        )
+        from vllm.v1.kv_cache_interface import KVCacheTensor, compute_layout_strides, create_kv_cache_views
         from vllm.v1.kv_cache_layout import KVCacheLayout
 
         layout = KVCacheLayout[layout_name]
@@ -80,88 +45,9 @@ def _vllm_views(layout_name: str, *, kernel_block_size=None, pad=0):
     return make
 
 
-def _page(itemsize: int) -> int:
-    return HEADS * BLOCK_SIZE * 2 * HEAD_DIM * itemsize
-
-
-def _dense(itemsize: int, pad: int = 0) -> int:
-    return NUM_LAYERS * NUM_BLOCKS * (_page(itemsize) + pad)
-
-
-def _typed(buf, dtype, offset_elems=0):
-    return buf.view(dtype)[offset_elems:]
-
-
-def _fa_old(buf, dtype):
-    # FlashAttention (2, num_blocks, N, H, D): block dim 1.
-    n = 2 * NUM_BLOCKS * BLOCK_SIZE * HEADS * HEAD_DIM
-    t = _typed(buf, dtype)
-    return {
-        f"layer.{i}": t[i * n : (i + 1) * n].view(2, NUM_BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM)
-        for i in range(NUM_LAYERS)
-    }
-
-
-def _nhd(buf, dtype):
-    n = 2 * NUM_BLOCKS * BLOCK_SIZE * HEADS * HEAD_DIM
-    t = _typed(buf, dtype)
-    return {
-        f"layer.{i}": t[i * n : (i + 1) * n].view(NUM_BLOCKS, 2, BLOCK_SIZE, HEADS, HEAD_DIM)
-        for i in range(NUM_LAYERS)
-    }
-
-
-def _hnd(buf, dtype):
-    # Stored (num_blocks, 2, H, N, D), seen as (num_blocks, 2, N, H, D).
-    n = 2 * NUM_BLOCKS * BLOCK_SIZE * HEADS * HEAD_DIM
-    t = _typed(buf, dtype)
-    return {
-        f"layer.{i}": t[i * n : (i + 1) * n]
-        .view(NUM_BLOCKS, 2, HEADS, BLOCK_SIZE, HEAD_DIM)
-        .permute(0, 1, 3, 2, 4)
-        for i in range(NUM_LAYERS)
-    }
-
-
-MLA_DIM = 36
-
-
-def _mla(buf, dtype):
-    n = NUM_BLOCKS * BLOCK_SIZE * MLA_DIM
-    # A storage offset of 3 elements: views need not start at their buffer.
-    t = _typed(buf, dtype, 3)
-    return {f"layer.{i}": t[i * n : (i + 1) * n].view(NUM_BLOCKS, BLOCK_SIZE, MLA_DIM) for i in range(NUM_LAYERS)}
-
-
-CONV, SSM = (3, 5), (2, 4, 3)
-
-
-def _mamba(buf, dtype):
-    t = _typed(buf, dtype)
-    nc, ns = NUM_BLOCKS * 15, NUM_BLOCKS * 24
-    out, pos = {}, 0
-    for i in range(NUM_LAYERS):
-        conv = t[pos : pos + nc].view(NUM_BLOCKS, *CONV)
-        ssm = t[pos + nc : pos + nc + ns].view(NUM_BLOCKS, *SSM)
-        # The conv state is stored transposed, as some backends do.
-        conv = conv.view(NUM_BLOCKS, CONV[1], CONV[0]).transpose(1, 2)
-        out[f"layer.{i}"] = [conv, ssm]
-        pos += nc + ns
-    return out
-
-
-CASES = [Case(f"vllm-{name}", _vllm_views(name), _dense) for name in STANDARD_LAYOUTS] + [
-    Case("fa-2xB", _fa_old, _dense, block_dim=1),
-    Case("nhd-Bx2", _nhd, _dense),
-    Case("hnd-Bx2", _hnd, _dense),
-    Case("mla", _mla, lambda s: (NUM_LAYERS * NUM_BLOCKS * BLOCK_SIZE * MLA_DIM + 3) * s, slot_dim=1),
-    Case("mamba-states", _mamba, lambda s: NUM_LAYERS * NUM_BLOCKS * 39 * s, slot_dim=None),
-    Case(
-        "vllm-LBNHC-kernel-split2",
-        _vllm_views("LBNHC", kernel_block_size=BLOCK_SIZE // 2),
-        _dense,
-        kernel_split=2,
-    ),
-    Case("vllm-LBNHC-padded", _vllm_views("LBNHC", pad=64), lambda s: _dense(s, 64)),
+VLLM_CASES = [Case(f"vllm-{name}", vllm_views(name), _dense) for name in STANDARD_LAYOUTS] + [
+    Case("vllm-LBNHC-kernel-split2", vllm_views("LBNHC", kernel_block_size=BLOCK_SIZE // 2), _dense, kernel_split=2),
+    Case("vllm-LBNHC-padded", vllm_views("LBNHC", pad=64), lambda s: _dense(s, 64)),
 ]
+CASES = VLLM_CASES + [c for c in BUILT_CASES if not c.name.startswith("std-")]
 CASE_IDS = [c.name for c in CASES]

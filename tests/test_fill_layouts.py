@@ -2,7 +2,7 @@
 slots hold the value function's bits and every other byte is unchanged."""
 import pytest
 import torch
-from cases import CASE_IDS, CASES, DTYPES, NUM_BLOCKS
+from cases import BUILT_CASES, CASE_IDS, CASES, DTYPES, NUM_BLOCKS, VLLM_CASES
 from oracle import poisoned_buffer, row_bits, write_expected
 
 from kvfill.kernels import CacheGroup, FillEngine, GroupFill
@@ -123,3 +123,17 @@ def test_constant_mode_writes_mean_rounded_to_dtype(case, backend):
     if case.slot_dim is not None:
         idx[case.slot_dim] = entries[0][1]
     assert first[tuple(idx)].item() == torch.tensor(0.015, dtype=torch.bfloat16).item()
+
+
+@pytest.mark.parametrize("case", VLLM_CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.uint8])
+def test_gpu_check_layouts_equal_vllm_views(case, dtype):
+    """bench/layouts.py (used where vLLM is absent) builds vLLM's exact views."""
+    built = {c.name: c for c in BUILT_CASES}[case.name.replace("vllm-", "std-").replace("std-LBNHC-", "LBNHC-")]
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    buf = torch.zeros(case.nbytes(itemsize), dtype=torch.uint8)
+    ours, theirs = built.make(buf, dtype), case.make(buf, dtype)
+    assert ours.keys() == theirs.keys()
+    for name in ours:
+        a, b = ours[name], theirs[name]
+        assert (a.shape, a.stride(), a.storage_offset(), a.dtype) == (b.shape, b.stride(), b.storage_offset(), b.dtype)

@@ -1,0 +1,154 @@
+"""Shared pieces of the benchmarks and GPU check (torch + triton only, no vLLM).
+
+* ``standard_views``: vLLM's per-layer ``[B, H, N, C]`` views over one raw
+  buffer in any of its six physical orders (same strides as vLLM's
+  ``create_kv_cache_views``; tests/test_bench_common.py checks that).
+* ``intree_fill``: the in-tree DecodeBenchConnector fill, re-implemented
+  faithfully (vLLM 0.32 ``_fill_block_tensor``): per request, per layer, an
+  H2D copy of the block ids, a bounds filter, a freshly sampled
+  ``torch.normal``/``torch.full`` temporary of the whole fill, clamp, cast and
+  an index-put.
+* ``Timer``: median wall time of a callable, synchronising the device.
+"""
+from __future__ import annotations
+
+import json
+import math
+import platform
+import statistics
+import time
+from datetime import datetime, timezone
+
+import numpy as np
+import torch
+
+# vLLM's KVCacheLayout stride orders over the logical [L, B, H, N, C] dims.
+STANDARD_LAYOUTS = {
+    "LBHNC": (0, 1, 2, 3, 4),
+    "LBNHC": (0, 1, 3, 2, 4),
+    "LHBNC": (0, 2, 1, 3, 4),
+    "BLHNC": (1, 0, 2, 3, 4),
+    "BLNHC": (1, 0, 3, 2, 4),
+    "BHLNC": (1, 2, 0, 3, 4),
+}
+
+
+def standard_views(
+    num_layers, num_blocks, heads, block_size, content, dtype, layout="LBNHC", device="cpu", raw=None
+):
+    """Per-layer ``[B, H, N, C]`` views of one buffer in the given physical order.
+
+    Returns ``(raw_uint8_buffer, [view per layer])``.
+    """
+    shape = (num_layers, num_blocks, heads, block_size, content)
+    strides = [0] * 5
+    step = 1
+    for dim in reversed(STANDARD_LAYOUTS[layout]):
+        strides[dim] = step
+        step *= shape[dim]
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if raw is None:
+        raw = torch.empty(step * itemsize, dtype=torch.uint8, device=device)
+    typed = raw.view(dtype)
+    view5 = typed.as_strided(shape, strides, 0)
+    return raw, [view5[i] for i in range(num_layers)]
+
+
+def scattered_requests(num_requests, blocks_per_request, num_blocks, seed=0):
+    """Disjoint, randomly placed block tables (like a busy block pool)."""
+    need = num_requests * blocks_per_request
+    if need > num_blocks:
+        raise ValueError(f"{need} blocks requested from a pool of {num_blocks}")
+    perm = np.random.default_rng(seed).permutation(num_blocks)[:need]
+    return [perm[i * blocks_per_request : (i + 1) * blocks_per_request].tolist() for i in range(num_requests)]
+
+
+def _intree_values(size, device, dtype, mean, std):
+    # vLLM 0.32 DecodeBenchConnectorWorker._make_fill_values
+    finfo = torch.finfo(dtype)
+    if std > 0:
+        sample_dtype = dtype if dtype in (torch.float16, torch.bfloat16, torch.float32) else torch.float32
+        values = torch.normal(mean, std, size=size, device=device, dtype=sample_dtype)
+        return values.clamp_(finfo.min, finfo.max).to(dtype)
+    return torch.full(size, min(max(mean, finfo.min), finfo.max), dtype=dtype, device=device)
+
+
+def intree_fill(layers, requests, mean, std):
+    """The in-tree fill: for each request, for each layer (``_fill_block_tensor``)."""
+    for block_ids in requests:
+        for kv_cache in layers:
+            ids = torch.tensor(block_ids, dtype=torch.long, device=kv_cache.device)
+            valid = ids[ids < kv_cache.shape[0]]
+            if len(valid) == 0:
+                continue
+            values = _intree_values((len(valid),) + kv_cache.shape[1:], kv_cache.device, kv_cache.dtype, mean, std)
+            kv_cache[valid] = values.view(kv_cache.dtype)
+
+
+def sync(device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def median_time(fn, device, *, repeat=5, warmup=1, min_time=0.0):
+    """Median seconds per call of ``fn`` (device synchronised around each call)."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    times = []
+    t_end = time.perf_counter() + min_time
+    while len(times) < repeat or time.perf_counter() < t_end:
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+        if len(times) >= 10 * repeat:
+            break
+    return statistics.median(times)
+
+
+def peak_extra_bytes(fn, device):
+    """Peak device memory allocated by ``fn`` beyond what was live before (CUDA only)."""
+    if torch.device(device).type != "cuda":
+        return None
+    sync(device)
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    fn()
+    sync(device)
+    return torch.cuda.max_memory_allocated() - before
+
+
+def machine_info(device) -> dict:
+    import triton
+
+    info = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "platform": platform.platform(),
+        "cpu": platform.processor() or platform.machine(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "device": str(device),
+    }
+    if torch.device(device).type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name()
+        info["cuda"] = torch.version.cuda
+    return info
+
+
+def gbps(nbytes, seconds):
+    return nbytes / seconds / 1e9 if seconds > 0 else math.inf
+
+
+def write_json(path, payload):
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=2)
+
+
+def table(rows, columns) -> str:
+    """Fixed-width text table of dict rows."""
+    widths = {c: max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in columns}
+    lines = ["  ".join(c.rjust(widths[c]) for c in columns)]
+    lines += ["  ".join(str(r.get(c, "")).rjust(widths[c]) for c in columns) for r in rows]
+    return "\n".join(lines)

@@ -1,0 +1,118 @@
+"""One-shot GPU check: correctness on every layout x dtype, then kvfill vs memset
+vs the in-tree fill at several sizes.  Needs torch + triton + kvfill only (no
+vLLM, no network); prints a compact table last and writes JSON.
+
+    python bench/gpu_check.py --out bench/results          # on a GPU machine
+    TRITON_INTERPRET=1 python bench/gpu_check.py --smoke   # CPU dry run (tests do this)
+
+Correctness: each cache layout of bench/layouts.py is built over a poisoned
+buffer on the device, filled by the Triton kernel (partial first block, whole
+block, partial last block, out of order), and every byte of the buffer is
+compared with the torch backend's fill of a CPU copy (the torch backend is
+checked against an independent oracle by the CPU test suite).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common as C  # noqa: E402
+import fill_bench  # noqa: E402
+import layouts as LZ  # noqa: E402
+
+from kvfill.kernels import CacheGroup, FillEngine, GroupFill  # noqa: E402
+
+MiB = 1 << 20
+SLOT_ENTRIES = [(4, 3, 8, 0), (1, 0, 8, 8), (5, 0, 2, 16)]
+STATE_ENTRIES = [(4, 0, 1, 7), (2, 0, 1, 9)]
+
+
+def _engine(layers, case, encoding, backend, std):
+    group = CacheGroup(
+        layers, num_blocks=LZ.NUM_BLOCKS, block_dim=case.block_dim, slot_dim=case.slot_dim, encoding=encoding
+    )
+    return FillEngine({"g": group}, mean=0.25, std=std, seed=11, backend=backend)
+
+
+def check_case(case, dtype, encoding, device, std):
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    g = torch.Generator().manual_seed(99)
+    host = torch.randint(0, 256, (case.nbytes(itemsize),), dtype=torch.uint8, generator=g)
+    dev = host.to(device)
+    entries = STATE_ENTRIES if case.state_list else SLOT_ENTRIES
+    blocks, lo, hi, base = zip(*entries)
+    plan = {"g": GroupFill(block_ids=blocks, slot_start=lo, slot_end=hi, local_base=base)}
+    _engine(case.make(dev, dtype), case, encoding, "triton", std).fill(plan)
+    _engine(case.make(host, dtype), case, encoding, "torch", std).fill(plan)
+    got = dev.cpu()
+    bad = int((got != host).sum())
+    return bad
+
+
+def correctness(device, log):
+    rows, failures = [], 0
+    for case in LZ.CASES:
+        for dname, dtype, encoding in LZ.DTYPES:
+            for std in (0.0, 1.0):
+                bad = check_case(case, dtype, encoding, device, std)
+                failures += bad != 0
+                if bad:
+                    log(f"MISMATCH {case.name} {dname} std={std}: {bad} bytes")
+                rows.append({"layout": case.name, "dtype": dname, "std": std, "bad_bytes": bad})
+    return rows, failures
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for gpu_check.json")
+    p.add_argument("--sizes", type=int, nargs="+", default=[64, 256, 1024], help="fill sizes (MiB)")
+    p.add_argument("--smoke", action="store_true", help="tiny sizes: a dry run of the script itself")
+    a = p.parse_args(argv)
+    t0 = time.time()
+    log = lambda msg: print(f"[{time.time() - t0:6.1f}s] {msg}", flush=True)  # noqa: E731
+    device = a.device
+    log(f"machine: {C.machine_info(device)}")
+
+    rows, failures = correctness(device, log)
+    log(f"correctness: {len(rows)} layout x dtype x mode cases, {failures} with mismatched bytes")
+
+    sizes = [1] if a.smoke else a.sizes
+    layers = 2 if a.smoke else 32
+    repeat = 1 if a.smoke else 7
+    perf = []
+    for mib in sizes:
+        for mode in ("constant", "normal"):
+            perf += fill_bench.run_case(device, fill_bytes=mib * MiB, num_layers=layers, num_requests=16,
+                                        mode=mode, repeat=repeat)
+            log(f"timed {mib} MiB {mode}")
+    # Launch-bound step: 256 requests x 80 layers, one small block each.
+    n_req, n_layers = (4, 3) if a.smoke else (256, 80)
+    for mode in ("constant", "normal"):
+        perf += fill_bench.run_case(
+            device, fill_bytes=0, num_layers=n_layers, num_requests=n_req, mode=mode, repeat=repeat,
+            heads=1, content=128, label=f"launch-bound R{n_req} L{n_layers}",
+        )
+    log("timed launch-bound step")
+
+    os.makedirs(a.out, exist_ok=True)
+    path = os.path.join(a.out, "gpu_check.json")
+    C.write_json(path, {
+        "machine": C.machine_info(device),
+        "command": "python bench/gpu_check.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "correctness": {"cases": len(rows), "failures": failures, "rows": rows},
+        "perf": perf,
+    })
+    log(f"wrote {path}")
+    print(f"\ncorrectness: {len(rows) - failures}/{len(rows)} cases byte-exact")
+    print(C.table(perf, fill_bench.COLUMNS))
+    return failures
+
+
+if __name__ == "__main__":
+    sys.exit(1 if main() else 0)
