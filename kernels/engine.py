@@ -77,6 +77,8 @@ class _LaunchClass:
     mode: str
     targets: list[_Target] = field(default_factory=list)
     layer_rows: slice = field(default_factory=lambda: slice(0, 0))
+    ref: torch.Tensor | None = None  # lowest-addressed tensor, as bits (Triton)
+    layer_align: int = 1             # power of two dividing every layer offset
 
 
 @dataclass
@@ -256,15 +258,34 @@ class FillEngine:
         rows: list[tuple[int, int, int]] = []
         for c in out:
             c.layer_rows = slice(len(rows), len(rows) + len(c.targets))
-            rows.extend((t.tensor.data_ptr(), t.key, t.elem_offset) for t in c.targets)
+            itemsize = c.layout.itemsize
+            ref = min(c.targets, key=lambda t: t.tensor.data_ptr())
+            c.ref = ref.tensor.view(V.BITS_DTYPE[itemsize])
+            offsets = []
+            for t in c.targets:
+                delta = t.tensor.data_ptr() - ref.tensor.data_ptr()
+                if delta % itemsize:
+                    raise ValueError(
+                        f"layer {t.layer!r} starts {delta} bytes after layer {ref.layer!r}, not a "
+                        f"multiple of its {itemsize}-byte elements; cannot address both in one launch"
+                    )
+                offsets.append(delta // itemsize)
+            # Largest power of two (<= 16 bytes) dividing every offset.
+            align = 16 // itemsize
+            while align > 1 and any(o % align for o in offsets):
+                align //= 2
+            c.layer_align = align
+            rows.extend((o, t.key, t.elem_offset) for o, t in zip(offsets, c.targets))
         self._layer_table = None
         if self.backend == "triton":
             self._layer_table = torch.tensor(rows, dtype=torch.int64).reshape(-1, 3).to(self.device)
+        max_row: dict[tuple, int] = {}
+        for c in out:
+            k = (c.mode, c.vdtype, c.layout.itemsize)
+            max_row[k] = max(max_row.get(k, 1), c.layout.row_size)
         self._tables = {
-            (c.mode, c.vdtype, c.layout.itemsize): V.value_table(
-                c.mode, self.mean, self.std, c.vdtype, c.layout.itemsize, self.device
-            )
-            for c in out
+            k: V.value_table(k[0], self.mean, self.std, k[1], k[2], self.device, max_row=row)
+            for k, row in max_row.items()
         }
         return out
 
@@ -374,6 +395,8 @@ class FillEngine:
             triton_fill.launch_fill(
                 entries[lo:hi],
                 self._layer_table[c.layer_rows],
+                c.ref,
+                c.layer_align,
                 self._tables[(c.mode, c.vdtype, c.layout.itemsize)],
                 c.layout,
                 c.mode,

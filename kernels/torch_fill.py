@@ -46,21 +46,17 @@ class SlotRows:
         return idx
 
 
-def _windows(table: torch.Tensor, row: int) -> torch.Tensor:
-    """``[POOL_SIZE, row]`` view: window k is ``table[(k + j) mod POOL_SIZE]``."""
-    reps = -(-(V.POOL_SIZE + row - 1) // V.POOL_SIZE)
-    ext = table.repeat(reps)[: V.POOL_SIZE + row - 1]
-    return ext.unfold(0, row, 1)
-
-
 def expected_rows(
     rows: SlotRows, layout: Layout, mode: str, table: torch.Tensor, key: int, elem_offset: int
 ) -> torch.Tensor:
-    """Bits every planned slot must hold: ``[num_rows, row_size]`` or a scalar."""
+    """Bits every planned slot must hold: ``[num_rows, row_size]`` or a scalar.
+
+    ``table``: ``values.value_table`` with ``max_row >= layout.row_size``.
+    """
     if mode != V.NORMAL:
         return table[0]
     start = V.row_offsets(key, rows.position, elem_offset)
-    windows = _windows(table, layout.row_size)
+    windows = table.unfold(0, layout.row_size, 1)  # window k = table[k : k + row]
     return windows[torch.from_numpy(start).to(table.device)]
 
 

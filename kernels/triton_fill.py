@@ -5,10 +5,16 @@ set before the ``@triton.jit`` definition below runs.
 
 Grid: ``(num_entries, num_layers_in_class)``.  Program (i, l) writes entry i's
 slot range of one block of layer l: it reads the 16-byte plan entry and the
-layer's row of the layer table (base address, row key, element offset), then
-stores 2-D tiles ``[TILE_S slots, TILE_E elements]`` of raw storage bits.  No
-float math runs here: values are gathered from a small table of pre-encoded
-bits (``values.py``), so every backend stores the same bytes.
+layer's row of the layer table, then stores 2-D tiles ``[TILE_S slots, TILE_E
+elements]`` of raw storage bits.  No float math runs here: values are gathered
+from a small table of pre-encoded bits (``values.py``), so every backend stores
+the same bytes.
+
+Layers are addressed as element offsets from one typed reference pointer (the
+class's lowest-addressed tensor) rather than as raw integer addresses: Triton
+knows the reference's alignment from its argument specialisation, and
+``LAYER_ALIGN`` (checked on the host) tells it the offsets' alignment, so the
+stores along a contiguous row can be vectorised.
 """
 from __future__ import annotations
 
@@ -42,12 +48,14 @@ def _lowbias32(x):
 @triton.jit
 def _scatter_fill_kernel(
     entries_ptr,   # *int32 [num_entries, 4]: block, slot_start, slot_end, local_base
-    layers_ptr,    # *int64 [num_layers, 3]: base address, row key, element offset
-    table_ptr,     # *bits  [POOL_SIZE] (normal) or [1] (constant / zero)
+    layers_ptr,    # *int64 [num_layers, 3]: offset from ref_ptr (elements), row key, element offset
+    ref_ptr,       # *bits: the class's reference tensor
+    table_ptr,     # *bits  [POOL_SIZE + ROW - 1] (normal) or [1] (constant / zero)
     dcp_world,     # W of this group
     dcp_rank,      # r of this rank
     interleave,    # I of this group
     MODE: tl.constexpr,          # 0 zero, 1 constant, 2 normal
+    LAYER_ALIGN: tl.constexpr,   # every layer offset is a multiple of this (elements)
     BLOCK_STRIDE: tl.constexpr,  # elements between manager blocks
     KBS: tl.constexpr,           # slots per kernel block
     KSTRIDE: tl.constexpr,       # elements between kernel blocks of one manager block
@@ -56,6 +64,7 @@ def _scatter_fill_kernel(
     S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr, S3: tl.constexpr,
     ROW: tl.constexpr,           # D0 * D1 * D2 * D3 elements per token row
     POOL_MASK: tl.constexpr,
+    ROW_ALIGN: tl.constexpr,     # row starts are multiples of this (table entries)
     TILE_S: tl.constexpr,
     TILE_E: tl.constexpr,
 ):
@@ -66,11 +75,11 @@ def _scatter_fill_kernel(
     s_lo = tl.load(entries_ptr + entry * 4 + 1)
     s_hi = tl.load(entries_ptr + entry * 4 + 2)
     local_base = tl.load(entries_ptr + entry * 4 + 3)
-    base = tl.load(layers_ptr + layer * 3)
+    layer_off = tl.multiple_of(tl.load(layers_ptr + layer * 3), LAYER_ALIGN)
     key = tl.load(layers_ptr + layer * 3 + 1).to(tl.uint32)
     elem_off = tl.load(layers_ptr + layer * 3 + 2).to(tl.uint32)
-    bits_ty = table_ptr.dtype.element_ty
-    dst = base.to(tl.pointer_type(bits_ty)) + block * BLOCK_STRIDE
+    bits_ty = ref_ptr.dtype.element_ty
+    dst = ref_ptr + layer_off + block * BLOCK_STRIDE
 
     for e0 in range(0, ROW, TILE_E):
         # Element offsets of this column tile, digits of e over (D0, D1, D2, D3).
@@ -93,9 +102,11 @@ def _scatter_fill_kernel(
                 # Local slot -> global token position (DCP), one hash per row.
                 local = local_base + s
                 t = (local // interleave) * (interleave * dcp_world) + dcp_rank * interleave + local % interleave
-                h = _lowbias32(key + t.to(tl.uint32)) + elem_off
-                idx = (h[:, None] + e.to(tl.uint32)[None, :]) & POOL_MASK
-                vals = tl.load(table_ptr + idx.to(tl.int32))
+                # start(t) = ((hash + elem_off) mod POOL_SIZE) rounded down to a
+                # multiple of ROW_ALIGN; the multiply shows Triton the alignment.
+                h = (_lowbias32(key + t.to(tl.uint32)) + elem_off) & POOL_MASK
+                start = (h // ROW_ALIGN).to(tl.int32) * ROW_ALIGN
+                vals = tl.load(table_ptr + (start[:, None] + e[None, :]), mask=mask)
             elif MODE == 1:
                 vals = tl.zeros([TILE_S, TILE_E], dtype=bits_ty) + tl.load(table_ptr)
             else:
@@ -112,6 +123,8 @@ def tile_shape(layout: Layout) -> tuple[int, int]:
 def launch_fill(
     entries: torch.Tensor,
     layer_table: torch.Tensor,
+    ref: torch.Tensor,
+    layer_align: int,
     table: torch.Tensor,
     layout: Layout,
     mode: str,
@@ -120,8 +133,10 @@ def launch_fill(
     """One launch: every entry of ``entries`` x every layer row of ``layer_table``.
 
     ``entries``: int32 ``[n, 4]`` on the device; ``layer_table``: int64
-    ``[L, 3]`` on the device; ``table``: the value bits (values.value_table),
-    whose dtype's size is ``layout.itemsize``; ``dcp``: (W, r, I).
+    ``[L, 3]`` on the device (element offset from ``ref``, row key, element
+    offset in the row); ``ref``: the reference tensor viewed as its bits dtype;
+    ``layer_align``: a power of two dividing every offset; ``table``: the value
+    bits (values.value_table), same dtype as ``ref``; ``dcp``: (W, r, I).
     """
     n, num_layers = entries.shape[0], layer_table.shape[0]
     if n == 0 or num_layers == 0:
@@ -130,9 +145,10 @@ def launch_fill(
     tile_s, tile_e = tile_shape(layout)
     world, rank, interleave = dcp
     _scatter_fill_kernel[(n, num_layers)](
-        entries, layer_table, table,
+        entries, layer_table, ref, table,
         world, rank, interleave,
         MODE=MODE_CODE[mode],
+        LAYER_ALIGN=layer_align,
         BLOCK_STRIDE=layout.block_stride,
         KBS=layout.kernel_block_size,
         KSTRIDE=layout.kernel_block_stride,
@@ -141,6 +157,7 @@ def launch_fill(
         S0=s0, S1=s1, S2=s2, S3=s3,
         ROW=layout.row_size,
         POOL_MASK=V.POOL_MASK,
+        ROW_ALIGN=V.ROW_ALIGN,
         TILE_S=tile_s,
         TILE_E=tile_e,
     )

@@ -15,8 +15,11 @@ Generator ("hashed window into a normal pool")
   finite range and rounded to nearest-even into the storage dtype by torch.
   The result is a small table of *storage bits* per (mean, std, dtype).
 * Token row ``t`` of layer ``l`` reads that table starting at a hashed offset:
-  ``value(t, e) = table[(h(key(seed, l), t) + e) mod POOL_SIZE]`` with
-  ``h = lowbias32(key + t)`` - one 32-bit integer hash per row.
+  ``value(t, e) = table[(start(t) + e) mod POOL_SIZE]`` with
+  ``start(t) = ((lowbias32(key(seed, l) + t) + elem_offset) mod POOL_SIZE)``
+  rounded down to a multiple of ``ROW_ALIGN`` - one 32-bit integer hash per
+  row.  ``elem_offset`` continues the element index across the tensors of a
+  state list; the alignment lets a GPU read the table with vector loads.
 
 Why: the kernels do no floating-point work at all (a row hash, a gather from a
 table that stays in L2, a store of raw bits), so every backend - the Triton
@@ -39,6 +42,8 @@ import torch
 POOL_BITS = 18
 POOL_SIZE = 1 << POOL_BITS
 POOL_MASK = POOL_SIZE - 1
+ROW_ALIGN = 16  # row starts are multiples of this many table entries
+START_MASK = POOL_MASK & ~(ROW_ALIGN - 1)
 MASK32 = 0xFFFFFFFF
 
 # Modes of a fill.
@@ -130,10 +135,10 @@ def layer_key(seed: int, layer: int) -> int:
 
 
 def row_offsets(key: int, positions: np.ndarray, elem_offset: int = 0) -> np.ndarray:
-    """Pool offset of each token row: ``(lowbias32(key + t) + elem_offset) mod P``."""
+    """Table index of element 0 of each token row: ``start(t)`` above."""
     t = np.asarray(positions, dtype=np.uint64)
     h = lowbias32_np(t + np.uint64(key))
-    return ((h + np.uint64(elem_offset)) & np.uint64(POOL_MASK)).astype(np.int64)
+    return ((h + np.uint64(elem_offset)) & np.uint64(START_MASK)).astype(np.int64)
 
 
 @functools.lru_cache(maxsize=1)
@@ -185,18 +190,28 @@ def value_table(
     vdtype: torch.dtype | None,
     itemsize: int,
     device: torch.device,
+    max_row: int = 1,
 ) -> torch.Tensor:
-    """Storage bits a fill draws from: POOL_SIZE entries (normal), 1 (constant/zero).
+    """Storage bits a fill draws from.
 
-    Cached per device; the table is the only device memory a fill needs besides
-    its plan, and its size does not depend on the fill.
+    normal: the pool followed by its first ``max_row - 1`` entries again, so a
+    row of up to ``max_row`` elements reads ``table[start : start + row]``
+    without wrapping; constant / zero: one entry.  Cached per device; the table
+    is the only device memory a fill needs besides its plan, and its size does
+    not depend on the fill.
     """
     if mode == ZERO or vdtype is None:
         mode, mean, std, vdtype = ZERO, 0.0, 0.0, None
-    key = (mode, float(mean), float(std), vdtype, itemsize, torch.device(device))
+    if mode != NORMAL:
+        max_row = 1
+    key = (mode, float(mean), float(std), vdtype, itemsize, torch.device(device), max_row)
     table = _DEVICE_TABLES.get(key)
     if table is None:
-        table = _value_table_cpu(mode, float(mean), float(std), vdtype, itemsize).to(device)
+        table = _value_table_cpu(mode, float(mean), float(std), vdtype, itemsize)
+        if mode == NORMAL and max_row > 1:
+            reps = -(-(POOL_SIZE + max_row - 1) // POOL_SIZE)
+            table = table.repeat(reps)[: POOL_SIZE + max_row - 1]
+        table = table.to(device)
         _DEVICE_TABLES[key] = table
     return table
 

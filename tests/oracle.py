@@ -31,7 +31,8 @@ def row_bits(
     if mode == V.CONSTANT:
         return table[0].repeat(row_size)
     h = V.lowbias32(V.layer_key(seed, layer) + position) + elem_offset
-    idx = torch.tensor([(h + e) & V.POOL_MASK for e in range(row_size)])
+    start = (h % V.POOL_SIZE) // V.ROW_ALIGN * V.ROW_ALIGN
+    idx = torch.tensor([(start + e) % V.POOL_SIZE for e in range(row_size)])
     return table[idx]
 
 

@@ -1,5 +1,6 @@
 """The GPU check and the demo stay runnable: dry runs on CPU, with assertions."""
 import fill_bench
+import pytest
 import gpu_check
 
 import demo
@@ -22,3 +23,26 @@ def test_fill_bench_rows_compare_three_implementations():
 def test_demo_small_run_verifies(capsys):
     assert demo.main(["--requests", "2", "--prompt-len", "300", "--layers", "2"]) == 0
     assert "demo OK" in capsys.readouterr().out
+
+
+def test_compiled_kernel_stores_16_bytes_per_thread():
+    """Compile for sm_90 (no GPU needed) and check the stores are vectorised."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.backends.nvidia")
+    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+    code = "import json, ptx_check; print(json.dumps(ptx_check.main([])))"
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    out = subprocess.run([sys.executable, "-c", code], cwd=bench, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len(rows) == 10
+    for row in rows:
+        stores = {k: v for k, v in row.items() if k.startswith("st.")}
+        assert stores and set(stores) == {"st.v4"}, row
+        if row["mode"] == "normal":
+            assert row.get("ld.v4", 0) >= 4, row  # value-table reads vectorised too

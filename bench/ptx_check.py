@@ -1,0 +1,95 @@
+"""Compile the fill kernel for a GPU on a machine without one and read its PTX.
+
+    python bench/ptx_check.py [--arch 90]
+
+Triton's NVIDIA backend (with its bundled ptxas) compiles without a driver, so
+this shows, for representative cache geometries, whether the kernel's global
+stores and table loads are vectorised (``st.global.v4`` = 16 bytes per thread)
+or scalar.  A scalar store of 1-2 bytes per thread would keep a fill far from
+memset bandwidth; this is the check available until a GPU run measures it.
+Must run without TRITON_INTERPRET=1.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common as C  # noqa: E402
+
+
+def compile_ptx(layout, mode: str, arch: int = 90) -> str:
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise RuntimeError("ptx_check compiles real GPU code: unset TRITON_INTERPRET")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from kvfill.kernels import triton_fill as tf
+    from kvfill.kernels import values as V
+
+    bits = {1: "u8", 2: "i16", 4: "i32", 8: "i64"}[layout.itemsize]
+    sig = {
+        "entries_ptr": "*i32", "layers_ptr": "*i64", "ref_ptr": f"*{bits}", "table_ptr": f"*{bits}",
+        "dcp_world": "i32", "dcp_rank": "i32", "interleave": "i32",
+    }
+    (d0, d1, d2, d3), (s0, s1, s2, s3) = layout.padded_elem_dims()
+    tile_s, tile_e = tf.tile_shape(layout)
+    consts = dict(
+        MODE=tf.MODE_CODE[mode], LAYER_ALIGN=16 // layout.itemsize, BLOCK_STRIDE=layout.block_stride,
+        KBS=layout.kernel_block_size, KSTRIDE=layout.kernel_block_stride, SSTRIDE=layout.slot_stride,
+        D0=d0, D1=d1, D2=d2, D3=d3, S0=s0, S1=s1, S2=s2, S3=s3, ROW=layout.row_size,
+        POOL_MASK=V.POOL_MASK, ROW_ALIGN=V.ROW_ALIGN, TILE_S=tile_s, TILE_E=tile_e,
+    )
+    names = list(sig) + list(consts)
+    sig.update({k: "constexpr" for k in consts})
+    # Pointer arguments are 16-byte aligned (Triton specialises on that at launch).
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(4)}
+    src = ASTSource(tf._scatter_fill_kernel, sig, constexprs={(names.index(k),): v for k, v in consts.items()},
+                    attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32)).asm["ptx"]
+
+
+def memory_ops(ptx: str) -> dict[str, int]:
+    """Counts of global stores/loads by width: e.g. {'st.v4': 4, 'ld.b16': 0}."""
+    out: dict[str, int] = {}
+    for op, width in re.findall(r"\b(st|ld)\.global(?:\.[a-z_]+)*?\.(v4|v2|b8|b16|b32|b64)\b", ptx):
+        out[f"{op}.{width}"] = out.get(f"{op}.{width}", 0) + 1
+    return out
+
+
+CASES = [
+    # (name, dtype, layout, heads, content)
+    ("LBNHC bf16 H8 C256", torch.bfloat16, "LBNHC", 8, 256),
+    ("BHLNC bf16 H8 C256", torch.bfloat16, "BHLNC", 8, 256),
+    ("LBNHC fp8 H8 C256", torch.uint8, "LBNHC", 8, 256),
+    ("LBNHC fp32 H4 C128", torch.float32, "LBNHC", 4, 128),
+    ("MLA bf16 C576", torch.bfloat16, "LBNHC", 1, 576),
+]
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--arch", type=int, default=90)
+    a = p.parse_args(argv)
+    from kvfill.kernels import layout_of
+
+    rows = []
+    for name, dtype, order, heads, content in CASES:
+        _, views = C.standard_views(2, 64, heads, 16, content, dtype, order)
+        lay = layout_of(views[0])
+        for mode in ("constant", "normal"):
+            ops = memory_ops(compile_ptx(lay, mode, a.arch))
+            rows.append({"case": name, "mode": mode, **{k: ops[k] for k in sorted(ops)}})
+    cols = ["case", "mode"] + sorted({k for r in rows for k in r} - {"case", "mode"})
+    print(f"global memory instructions in the sm_{a.arch} PTX (per kernel body, not per element)")
+    print(C.table(rows, cols))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
