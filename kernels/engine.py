@@ -368,9 +368,10 @@ class FillEngine:
         """Startup fill: every block of every (or the given) group."""
         return self.fill(self.whole_plan(groups))
 
-    def _count(self, stats: dict, c: _LaunchClass, slots: int) -> None:
-        stats["slots"] += slots * len(c.targets)
-        stats["bytes"] += slots * c.layout.row_size * c.layout.itemsize * len(c.targets)
+    @staticmethod
+    def _count(stats: dict, layout: Layout, slots: int, tensors: int) -> None:
+        stats["slots"] += slots * tensors
+        stats["bytes"] += slots * layout.row_size * layout.itemsize * tensors
 
     def _fill_triton(self, expanded: dict, stats: dict) -> None:
         from . import triton_fill
@@ -404,12 +405,14 @@ class FillEngine:
             )
             self.launches += 1
             stats["launches"] += 1
-            self._count(stats, c, int((expanded[c.group][2] - expanded[c.group][1]).sum()))
+            slots = int((expanded[c.group][2] - expanded[c.group][1]).sum())
+            self._count(stats, c.layout, slots, len(c.targets))
 
     def _slot_rows(self, expanded: dict) -> dict[str, SlotRows]:
         return {g: SlotRows(*arrays, self._groups[g].dcp) for g, arrays in expanded.items()}
 
-    def _fill_torch(self, expanded: dict, stats: dict) -> None:
+    def _expected(self, expanded: dict):
+        """Yield (class, slot rows, target, bits every planned slot must hold)."""
         rows = self._slot_rows(expanded)
         for c in self._classes:
             r = rows.get(c.group)
@@ -417,9 +420,12 @@ class FillEngine:
                 continue
             table = self._tables[(c.mode, c.vdtype, c.layout.itemsize)]
             for t in c.targets:
-                vals = expected_rows(r, c.layout, c.mode, table, t.key, t.elem_offset)
-                write_rows(t.tensor, c.layout, r, vals)
-            self._count(stats, c, r.num_rows)
+                yield c, r, t, expected_rows(r, c.layout, c.mode, table, t.key, t.elem_offset)
+
+    def _fill_torch(self, expanded: dict, stats: dict) -> None:
+        for c, r, t, vals in self._expected(expanded):
+            write_rows(t.tensor, c.layout, r, vals)
+            self._count(stats, c.layout, r.num_rows, 1)
 
     # ------------------------------------------------------------ verify
     def verify(self, plan: FillPlan | Mapping[str, GroupFill], *, max_report: int = 8) -> VerifyReport:
@@ -427,36 +433,27 @@ class FillEngine:
 
         Synchronises with the device (reads the caches back).
         """
-        expanded = self._expand(plan)
-        rows = self._slot_rows(expanded)
         checked = mismatched = 0
         first: list[Mismatch] = []
-        for c in self._classes:
-            r = rows.get(c.group)
-            if r is None:
-                continue
-            table = self._tables[(c.mode, c.vdtype, c.layout.itemsize)]
-            for t in c.targets:
-                want = expected_rows(r, c.layout, c.mode, table, t.key, t.elem_offset)
-                got = read_rows(t.tensor, c.layout, r)
-                want = want.expand_as(got)
-                bad = got != want
-                n_bad = int(bad.sum())
-                checked += got.numel()
-                mismatched += n_bad
-                if n_bad and len(first) < max_report:
-                    for ri, e in bad.nonzero()[: max_report - len(first)].tolist():
-                        first.append(
-                            Mismatch(
-                                layer=t.layer,
-                                sub=t.sub,
-                                block=int(r.block[ri]),
-                                slot=int(r.slot[ri]),
-                                element=e,
-                                expected=_decode(want[ri, e], c.vdtype),
-                                found=_decode(got[ri, e], c.vdtype),
-                            )
-                        )
+        for c, r, t, want in self._expected(self._expand(plan)):
+            got = read_rows(t.tensor, c.layout, r)
+            want = want.expand_as(got)
+            bad = got != want
+            n_bad = int(bad.sum())
+            checked += got.numel()
+            mismatched += n_bad
+            for ri, e in bad.nonzero()[: max(0, max_report - len(first))].tolist():
+                first.append(
+                    Mismatch(
+                        layer=t.layer,
+                        sub=t.sub,
+                        block=int(r.block[ri]),
+                        slot=int(r.slot[ri]),
+                        element=e,
+                        expected=_decode(want[ri, e], c.vdtype),
+                        found=_decode(got[ri, e], c.vdtype),
+                    )
+                )
         return VerifyReport(mismatched == 0, checked, mismatched, tuple(first))
 
 
