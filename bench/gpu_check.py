@@ -25,7 +25,7 @@ import common as C  # noqa: E402
 import fill_bench  # noqa: E402
 import layouts as LZ  # noqa: E402
 
-from kvfill.kernels import CacheGroup, FillEngine, GroupFill  # noqa: E402
+from kvfill.kernels import CacheGroup, FillEngine, GroupFill, fill_blocks  # noqa: E402
 
 MiB = 1 << 20
 SLOT_ENTRIES = [(4, 3, 8, 0), (1, 0, 8, 8), (5, 0, 2, 16)]
@@ -67,6 +67,27 @@ def correctness(device, log):
     return rows, failures
 
 
+def check_graph_capture(device):
+    """fill_blocks captured in a CUDA graph, replayed with new ids: same bytes as
+    the torch backend; an out-of-range id is skipped.  None where not CUDA."""
+    if torch.device(device).type != "cuda":
+        return None
+    cache = torch.zeros(16, 2, 8, 32, dtype=torch.bfloat16, device=device)
+    ids = torch.tensor([3, 7], device=device)
+    fill_blocks([cache], ids, mean=0.0, std=1.0, seed=5)  # warm-up: registers the engine
+    torch.cuda.synchronize()
+    cache.zero_()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fill_blocks([cache], ids, mean=0.0, std=1.0, seed=5)
+    ids.copy_(torch.tensor([1, 99], device=device))  # 99 is out of range: skipped
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = torch.zeros(16, 2, 8, 32, dtype=torch.bfloat16)
+    fill_blocks([ref], [1], mean=0.0, std=1.0, seed=5, backend="torch")
+    return torch.equal(cache.cpu().view(torch.int16), ref.view(torch.int16))
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -81,6 +102,8 @@ def main(argv=None):
 
     rows, failures = correctness(device, log)
     log(f"correctness: {len(rows)} layout x dtype x mode cases, {failures} with mismatched bytes")
+    graph_ok = check_graph_capture(device)
+    log(f"CUDA graph capture of fill_blocks: {'n/a' if graph_ok is None else graph_ok}")
 
     sizes = [1] if a.smoke else a.sizes
     layers = 2 if a.smoke else 32
@@ -105,13 +128,14 @@ def main(argv=None):
     C.write_json(path, {
         "machine": C.machine_info(device),
         "command": "python bench/gpu_check.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "correctness": {"cases": len(rows), "failures": failures, "rows": rows},
+        "correctness": {"cases": len(rows), "failures": failures, "graph_capture": graph_ok, "rows": rows},
         "perf": perf,
     })
     log(f"wrote {path}")
-    print(f"\ncorrectness: {len(rows) - failures}/{len(rows)} cases byte-exact")
+    print(f"\ncorrectness: {len(rows) - failures}/{len(rows)} cases byte-exact"
+          f"{'' if graph_ok is None else f'; CUDA graph capture ok: {graph_ok}'}")
     print(C.table(perf, fill_bench.COLUMNS))
-    return failures
+    return failures + (graph_ok is False)
 
 
 if __name__ == "__main__":

@@ -35,13 +35,13 @@ def compile_ptx(layout, mode: str, arch: int = 90) -> str:
     bits = {1: "u8", 2: "i16", 4: "i32", 8: "i64"}[layout.itemsize]
     sig = {
         "entries_ptr": "*i32", "layers_ptr": "*i64", "ref_ptr": f"*{bits}", "table_ptr": f"*{bits}",
-        "dcp_world": "i32", "dcp_rank": "i32", "interleave": "i32",
+        "dcp_world": "i32", "dcp_rank": "i32", "interleave": "i32", "num_blocks": "i32",
     }
     (d0, d1, d2, d3), (s0, s1, s2, s3) = layout.padded_elem_dims()
     tile_s, tile_e = tf.tile_shape(layout)
     consts = dict(
         MODE=tf.MODE_CODE[mode], LAYER_ALIGN=16 // layout.itemsize, BLOCK_STRIDE=layout.block_stride,
-        KBS=layout.kernel_block_size, KSTRIDE=layout.kernel_block_stride, SSTRIDE=layout.slot_stride,
+        BLOCK_SIZE=layout.block_size, KBS=layout.kernel_block_size, KSTRIDE=layout.kernel_block_stride, SSTRIDE=layout.slot_stride,
         D0=d0, D1=d1, D2=d2, D3=d3, S0=s0, S1=s1, S2=s2, S3=s3, ROW=layout.row_size,
         POOL_MASK=V.POOL_MASK, ROW_ALIGN=V.ROW_ALIGN, TILE_S=tile_s, TILE_E=tile_e,
     )

@@ -1,6 +1,7 @@
 """Functional entry points: ``fill_blocks`` (a torch custom op) and ``verify_blocks``."""
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Mapping, Sequence
 
 import numpy as np
@@ -31,19 +32,45 @@ def _ids_array(block_ids) -> np.ndarray:
     return ids.astype(np.int64)
 
 
+# Engines of recent fill_blocks calls, so repeated calls (and CUDA graph
+# capture, which cannot build one) skip registration.  Holds references to the
+# caches; clear_engine_cache() drops them.
+_ENGINES: OrderedDict = OrderedDict()
+_MAX_ENGINES = 8
+
+
+def clear_engine_cache() -> None:
+    _ENGINES.clear()
+
+
 def _engine(caches, block_dim, mean, std, seed, backend) -> FillEngine:
     """One group per distinct block size (slots along the slot dim)."""
-    groups: dict[int, dict[str, torch.Tensor]] = {}
-    ids: dict[str, int] = {}
-    for i, t in enumerate(_flatten(caches)):
+    tensors = _flatten(caches)
+    for i, t in enumerate(tensors):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"caches[{i}]: expected a torch.Tensor, got {type(t).__name__}")
+    key = (
+        tuple((t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, str(t.device)) for t in tensors),
+        block_dim, float(mean), float(std), int(seed), backend,
+    )
+    engine = _ENGINES.get(key)
+    if engine is not None:
+        _ENGINES.move_to_end(key)
+        return engine
+    if tensors and tensors[0].is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "fill_blocks under CUDA graph capture needs a warm-up call with the same caches "
+            "and arguments before capture (registration cannot be captured)"
+        )
+    groups: dict[int, dict[str, torch.Tensor]] = {}
+    ids: dict[str, int] = {}
+    for i, t in enumerate(tensors):
         nd = t.dim()
         sd = default_slot_dim(nd, block_dim % nd) if nd else None
         bs = t.shape[sd] if sd is not None else 1
         groups.setdefault(bs, {})[f"cache{i}"] = t
         ids[f"cache{i}"] = i
-    return FillEngine(
+    engine = FillEngine(
         {f"bs{bs}": CacheGroup(layers, block_dim=block_dim) for bs, layers in groups.items()},
         mean=mean,
         std=std,
@@ -51,6 +78,27 @@ def _engine(caches, block_dim, mean, std, seed, backend) -> FillEngine:
         backend=backend,
         layer_ids=ids,
     )
+    _ENGINES[key] = engine
+    while len(_ENGINES) > _MAX_ENGINES:
+        _ENGINES.popitem(last=False)
+    return engine
+
+
+def _fill_captured(engine: FillEngine, block_ids: torch.Tensor) -> None:
+    """Inside CUDA graph capture: build the plan with device ops, no host sync.
+
+    Ids cannot be checked on the host here; the kernel skips out-of-range ids
+    (writes nothing for them) and a repeated id is written once per occurrence.
+    """
+    if not block_ids.is_cuda:
+        raise RuntimeError("fill_blocks under CUDA graph capture needs block_ids as a CUDA tensor")
+    n = block_ids.numel()
+    ids = block_ids.to(torch.int32).reshape(n)
+    pos = torch.arange(n, dtype=torch.int32, device=ids.device)
+    for g, info in engine.groups.items():
+        bs = info.block_size
+        entries = torch.stack([ids, torch.zeros_like(ids), torch.full_like(ids, bs), pos * bs], dim=1)
+        engine.fill_device_entries(g, entries)
 
 
 def _whole_blocks_plan(engine: FillEngine, ids: np.ndarray) -> dict[str, GroupFill]:
@@ -76,6 +124,9 @@ def _fill_blocks_op(
     backend: str,
 ) -> None:
     engine = _engine(caches, block_dim, mean, std, seed, backend)
+    if block_ids.is_cuda and torch.cuda.is_current_stream_capturing():
+        _fill_captured(engine, block_ids)
+        return
     engine.fill(_whole_blocks_plan(engine, _ids_array(block_ids)))
 
 
@@ -124,7 +175,11 @@ def fill_blocks(
         fill_blocks([cache], [3, 17, 42], mean=0.0, std=1.0, seed=1)
 
     Registered as the custom op ``torch.ops.kvfill.fill_blocks`` (mutating
-    ``caches``), so it can be called inside ``torch.compile``d code.
+    ``caches``), so it can be called inside ``torch.compile``d code.  Under
+    CUDA graph capture, call it once before capture with the same caches and
+    arguments, and pass ``block_ids`` as a CUDA tensor: the captured fill
+    builds its plan on the device, skips out-of-range ids instead of raising
+    (the host cannot see them) and reads the ids at replay.
     """
     tensors = _flatten(caches)
     if isinstance(block_ids, torch.Tensor):

@@ -368,14 +368,53 @@ class FillEngine:
         """Startup fill: every block of every (or the given) group."""
         return self.fill(self.whole_plan(groups))
 
+    def fill_device_entries(self, group: str, entries: torch.Tensor) -> int:
+        """Fill from a plan already on the device, without host validation or sync.
+
+        ``entries``: int32 ``[n, 4]`` (block, slot_start, slot_end, local_base)
+        on the engine's device, e.g. built by torch ops inside CUDA graph
+        capture.  Nothing is checked on the host; the kernel skips entries whose
+        block id is outside ``[0, num_blocks)`` and clamps slot ranges to the
+        block, so a bad entry writes nothing instead of raising.  Triton backend
+        only.  Returns the number of launches issued.
+        """
+        if self.backend != "triton":
+            raise ValueError(f"fill_device_entries needs the triton backend, this engine uses {self.backend!r}")
+        info = self._groups.get(group)
+        if info is None:
+            raise ValueError(f"group {group!r} is not registered; registered: {sorted(self._groups)}")
+        if entries.dtype != torch.int32 or entries.dim() != 2 or entries.shape[1] != 4:
+            raise ValueError(f"entries must be int32 [n, 4], got {entries.dtype} {tuple(entries.shape)}")
+        if entries.device != self.device:
+            raise ValueError(f"entries are on {entries.device}, the caches on {self.device}")
+        launches = 0
+        for c in self._classes:
+            if c.group == group:
+                self._launch(c, entries)
+                launches += 1
+        return launches
+
+    def _launch(self, c: _LaunchClass, entries: torch.Tensor) -> None:
+        from . import triton_fill
+
+        triton_fill.launch_fill(
+            entries,
+            self._layer_table[c.layer_rows],
+            c.ref,
+            c.layer_align,
+            self._tables[(c.mode, c.vdtype, c.layout.itemsize)],
+            c.layout,
+            c.mode,
+            self._groups[c.group].dcp,
+        )
+        self.launches += 1
+
     @staticmethod
     def _count(stats: dict, layout: Layout, slots: int, tensors: int) -> None:
         stats["slots"] += slots * tensors
         stats["bytes"] += slots * layout.row_size * layout.itemsize * tensors
 
     def _fill_triton(self, expanded: dict, stats: dict) -> None:
-        from . import triton_fill
-
         # One upload of the whole plan: int32 [n, 4], pinned when the target is a GPU.
         order = list(expanded)
         host = np.concatenate([np.stack(expanded[g], axis=1) for g in order]).astype(np.int32)
@@ -392,18 +431,7 @@ class FillEngine:
             if c.group not in offsets:
                 continue
             lo, hi = offsets[c.group]
-            info = self._groups[c.group]
-            triton_fill.launch_fill(
-                entries[lo:hi],
-                self._layer_table[c.layer_rows],
-                c.ref,
-                c.layer_align,
-                self._tables[(c.mode, c.vdtype, c.layout.itemsize)],
-                c.layout,
-                c.mode,
-                info.dcp,
-            )
-            self.launches += 1
+            self._launch(c, entries[lo:hi])
             stats["launches"] += 1
             slots = int((expanded[c.group][2] - expanded[c.group][1]).sum())
             self._count(stats, c.layout, slots, len(c.targets))

@@ -54,9 +54,11 @@ def _scatter_fill_kernel(
     dcp_world,     # W of this group
     dcp_rank,      # r of this rank
     interleave,    # I of this group
+    num_blocks,    # manager blocks; entries outside [0, num_blocks) write nothing
     MODE: tl.constexpr,          # 0 zero, 1 constant, 2 normal
     LAYER_ALIGN: tl.constexpr,   # every layer offset is a multiple of this (elements)
     BLOCK_STRIDE: tl.constexpr,  # elements between manager blocks
+    BLOCK_SIZE: tl.constexpr,    # slots per manager block
     KBS: tl.constexpr,           # slots per kernel block
     KSTRIDE: tl.constexpr,       # elements between kernel blocks of one manager block
     SSTRIDE: tl.constexpr,       # elements between slots
@@ -72,8 +74,12 @@ def _scatter_fill_kernel(
     layer = tl.program_id(1).to(tl.int64)
     # One plan entry; int64 before any multiplication by a stride.
     block = tl.load(entries_ptr + entry * 4).to(tl.int64)
-    s_lo = tl.load(entries_ptr + entry * 4 + 1)
-    s_hi = tl.load(entries_ptr + entry * 4 + 2)
+    # Host-built plans are validated before upload; device-built plans (CUDA
+    # graph capture) are not, so bad entries are made empty here: never a
+    # write outside the block.
+    valid = (block >= 0) & (block < num_blocks)
+    s_lo = tl.maximum(tl.load(entries_ptr + entry * 4 + 1), 0)
+    s_hi = tl.where(valid, tl.minimum(tl.load(entries_ptr + entry * 4 + 2), BLOCK_SIZE), 0)
     local_base = tl.load(entries_ptr + entry * 4 + 3)
     layer_off = tl.multiple_of(tl.load(layers_ptr + layer * 3), LAYER_ALIGN)
     key = tl.load(layers_ptr + layer * 3 + 1).to(tl.uint32)
@@ -146,10 +152,11 @@ def launch_fill(
     world, rank, interleave = dcp
     _scatter_fill_kernel[(n, num_layers)](
         entries, layer_table, ref, table,
-        world, rank, interleave,
+        world, rank, interleave, layout.num_blocks,
         MODE=MODE_CODE[mode],
         LAYER_ALIGN=layer_align,
         BLOCK_STRIDE=layout.block_stride,
+        BLOCK_SIZE=layout.block_size,
         KBS=layout.kernel_block_size,
         KSTRIDE=layout.kernel_block_stride,
         SSTRIDE=layout.slot_stride,

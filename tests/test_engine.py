@@ -125,3 +125,43 @@ def test_fill_blocks_is_a_custom_op_that_compiles():
 def test_custom_op_schema_declares_the_mutation():
     schema = torch.ops.kvfill.fill_blocks.default._schema
     assert schema.arguments[0].alias_info is not None and schema.arguments[0].alias_info.is_write
+
+
+def test_device_entries_skip_bad_blocks_and_clamp_slots():
+    """The path used inside CUDA graph capture: no host checks, the kernel
+    itself refuses to write outside a block."""
+    buf = poisoned_buffer(6 * 2 * 4 * 8 * 4)
+    cache = buf.view(torch.float32).view(6, 2, 4, 8)
+    eng = FillEngine({"g": CacheGroup({"l": cache})}, mean=1.5, backend="triton")
+    poison = buf.clone()
+    entries = torch.tensor(
+        [[2, 0, 4, 0], [6, 0, 4, 4], [-1, 0, 4, 8], [4, 1, 99, 12], [5, -3, 2, 16]], dtype=torch.int32
+    )
+    assert eng.fill_device_entries("g", entries) == 1
+    typed = poison.view(torch.float32).view(6, 2, 4, 8).clone()
+    typed[2] = 1.5
+    typed[4, :, 1:] = 1.5
+    typed[5, :, :2] = 1.5
+    assert torch.equal(buf, typed.view(torch.uint8).flatten())
+
+
+def test_device_entries_need_the_triton_backend_and_int32():
+    cache = torch.zeros(2, 1, 4, 8)
+    with pytest.raises(ValueError, match="needs the triton backend"):
+        FillEngine({"g": CacheGroup({"l": cache})}, backend="torch").fill_device_entries("g", torch.zeros(1, 4, dtype=torch.int32))
+    eng = FillEngine({"g": CacheGroup({"l": cache})}, backend="triton")
+    with pytest.raises(ValueError, match=r"int32 \[n, 4\], got torch.int64"):
+        eng.fill_device_entries("g", torch.zeros(1, 4, dtype=torch.int64))
+    assert (cache == 0).all()
+
+
+def test_repeated_fill_blocks_reuse_one_engine():
+    from kvfill.kernels import api
+
+    api.clear_engine_cache()
+    t = torch.zeros(4, 1, 4, 8)
+    fill_blocks([t], [0], mean=1.0)
+    fill_blocks([t], [1, 2], mean=1.0)
+    assert len(api._ENGINES) == 1
+    fill_blocks([t], [3], mean=2.0)
+    assert len(api._ENGINES) == 2 and (t[:3] == 1.0).all() and (t[3] == 2.0).all()
