@@ -1,0 +1,229 @@
+"""The planner against a brute-force replay of vLLM's slot mapping."""
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvfill.connector.planner import (
+    NULL_BLOCK_ID,
+    GroupGeometry,
+    GroupKind,
+    Planner,
+    local_count,
+)
+
+
+def replay_slots(geo: GroupGeometry, table, lo, hi):
+    """vLLM's slot mapping, token by token (vllm/v1/worker/block_table.py):
+    {rank: {(block, slot): token}} for the tokens [lo, hi)."""
+    W, I, bs = geo.dcp_world_size, geo.interleave, geo.block_size
+    out = {r: {} for r in range(W)}
+    for t in range(lo, hi):
+        vb, off = divmod(t, bs * W)
+        rank = (off // I) % W
+        local_off = (off // (W * I)) * I + off % I
+        block = table[vb]
+        if block == NULL_BLOCK_ID:
+            continue
+        out[rank][(block, local_off)] = t
+    return out
+
+
+def planned_slots(plan, geo, rank):
+    """{(block, slot): global token} from the planner's entries on one rank."""
+    g = plan.groups[geo.name]
+    W, I = geo.dcp_world_size, geo.interleave
+    out = {}
+    for b, s0, s1, base in zip(g.block_ids, g.slot_start, g.slot_end, g.local_base):
+        for s in range(s0, s1):
+            local = base + s
+            t = (local // I) * (I * W) + rank * I + local % I if W > 1 else local
+            key = (int(b), int(s))
+            assert key not in out, f"slot {key} planned twice"
+            out[key] = int(t)
+    return out
+
+
+@st.composite
+def scenario(draw):
+    bs = draw(st.sampled_from([4, 8, 16]))
+    n_groups = draw(st.integers(1, 3))
+    dcp = draw(st.sampled_from([1, 2, 4, 8]))  # one DCP world for all sharded groups, as in vLLM
+    groups = []
+    for gi in range(n_groups):
+        kind = draw(st.sampled_from([GroupKind.FULL_ATTENTION, GroupKind.SLIDING_WINDOW, GroupKind.CHUNKED_LOCAL]))
+        gbs = draw(st.sampled_from([bs, 2 * bs, bs // 2 if bs > 4 else bs]))
+        W = dcp if kind == GroupKind.FULL_ATTENTION else 1
+        I = draw(st.sampled_from([d for d in (1, 2, 4, 8, 16) if gbs % d == 0]))
+        groups.append(GroupGeometry(f"g{gi}", kind, gbs, W, I))
+    num_tokens = draw(st.integers(1, 300))
+    local = draw(st.integers(0, num_tokens - 1))
+    tables = []
+    for geo in groups:
+        need = -(-(num_tokens - 1) // geo.span)
+        extra = draw(st.integers(0, 2))
+        ids = draw(st.lists(st.integers(1, 10_000), min_size=need + extra, max_size=need + extra, unique=True))
+        # Null padding: sliding windows and chunked local null out early blocks.
+        if geo.kind != GroupKind.FULL_ATTENTION and ids:
+            n_null = draw(st.integers(0, len(ids)))
+            ids = [NULL_BLOCK_ID] * n_null + ids[n_null:]
+        tables.append(ids)
+    return groups, num_tokens, local, tables
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenario())
+def test_every_external_slot_is_planned_on_its_rank_and_nothing_else(s):
+    groups, num_tokens, local, tables = s
+    planner = Planner(groups)
+    sel = planner.select("r0", num_tokens, local, tables)
+    assert sel.num_external_tokens == num_tokens - 1 - local
+    world = max(g.dcp_world_size for g in groups)
+    for rank in range(world):
+        plan = planner.rank_plan([sel], rank)
+        for geo, table in zip(groups, tables):
+            want = replay_slots(geo, table, local, num_tokens - 1)
+            # Unsharded groups (W = 1) hold every token on every rank.
+            assert planned_slots(plan, geo, rank) == want[rank if geo.dcp_world_size > 1 else 0], (geo, rank)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(0, 500), st.sampled_from([1, 2, 4, 8]), st.sampled_from([1, 2, 4, 8, 16]))
+def test_local_count_matches_brute_force(n, world, interleave):
+    for rank in range(world):
+        brute = sum(1 for t in range(n) if (t // interleave) % world == rank)
+        assert local_count(n, world, rank, interleave) == brute
+
+
+def test_the_dcp_fix_case():
+    """Block size 16, W = 2: full attention spans 32 tokens a block, sliding
+    window 16; 33 external tokens -> ([1, 2], [5, 6, 7])."""
+    planner = Planner([
+        GroupGeometry("full", GroupKind.FULL_ATTENTION, 16, dcp_world_size=2),
+        GroupGeometry("swa", GroupKind.SLIDING_WINDOW, 16),
+    ])
+    sel = planner.select("req", num_tokens=34, num_local_computed=0, block_ids=[[1, 2, 3], [5, 6, 7, 8]])
+    assert sel.intree_view() == (([1, 2], [5, 6, 7]), 33)
+
+
+def test_several_requests_concatenate_in_csr_order():
+    geo = GroupGeometry("full", GroupKind.FULL_ATTENTION, 4)
+    planner = Planner([geo])
+    a = planner.select("a", 10, 2, [[7, 8, 9]])   # tokens [2, 9)
+    b = planner.select("b", 5, 0, [[3, 4]])       # tokens [0, 4)
+    plan = planner.rank_plan([a, b])
+    g = plan.groups["full"]
+    assert plan.req_ids == ["a", "b"]
+    assert g.req_indptr.tolist() == [0, 3, 4]
+    assert g.block_ids.tolist() == [7, 8, 9, 3]
+    assert g.slot_start.tolist() == [2, 0, 0, 0]
+    assert g.slot_end.tolist() == [4, 4, 1, 4]
+    assert g.local_base.tolist() == [0, 4, 8, 0]
+
+
+def test_block_granularity_fills_whole_blocks_like_in_tree():
+    geo = GroupGeometry("full", GroupKind.FULL_ATTENTION, 4)
+    planner = Planner([geo], granularity="block")
+    plan = planner.rank_plan([planner.select("a", 10, 2, [[7, 8, 9]])])
+    g = plan.groups["full"]
+    assert g.block_ids.tolist() == [7, 8, 9]
+    assert g.slot_start.tolist() == [0, 0, 0] and g.slot_end.tolist() == [4, 4, 4]
+
+
+def test_circular_buffer_takes_all_non_null_blocks_whole_and_zeroed():
+    geo = GroupGeometry("ring", GroupKind.CIRCULAR_BUFFER, 8)
+    assert geo.zero
+    planner = Planner([geo])
+    plan = planner.rank_plan([planner.select("a", 100, 40, [[NULL_BLOCK_ID, 5]])])
+    g = plan.groups["ring"]
+    assert g.block_ids.tolist() == [5] and g.slot_start.tolist() == [0] and g.slot_end.tolist() == [8]
+
+
+def test_mamba_fills_the_request_state_rows():
+    geo = GroupGeometry("mamba", GroupKind.MAMBA, 64)
+    planner = Planner([geo])
+    plan = planner.rank_plan([planner.select("a", 130, 0, [[NULL_BLOCK_ID, NULL_BLOCK_ID, 9]])])
+    g = plan.groups["mamba"]
+    assert g.block_ids.tolist() == [9] and (g.slot_start.tolist(), g.slot_end.tolist()) == ([0], [1])
+    assert g.local_base.tolist() == [128]  # the state after the last external token
+
+
+@pytest.mark.parametrize("num_tokens,local", [(1, 0), (2, 0), (2, 1), (5, 4)])
+def test_nothing_external_plans_nothing(num_tokens, local):
+    geo = GroupGeometry("full", GroupKind.FULL_ATTENTION, 4, 2)
+    planner = Planner([geo])
+    sel = planner.select("a", num_tokens, local, [[3, 4]])
+    assert sel.num_external_tokens == max(num_tokens - 1 - local, 0)
+    for rank in range(2):
+        plan = planner.rank_plan([sel], rank)
+        assert plan.groups["full"].num_slots == (1 if (num_tokens, local, rank) == (2, 0, 0) else 0)
+
+
+@pytest.mark.parametrize(
+    "args,match",
+    [
+        (("r9", 100, 0, [[1, 2]]), r"request 'r9', group 'full': tokens \[0, 99\) need blocks \[0, 4\) of span 32 .*only 2 are allocated"),
+        (("r1", -4, 0, [[1]]), r"request 'r1': negative token count \(num_tokens=-4"),
+        (("r1", 10, -1, [[1]]), r"negative token count"),
+        (("r2", 10, 12, [[1]]), r"request 'r2': num_local_computed=12 exceeds the 9 tokens"),
+        (("r3", 10, 0, [[1], [2]]), r"block ids for 2 groups, the planner has 1"),
+    ],
+)
+def test_bad_requests_are_refused_with_names_and_numbers(args, match):
+    planner = Planner([GroupGeometry("full", GroupKind.FULL_ATTENTION, 16, dcp_world_size=2)])
+    with pytest.raises(ValueError, match=match):
+        planner.select(*args)
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        ({"block_size": 16, "interleave": 3}, r"group 'g': interleave 3 does not divide the block size 16"),
+        ({"block_size": 0}, r"block_size must be an int >= 1, got 0"),
+        ({"block_size": 16, "dcp_world_size": 0}, r"dcp_world_size must be an int >= 1"),
+        ({"block_size": 16, "dcp_world_size": 2, "kind": GroupKind.SLIDING_WINDOW}, r"only full attention is DCP-sharded"),
+    ],
+)
+def test_bad_geometry_is_refused(kw, match):
+    kw = {"kind": GroupKind.FULL_ATTENTION, **kw}
+    with pytest.raises(ValueError, match=match):
+        GroupGeometry("g", **kw)
+
+
+def test_rank_outside_the_group_is_refused():
+    planner = Planner([GroupGeometry("full", GroupKind.FULL_ATTENTION, 4, dcp_world_size=2)])
+    sel = planner.select("a", 10, 0, [[1, 2]])
+    with pytest.raises(ValueError, match=r"DCP rank 2 outside \[0, 2\)"):
+        planner.rank_plan([sel], 2)
+
+
+def test_plan_fills_the_engine_end_to_end(backend):
+    """Planner entries drive the engine: W ranks reassembled == one rank."""
+    import torch
+
+    from kvfill.kernels import CacheGroup, FillEngine
+
+    bs, W, I = 8, 2, 4
+    tables = {1: [5, 2, 7, 1, 3, 6, 9, 4, 8], W: [3, 8, 1, 6, 2]}  # block 0 is the null block
+    results = {}
+    for world, table in tables.items():
+        geo = GroupGeometry("full", GroupKind.FULL_ATTENTION, bs, world, I if world > 1 else 1)
+        planner = Planner([geo])
+        sel = planner.select("a", 70, 3, [table])
+        for rank in range(world):
+            cache = torch.zeros(10, 1, bs, 4)
+            eng = FillEngine({"full": CacheGroup({"l": cache}, dcp_world_size=world, dcp_rank=rank,
+                                                 interleave=geo.interleave)}, mean=0.0, std=1.0, backend=backend)
+            eng.fill(planner.rank_plan([sel], rank).fill_plan())
+            results[(world, rank)] = cache
+    for t in range(3, 69):
+        ref = results[(1, 0)][tables[1][t // bs], 0, t % bs]
+        off = t % (bs * W)
+        rank = (off // I) % W
+        local_off = (off // (W * I)) * I + off % I
+        got = results[(W, rank)][tables[W][t // (bs * W)], 0, local_off]
+        assert torch.equal(ref, got), t
+        assert ref.abs().sum() > 0
+    # The slots outside [3, 69) stay zero on every rank.
+    filled = sum(int((c != 0).any(dim=(1, 3)).sum()) for c in results.values() if c is not results[(1, 0)])
+    assert filled == 69 - 3
