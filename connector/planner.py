@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -102,7 +102,7 @@ class GroupSelection:
     """
 
     first_block: int
-    block_ids: tuple[int, ...]
+    block_ids: Sequence[int]  # a tuple/list, or an int64 array from the vLLM adapter
     token_lo: int
     token_hi: int
     whole: bool = False
@@ -117,7 +117,7 @@ class RequestSelection:
     def intree_view(self, null_block_id: int = NULL_BLOCK_ID) -> tuple[tuple[list[int], ...], int]:
         """``(block_ids_per_group, num_external_tokens)`` as the in-tree metadata has it."""
         return (
-            tuple([b for b in g.block_ids if b != null_block_id] for g in self.groups),
+            tuple([int(b) for b in g.block_ids if b != null_block_id] for g in self.groups),
             self.num_external_tokens,
         )
 
@@ -194,13 +194,17 @@ class Planner:
         req_id: str,
         num_tokens: int,
         num_local_computed: int,
-        block_ids: Sequence[Sequence[int]],
+        block_ids: Sequence[Sequence[Any]],
+        ids_of: Callable[[Sequence[Any]], Sequence[int]] = tuple,
     ) -> RequestSelection:
         """Select the external blocks of one request in every group.
 
         ``block_ids[g]``: group g's block table of the request (null blocks as
-        ``null_block_id``).  Raises ValueError naming the request, group and
-        numbers when the table is too short or the counts are inconsistent.
+        ``null_block_id``), or any sequence that ``ids_of`` turns into block
+        ids - only the selected slice is converted (vLLM's ``KVCacheBlock``
+        lists: ``ids_of=lambda bs: tuple(b.block_id for b in bs)``).  Raises
+        ValueError naming the request, group and numbers when the table is too
+        short or the counts are inconsistent.
         """
         if not (isinstance(num_tokens, int) and isinstance(num_local_computed, int)):
             raise ValueError(f"request {req_id!r}: token counts must be ints")
@@ -224,7 +228,7 @@ class Planner:
         selections = []
         for geo, table in zip(self.groups, block_ids):
             if geo.whole_blocks:
-                selections.append(GroupSelection(0, tuple(table), 0, 0, whole=True))
+                selections.append(GroupSelection(0, ids_of(table), 0, 0, whole=True))
                 continue
             first = lo // geo.span
             end = _cdiv(hi, geo.span) if hi > lo else first
@@ -237,7 +241,7 @@ class Planner:
             selections.append(
                 GroupSelection(
                     first,
-                    tuple(table[first:end]),
+                    ids_of(table[first:end]),
                     lo,
                     hi,
                     whole=self.granularity == Granularity.BLOCK,
@@ -247,40 +251,43 @@ class Planner:
 
     # ------------------------------------------------------------ worker side
     def rank_plan(self, selections: Sequence[RequestSelection], dcp_rank: int = 0) -> StepPlan:
-        """The entries one rank fills for the given requests (all groups)."""
+        """The entries one rank fills for the given requests (all groups).
+
+        Vectorised over all requests of the step: one numpy conversion of the
+        selected block ids per group, then array arithmetic.
+        """
         plan = StepPlan([s.req_id for s in selections])
+        num_req = len(selections)
         for gi, geo in enumerate(self.groups):
             W, I, bs = geo.dcp_world_size, geo.interleave, geo.block_size
-            rank = dcp_rank if W > 1 else 0
             if W > 1 and not 0 <= dcp_rank < W:
                 raise ValueError(f"group {geo.name!r}: DCP rank {dcp_rank} outside [0, {W})")
-            parts: list[tuple[np.ndarray, ...]] = []
-            indptr = [0]
-            for sel in selections:
-                g = sel.groups[gi]
-                ids = np.asarray(g.block_ids, dtype=np.int64)
-                k = g.first_block + np.arange(ids.size, dtype=np.int64)
-                if g.whole or geo.kind == GroupKind.MAMBA:
-                    start = np.zeros(ids.size, np.int64)
-                    end = np.full(ids.size, bs, np.int64)
-                    if geo.kind == GroupKind.MAMBA:
-                        # A state row summarises the prompt up to its last external token.
-                        end = np.ones(ids.size, np.int64)
-                        base = np.full(ids.size, max(g.token_hi - 1, 0), np.int64)
-                    else:
-                        base = k * bs
-                else:
-                    llo = int(local_count(g.token_lo, W, rank, I))
-                    lhi = int(local_count(g.token_hi, W, rank, I))
-                    base = k * bs
-                    start = np.clip(llo - base, 0, bs)
-                    end = np.clip(lhi - base, 0, bs)
-                keep = (ids != self.null_block_id) & (end > start)
-                parts.append((ids[keep], start[keep], end[keep], base[keep]))
-                indptr.append(indptr[-1] + int(keep.sum()))
-            if parts:
-                cols = [np.concatenate([p[i] for p in parts]) for i in range(4)]
+            rank = dcp_rank if W > 1 else 0
+            sels = [sel.groups[gi] for sel in selections]
+            lens = np.fromiter((len(g.block_ids) for g in sels), np.int64, num_req)
+            ids = np.concatenate([np.asarray(g.block_ids, np.int64) for g in sels] or [np.zeros(0, np.int64)])
+            req = np.repeat(np.arange(num_req, dtype=np.int64), lens)
+            first = np.fromiter((g.first_block for g in sels), np.int64, num_req)
+            lo = np.fromiter((g.token_lo for g in sels), np.int64, num_req)
+            hi = np.fromiter((g.token_hi for g in sels), np.int64, num_req)
+            whole = np.fromiter((g.whole for g in sels), bool, num_req)[req]
+            # Table index of each selected block.
+            k = first[req] + np.arange(ids.size, dtype=np.int64) - (np.cumsum(lens) - lens)[req]
+            base = k * bs
+            if geo.kind == GroupKind.MAMBA:
+                # A state row summarises the prompt up to its last external token.
+                start = np.zeros(ids.size, np.int64)
+                end = np.ones(ids.size, np.int64)
+                base = np.maximum(hi - 1, 0)[req]
             else:
-                cols = [np.zeros(0, np.int64)] * 4
-            plan.groups[geo.name] = GroupEntries(*cols, req_indptr=np.asarray(indptr, np.int64))
+                llo = local_count(lo, W, rank, I)[req]
+                lhi = local_count(hi, W, rank, I)[req]
+                start = np.where(whole, 0, np.clip(llo - base, 0, bs))
+                end = np.where(whole, bs, np.clip(lhi - base, 0, bs))
+            keep = (ids != self.null_block_id) & (end > start)
+            indptr = np.zeros(num_req + 1, np.int64)
+            np.cumsum(np.bincount(req[keep], minlength=num_req), out=indptr[1:])
+            plan.groups[geo.name] = GroupEntries(
+                ids[keep], start[keep], end[keep], base[keep], req_indptr=indptr
+            )
         return plan

@@ -46,3 +46,11 @@ def test_compiled_kernel_stores_16_bytes_per_thread():
         assert stores and set(stores) == {"st.v4"}, row
         if row["mode"] == "normal":
             assert row.get("ld.v4", 0) >= 4, row  # value-table reads vectorised too
+
+
+def test_planner_bench_selects_what_the_in_tree_connector_selects(capsys):
+    import planner_bench
+
+    t_in, t_kv = planner_bench.main(["--requests", "8", "--tokens", "5000", "--repeat", "1"])
+    assert t_in > 0 and t_kv > 0
+    assert "ratio in-tree / kvfill" in capsys.readouterr().out

@@ -1,0 +1,139 @@
+"""vLLM KV cache specs -> planner geometry.  The only planner-side module that imports vLLM.
+
+Rule for a group's DCP world size W (the fix of vLLM PR 54679, and what newer
+vLLM's ``dcp_world_size_for_kv_cache_spec`` computes): W = the DCP size for
+full attention (``FullAttentionSpec`` and subclasses, MLA included) unless the
+spec says it is not DCP-sharded; 1 for every other kind.  vLLM 0.32/0.33's
+``resolve_dcp_kv_block_size`` also scales other attention kinds, but those
+refuse DCP elsewhere (sliding window asserts), so the rule agrees with the
+allocator wherever vLLM runs.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from vllm.v1.kv_cache_interface import (
+    AttentionSpec,
+    ChunkedLocalAttentionSpec,
+    CircularBufferSpec,
+    CrossAttentionSpec,
+    FullAttentionSpec,
+    KVCacheSpec,
+    KVQuantMode,
+    MambaSpec,
+    SlidingWindowSpec,
+    UniformTypeKVCacheSpecs,
+)
+
+from kvfill.kernels import values as V
+
+from .planner import GroupGeometry, GroupKind, Planner, RequestSelection
+
+
+def layer_specs(spec: KVCacheSpec) -> list[KVCacheSpec]:
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        return list(spec.kv_cache_specs.values())
+    return [spec]
+
+
+def spec_kind(spec: KVCacheSpec) -> GroupKind:
+    """The planner kind of a (group or layer) spec; order matters: subclasses first."""
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        kinds = {spec_kind(s) for s in layer_specs(spec)}
+        if len(kinds) != 1:
+            raise ValueError(f"a uniform-type group mixes kinds {sorted(k.value for k in kinds)}")
+        return kinds.pop()
+    if isinstance(spec, CircularBufferSpec):
+        return GroupKind.CIRCULAR_BUFFER
+    if isinstance(spec, SlidingWindowSpec):
+        return GroupKind.SLIDING_WINDOW
+    if isinstance(spec, ChunkedLocalAttentionSpec):
+        return GroupKind.CHUNKED_LOCAL
+    if isinstance(spec, CrossAttentionSpec):
+        return GroupKind.CROSS_ATTENTION
+    if isinstance(spec, MambaSpec):
+        return GroupKind.MAMBA
+    if isinstance(spec, FullAttentionSpec):
+        return GroupKind.FULL_ATTENTION
+    return GroupKind.OTHER
+
+
+def dcp_world_size_of(spec: KVCacheSpec, dcp_world_size: int) -> int:
+    """W of a group: the DCP size for DCP-sharded full attention, else 1."""
+    sharded = getattr(spec, "dcp_sharded", False)
+    return dcp_world_size if spec_kind(spec) == GroupKind.FULL_ATTENTION and sharded else 1
+
+
+def layer_encoding(spec: KVCacheSpec, cache_dtype: str | None = None) -> str:
+    """How a layer's cache bytes encode values (kvfill.kernels.values encodings).
+
+    Float dtypes hold themselves; uint8 holding plain per-tensor fp8 is fp8
+    e4m3 or e5m2 by the cache dtype; every other uint8/int layout (nvfp4,
+    fp8 with embedded scales, int metadata) is ``packed`` and zero-filled.
+    """
+    dtype = getattr(spec, "dtype", None)
+    if isinstance(spec, MambaSpec):
+        return V.ENC_NATIVE if all(d in V.FLOAT_DTYPES for d in spec.dtypes) else V.ENC_PACKED
+    if dtype in V.FLOAT_DTYPES:
+        return V.ENC_NATIVE
+    if (
+        isinstance(spec, AttentionSpec)
+        and dtype == torch.uint8
+        and spec.kv_quant_mode == KVQuantMode.FP8_PER_TENSOR
+        and spec.state_content_bytes is None
+    ):
+        cd = getattr(spec, "cache_dtype_str", None) or cache_dtype
+        if cd in ("fp8", "fp8_e4m3"):
+            return V.ENC_FP8_E4M3
+        if cd == "fp8_e5m2":
+            return V.ENC_FP8_E5M2
+    return V.ENC_PACKED
+
+
+def group_geometry(
+    name: str, spec: KVCacheSpec, *, dcp_world_size: int = 1, interleave: int = 1
+) -> GroupGeometry:
+    kind = spec_kind(spec)
+    world = dcp_world_size_of(spec, dcp_world_size)
+    return GroupGeometry(
+        name=name,
+        kind=kind,
+        block_size=spec.block_size,
+        dcp_world_size=world,
+        interleave=interleave if world > 1 else 1,
+        zero_fill=kind == GroupKind.CIRCULAR_BUFFER,
+    )
+
+
+def geometries_from_config(vllm_config: Any, kv_cache_config: Any) -> list[GroupGeometry]:
+    """One geometry per KV cache group of ``kv_cache_config``, named ``group{i}``."""
+    par = vllm_config.parallel_config
+    dcp = par.decode_context_parallel_size
+    tp = par.tensor_parallel_size
+    pcp = getattr(par, "prefill_context_parallel_size", 1)
+    if pcp == 1 and tp % dcp:
+        raise ValueError(f"DCP size {dcp} does not divide the TP size {tp}, as vLLM requires")
+    interleave = par.cp_kv_cache_interleave_size
+    return [
+        group_geometry(f"group{i}", g.kv_cache_spec, dcp_world_size=dcp, interleave=interleave)
+        for i, g in enumerate(kv_cache_config.kv_cache_groups)
+    ]
+
+
+def _block_ids(blocks) -> list[int]:
+    # A list comprehension: faster here than map/attrgetter or np.fromiter.
+    return [b.block_id for b in blocks]
+
+
+def select_request(planner: Planner, request: Any, kv_blocks: Any, num_external_tokens: int) -> RequestSelection:
+    """Planner selection from vLLM's scheduler objects.
+
+    ``request``: a vLLM ``Request`` (``request_id``, ``num_tokens``);
+    ``kv_blocks``: its ``KVCacheBlocks``; ``num_external_tokens``: what the
+    scheduler granted, so the locally computed prefix is
+    ``num_tokens - 1 - num_external_tokens``.  Only the selected blocks' ids
+    are read.
+    """
+    num_local = request.num_tokens - 1 - num_external_tokens
+    return planner.select(request.request_id, request.num_tokens, num_local, kv_blocks.blocks, _block_ids)

@@ -1,0 +1,100 @@
+"""The vLLM spec adapter agrees with the installed vLLM's allocator geometry."""
+import pytest
+import torch
+
+vllm_kv = pytest.importorskip("vllm.v1.kv_cache_interface")
+from vllm.v1.core import kv_cache_utils  # noqa: E402
+from vllm.v1.kv_cache_interface import (  # noqa: E402
+    ChunkedLocalAttentionSpec,
+    CircularBufferSpec,
+    CrossAttentionSpec,
+    FullAttentionSpec,
+    KVQuantMode,
+    MambaSpec,
+    MLAAttentionSpec,
+    SinkFullAttentionSpec,
+    SlidingWindowSpec,
+)
+
+from kvfill.connector.planner import GroupKind  # noqa: E402
+from kvfill.connector.specs import dcp_world_size_of, group_geometry, layer_encoding, spec_kind  # noqa: E402
+
+ATT = dict(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.bfloat16)
+SPECS = {
+    "full": (FullAttentionSpec(**ATT), GroupKind.FULL_ATTENTION),
+    "full-unsharded": (FullAttentionSpec(**ATT, dcp_sharded=False), GroupKind.FULL_ATTENTION),
+    "mla": (MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=torch.bfloat16), GroupKind.FULL_ATTENTION),
+    "sink": (SinkFullAttentionSpec(**ATT, sink_len=4), GroupKind.FULL_ATTENTION),
+    "sliding": (SlidingWindowSpec(**ATT, sliding_window=64), GroupKind.SLIDING_WINDOW),
+    "chunked": (ChunkedLocalAttentionSpec(**ATT, attention_chunk_size=64), GroupKind.CHUNKED_LOCAL),
+    "cross": (CrossAttentionSpec(**ATT), GroupKind.CROSS_ATTENTION),
+    "ring": (CircularBufferSpec(**ATT), GroupKind.CIRCULAR_BUFFER),
+    "mamba": (MambaSpec(block_size=16, shapes=((4, 8),), dtypes=(torch.float32,)), GroupKind.MAMBA),
+}
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_kind_of_every_spec(name):
+    spec, kind = SPECS[name]
+    assert spec_kind(spec) == kind
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+@pytest.mark.parametrize("dcp", [1, 2, 4])
+def test_span_agrees_with_vllm_where_vllm_runs_dcp(name, dcp):
+    spec, kind = SPECS[name]
+    geo = group_geometry(name, spec, dcp_world_size=dcp, interleave=1)
+    helper = getattr(kv_cache_utils, "dcp_world_size_for_kv_cache_spec", None)
+    if helper is not None:  # newer vLLM: the allocator's own rule, for every kind
+        assert geo.dcp_world_size == helper(spec, dcp)
+    if kind in (GroupKind.FULL_ATTENTION, GroupKind.MAMBA) or dcp == 1:
+        assert geo.span == kv_cache_utils.resolve_dcp_kv_block_size(spec, dcp)
+    else:
+        # 0.32/0.33 scale every AttentionSpec, but these kinds do not run
+        # under DCP there; the planner keeps their span unscaled.
+        assert geo.span == spec.block_size
+
+
+def test_vllm_refuses_dcp_for_sliding_window():
+    """Why the sliding-window span may differ from resolve_dcp_kv_block_size."""
+    from types import SimpleNamespace
+
+    spec = SPECS["sliding"][0]
+    cfg = SimpleNamespace(
+        parallel_config=SimpleNamespace(decode_context_parallel_size=2),
+        max_in_flight_tokens=64,
+        model_config=SimpleNamespace(max_model_len=1024),
+    )
+    with pytest.raises(AssertionError, match="DCP not support sliding window"):
+        spec.max_memory_usage_bytes(cfg)
+
+
+def test_interleave_applies_to_sharded_groups_only():
+    assert group_geometry("full", SPECS["full"][0], dcp_world_size=2, interleave=8).interleave == 8
+    assert group_geometry("sw", SPECS["sliding"][0], dcp_world_size=2, interleave=8).interleave == 1
+    assert dcp_world_size_of(SPECS["full-unsharded"][0], 4) == 1
+
+
+@pytest.mark.parametrize(
+    "spec,cache_dtype,enc",
+    [
+        (FullAttentionSpec(**ATT), "auto", "native"),
+        (FullAttentionSpec(**{**ATT, "dtype": torch.float8_e4m3fn}), "fp8", "native"),
+        (FullAttentionSpec(**{**ATT, "dtype": torch.uint8}, kv_quant_mode=KVQuantMode.FP8_PER_TENSOR), "fp8", "fp8_e4m3"),
+        (FullAttentionSpec(**{**ATT, "dtype": torch.uint8}, kv_quant_mode=KVQuantMode.FP8_PER_TENSOR), "fp8_e5m2", "fp8_e5m2"),
+        (FullAttentionSpec(**{**ATT, "dtype": torch.uint8}), "nvfp4", "packed"),
+        (FullAttentionSpec(**{**ATT, "dtype": torch.uint8}, kv_quant_mode=KVQuantMode.FP8_PER_TENSOR, state_content_bytes=40), "fp8", "packed"),
+        (MambaSpec(block_size=16, shapes=((4, 8),), dtypes=(torch.float32,)), "auto", "native"),
+    ],
+)
+def test_layer_encoding(spec, cache_dtype, enc):
+    assert layer_encoding(spec, cache_dtype) == enc
+
+
+def test_null_block_is_block_zero():
+    from vllm.v1.core.block_pool import BlockPool
+
+    from kvfill.connector.planner import NULL_BLOCK_ID
+
+    pool = BlockPool(num_gpu_blocks=8, enable_caching=False, hash_block_size=16)
+    assert pool.null_block.block_id == NULL_BLOCK_ID and pool.null_block.is_null
