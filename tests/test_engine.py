@@ -165,3 +165,23 @@ def test_repeated_fill_blocks_reuse_one_engine():
     assert len(api._ENGINES) == 1
     fill_blocks([t], [3], mean=2.0)
     assert len(api._ENGINES) == 2 and (t[:3] == 1.0).all() and (t[3] == 2.0).all()
+
+
+def test_repo_root_on_sys_path_does_not_load_a_second_copy():
+    """transformers probes for the HF `kernels` package with find_spec and
+    imports whatever it finds: from the repo root that is this folder."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = (
+        "import sys, torch\n"
+        "from kvfill.kernels import api, fill_blocks\n"
+        "import transformers.integrations.hub_kernels\n"
+        "assert 'kernels.api' not in sys.modules, sorted(k for k in sys.modules if k.startswith('kernels'))\n"
+        "t = torch.zeros(2, 1, 4, 8); api.clear_engine_cache(); fill_blocks([t], [1], mean=1.0)\n"
+        "assert len(api._ENGINES) == 1 and (t[1] == 1).all()\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
