@@ -57,7 +57,7 @@ def make_inputs(num_requests: int, num_tokens: int):
     for r in range(num_requests):
         full = [KVCacheBlock(next_id + i) for i in range(per_req)]
         next_id += per_req
-        window = 4096 // BS + 1
+        window = min(4096 // BS + 1, per_req)
         swa = [KVCacheBlock(0)] * (per_req - window) + [KVCacheBlock(next_id + i) for i in range(window)]
         next_id += window
         for b in swa[: per_req - window]:
