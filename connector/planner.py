@@ -117,9 +117,15 @@ class RequestSelection:
     def intree_view(self, null_block_id: int = NULL_BLOCK_ID) -> tuple[tuple[list[int], ...], int]:
         """``(block_ids_per_group, num_external_tokens)`` as the in-tree metadata has it."""
         return (
-            tuple([int(b) for b in g.block_ids if b != null_block_id] for g in self.groups),
+            tuple(_non_null(g.block_ids, null_block_id) for g in self.groups),
             self.num_external_tokens,
         )
+
+
+def _non_null(ids: Sequence[int], null_block_id: int) -> list[int]:
+    if isinstance(ids, list) and null_block_id not in ids:  # the common case: no copy
+        return ids
+    return [int(b) for b in ids if b != null_block_id]
 
 
 def _cdiv(a: int, b: int) -> int:

