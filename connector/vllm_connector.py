@@ -242,19 +242,19 @@ class KVFillWorker:
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         """Build the engine (again after re-registration, e.g. sleep mode)."""
         groups: dict[str, CacheGroup] = {}
-        seen: dict[tuple, str] = {}
         for geo, g in zip(self.geometries, self.kv_cache_config.kv_cache_groups):
-            layers = {}
+            # Layers of one group sharing one cache tensor are filled once.  Groups
+            # may alias one buffer (hybrid models): each still fills its own blocks.
+            layers, seen = {}, set()
             for name in g.layer_names:
                 cache = kv_caches.get(name)
                 if cache is None:
                     continue
                 tensors = cache if isinstance(cache, (list, tuple)) else [cache]
                 key = tuple((t.data_ptr(), tuple(t.shape), t.stride(), t.dtype) for t in tensors)
-                if key in seen:  # layers sharing one cache tensor are filled once
-                    continue
-                seen[key] = name
-                layers[name] = cache
+                if key not in seen:
+                    seen.add(key)
+                    layers[name] = cache
             if not layers:
                 continue
             groups[geo.name] = CacheGroup(
