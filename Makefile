@@ -1,5 +1,5 @@
 # Two commands do all the set-up on a fresh machine:
-#   make demo   - fill and verify synthetic KV (CPU by default)
+#   make demo   - vLLM on CPU: kvfill vs the in-tree DecodeBenchConnector vs no connector
 #   make test   - the test suite (CPU; Triton kernels under TRITON_INTERPRET=1)
 PYTHON ?= python3
 VENV   := .venv
@@ -29,8 +29,9 @@ endif
 test: venv
 	TRITON_INTERPRET=1 $(PY) -m pytest -q
 
+# The main job: vLLM's CPU engine with kvfill vs the in-tree connector vs no connector.
 demo: venv
-	$(PY) bench/demo.py
+	$(PY) bench/e2e.py $(DEMO_ARGS)
 
 bench: venv
 	$(PY) bench/fill_bench.py

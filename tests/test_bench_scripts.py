@@ -3,7 +3,7 @@ import fill_bench
 import pytest
 import gpu_check
 
-import demo
+import engine_demo as demo
 
 
 def test_gpu_check_smoke_run_is_byte_exact(tmp_path, capsys):
@@ -54,3 +54,22 @@ def test_planner_bench_selects_what_the_in_tree_connector_selects(capsys):
     t_in, t_kv = planner_bench.main(["--requests", "8", "--tokens", "5000", "--repeat", "1"])
     assert t_in > 0 and t_kv > 0
     assert "ratio in-tree / kvfill" in capsys.readouterr().out
+
+
+def test_main_job_runs_vllm_with_kvfill_by_plugin_name(tmp_path, capsys):
+    """The main job end to end on vLLM's CPU engine, small: kvfill (loaded by
+    name through the vllm.general_plugins entry point) and the in-tree connector."""
+    import json
+
+    import e2e
+
+    out = tmp_path / "e2e.json"
+    rc = e2e.main(["--requests", "2", "--prompt-len", "600", "--output-len", "3", "--kv-cache-gib", "1",
+                   "--model", str(tmp_path / "model"), "--connectors", "KVFillConnector", "DecodeBenchConnector",
+                   "--json", str(out)])
+    assert rc == 0
+    rows = {r["connector"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["KVFillConnector"]["outputs"] == "2/2 x 3"
+    # kvfill fills the prompt minus the last token; the in-tree fills whole blocks.
+    assert 0 < rows["KVFillConnector"]["fill_MiB"] <= rows["DecodeBenchConnector"]["fill_MiB"]
+    assert "all requests produced their outputs" in capsys.readouterr().out

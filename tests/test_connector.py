@@ -131,3 +131,196 @@ def test_hybrid_groups_each_get_their_own_blocks_and_null_padding_is_skipped(tmp
     fills = [(full_layers[0], full_ids[t // BS], t % BS, t) for t in range(99)]
     fills += [(sw[0], sw_ids[t // BS], t % BS, t) for t in range(99) if sw_ids[t // BS] != null]
     assert_bytes(h.raw, expected_after(h, fills))
+
+
+def test_preempted_request_is_filled_again_not_prefilled(full):
+    h = full
+    req = h.add("a", list(range(1, 41)), max_tokens=8)
+    h.step()
+    h.step()
+    # Preempt as the scheduler does under memory pressure.
+    h.scheduler.running.remove(req)
+    h.scheduler._preempt_request(req, 0.0)
+    assert req.num_computed_tokens == 0 and req.num_preemptions == 1
+    before = h.raw.clone()
+    out, meta = h.step()
+    assert "a" in meta.reqs_to_fill
+    # Prompt (40) + 2 tokens sampled before the preemption = 42; the two full
+    # blocks freed by the preemption are prefix-cache hits (32 tokens), the
+    # rest but the last token is filled again.
+    assert meta.reqs_to_fill["a"][1] == 42 - 32 - 1
+    assert out.num_scheduled_tokens["a"] == 1  # not a real re-prefill
+    h.poison, saved = before, h.poison
+    try:
+        expected = expected_after(h, token_fills(h, "a", 32, 41))
+    finally:
+        h.poison = saved
+    assert_bytes(h.raw, expected)
+
+
+def test_preempted_request_is_prefilled_when_refill_is_off(tmp_path):
+    h = make_harness(tmp_path, [(LAYERS, FullAttentionSpec(**ATT))], extra={**FILL, "refill_on_preemption": False})
+    req = h.add("a", list(range(1, 41)), max_tokens=8)
+    h.step()
+    h.scheduler.running.remove(req)
+    h.scheduler._preempt_request(req, 0.0)
+    out, meta = h.step()
+    assert "a" not in meta.reqs_to_fill and out.num_scheduled_tokens["a"] > 1
+
+
+@pytest.mark.parametrize("seeds,same", [((5, 5), True), ((5, 6), False)])
+def test_seed_determinism(tmp_path, seeds, same):
+    raws = []
+    for i, seed in enumerate(seeds):
+        h = make_harness(tmp_path / str(i), [(LAYERS, FullAttentionSpec(**ATT))], extra={**FILL, "seed": seed})
+        h.add("a", list(range(1, 41)))
+        h.step()
+        raws.append(h.raw)
+    assert torch.equal(raws[0], raws[1]) == same
+
+
+def test_unknown_config_key_is_refused_listing_valid_keys(tmp_path):
+    with pytest.raises(ValueError, match=r"unknown kv_connector_extra_config key\(s\) \['fill_sdt'\]; valid keys: \[.*'fill_std'"):
+        make_harness(tmp_path, [(LAYERS, FullAttentionSpec(**ATT))], extra={"fill_sdt": 0.1})
+
+
+@pytest.mark.parametrize(
+    "dtype,kv_quant,cache_dtype,fp8",
+    [
+        (torch.uint8, "FP8_PER_TENSOR", "fp8", torch.float8_e4m3fn),
+        (torch.uint8, "FP8_PER_TENSOR", "fp8_e5m2", torch.float8_e5m2),
+        (torch.float8_e4m3fn, None, "fp8", torch.float8_e4m3fn),
+        (torch.uint8, None, "nvfp4", None),  # packed: zeroed
+    ],
+)
+def test_fp8_caches_are_encoded_and_packed_ones_zeroed(tmp_path, dtype, kv_quant, cache_dtype, fp8):
+    from vllm.v1.kv_cache_interface import KVQuantMode
+
+    kw = {"kv_quant_mode": getattr(KVQuantMode, kv_quant)} if kv_quant else {}
+    spec = FullAttentionSpec(**{**ATT, "dtype": dtype}, **kw)
+    h = make_harness(tmp_path, [(LAYERS, spec)], extra=FILL, cache_dtype=cache_dtype)
+    expected_enc = "packed" if fp8 is None else ("native" if dtype != torch.uint8 else
+                                                 ("fp8_e5m2" if fp8 == torch.float8_e5m2 else "fp8_e4m3"))
+    assert all(h.worker.worker.encodings[n] == expected_enc for n in LAYERS)
+    h.add("a", list(range(1, 41)))
+    h.step()
+    table = h.block_table("a")[0]
+    for name in LAYERS:
+        v = h.views[name]
+        for t in range(39):
+            got = v[table[t // BS], :, t % BS].contiguous().view(torch.uint8)
+            if fp8 is None:
+                assert (got == 0).all()
+            else:
+                want = row_bits(mode=V.NORMAL, mean=0.1, std=0.5, seed=5, layer=int(name.split(".")[2]),
+                                position=t, row_size=v[0, :, 0].numel(), vdtype=fp8, itemsize=1)
+                assert torch.equal(got.flatten(), want.view(torch.uint8))
+    # Slot 39 (the last prompt token) and other blocks keep their poison.
+    assert torch.equal(h.views[LAYERS[0]][table[2], :, 39 % BS].contiguous().view(torch.uint8),
+                       h.views_over(h.poison)[LAYERS[0]][table[2], :, 39 % BS].contiguous().view(torch.uint8))
+
+
+def test_startup_fill_fills_whole_caches_then_no_per_request_fills(tmp_path):
+    h = make_harness(tmp_path, [(LAYERS, FullAttentionSpec(**ATT))], extra={**FILL, "startup_fill": True},
+                     layout="BLHNC")  # block-outermost: strided per-layer views
+    for name in LAYERS:
+        v = h.views[name]
+        nb = v.shape[0]
+        rows = v.permute(0, 2, 1, 3).reshape(nb * BS, -1)
+        for b in (0, 17, nb - 1):
+            for s in (0, BS - 1):
+                want = row_bits(mode=V.NORMAL, mean=0.1, std=0.5, seed=5, layer=int(name.split(".")[2]),
+                                position=b * BS + s, row_size=rows.shape[1], vdtype=torch.bfloat16, itemsize=2)
+                assert torch.equal(rows[b * BS + s].view(torch.int16), want)
+    before = h.raw.clone()
+    h.add("a", list(range(1, 41)))
+    _, meta = h.step()
+    assert all(not ids for ids in meta.reqs_to_fill.get("a", ((),))[0])
+    assert torch.equal(h.raw, before)
+
+
+def test_loading_by_module_path_and_by_plugin_name(tmp_path):
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.plugins import load_general_plugins
+
+    from kvfill.connector import KVFillConnector
+    from vllm_harness import model_dir, vllm_config
+
+    by_path = vllm_config(model_dir(tmp_path), module_path="kvfill.connector")
+    assert KVConnectorFactory.get_connector_class(by_path.kv_transfer_config) is KVFillConnector
+    load_general_plugins()  # the vllm.general_plugins entry point registers the name
+    by_name = vllm_config(model_dir(tmp_path), module_path=None)
+    assert KVConnectorFactory.get_connector_class(by_name.kv_transfer_config) is KVFillConnector
+
+
+def test_circular_buffer_group_is_zeroed_whole(tmp_path):
+    from vllm.v1.kv_cache_interface import CircularBufferSpec
+
+    ring = ["model.layers.1.self_attn.attn"]
+    full_layers = ["model.layers.0.self_attn.attn"]
+    h = make_harness(
+        tmp_path,
+        [(full_layers, FullAttentionSpec(**ATT)), (ring, CircularBufferSpec(**ATT))],
+        extra=FILL,
+        layout="BLNHC",
+    )
+    h.add("a", list(range(1, 101)))
+    _, meta = h.step()
+    full_ids, ring_ids = h.block_table("a")
+    null = h.scheduler.kv_cache_manager.block_pool.null_block.block_id
+    live = [b for b in ring_ids if b != null]
+    assert live and meta.reqs_to_fill["a"][0][1] == live
+    fills = [(full_layers[0], full_ids[t // BS], t % BS, t) for t in range(99)]
+    expected = expected_after(h, fills)
+    ring_view = h.views_over(expected)[ring[0]]
+    for b in live:
+        ring_view[b].view(torch.uint8).zero_()
+    assert_bytes(h.raw, expected)
+
+
+def test_dcp_spans_per_group_and_rank_local_slots(tmp_path, monkeypatch):
+    """DCP = 2: full attention spans 32 tokens a block, sliding window 16 (the
+    fix of vLLM PR 54679); each rank writes the tokens it owns."""
+    from types import SimpleNamespace
+
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+    from kvfill.connector.vllm_connector import KVFillScheduler, KVFillWorker, parse_config
+
+    sw = ["model.layers.1.self_attn.attn"]
+    full_layers = ["model.layers.0.self_attn.attn"]
+    h = make_harness(tmp_path, [(full_layers, FullAttentionSpec(**ATT)),
+                                (sw, SlidingWindowSpec(**ATT, sliding_window=4096))], extra=FILL, layout="BLNHC")
+    par = SimpleNamespace(decode_context_parallel_size=2, tensor_parallel_size=2, prefill_context_parallel_size=1,
+                          cp_kv_cache_interleave_size=1)
+    cfg_ns = SimpleNamespace(parallel_config=par, cache_config=h.config.cache_config)
+    cfg = parse_config(FILL)
+    sched = KVFillScheduler(cfg_ns, h.kv_cache_config, cfg)
+    req = SimpleNamespace(request_id="r", num_tokens=34, num_preemptions=0)
+    blocks = KVCacheBlocks(([KVCacheBlock(i) for i in (1, 2, 3)], [KVCacheBlock(i) for i in (5, 6, 7, 8)]))
+    assert sched.get_num_new_matched_tokens(req, 0) == (33, False)
+    sched.update_state_after_alloc(req, blocks, 33)
+    meta = sched.build_connector_meta(None)
+    assert meta.reqs_to_fill["r"] == (([1, 2], [5, 6, 7]), 33)
+
+    for rank in (0, 1):
+        monkeypatch.setattr(KVFillWorker, "_dcp_rank", staticmethod(lambda _cfg, r=rank: r))
+        worker = KVFillWorker(cfg_ns, h.kv_cache_config, cfg)
+        raw = h.poison.clone()
+        views = h.views_over(raw)
+        worker.register_kv_caches(views)
+        worker.start_fill(meta)
+        expected = h.poison.clone()
+        fills = []
+        for t in range(33):
+            owner, local = (t % 2), (t // 32) * 16 + (t % 32) // 2
+            if owner == rank:
+                fills.append((full_layers[0], [1, 2][t // 32], local % BS, t))
+            fills.append((sw[0], [5, 6, 7][t // BS], t % BS, t))  # W = 1: every rank holds every token
+        h.poison, saved = expected, h.poison
+        try:
+            expected = expected_after(h, fills)
+        finally:
+            h.poison = saved
+        assert_bytes(raw, expected)

@@ -1,4 +1,4 @@
-"""make demo: fill a hybrid model's KV caches on CPU, verify, compare with the in-tree fill.
+"""Engine demo (no vLLM needed): fill a hybrid model's KV caches on CPU, verify, compare with the in-tree fill.
 
 Until the vLLM connector lands this drives the engine directly: caches shaped
 as vLLM allocates them (standard [B, H, N, C] views, an fp8-in-uint8 group, a
