@@ -324,3 +324,37 @@ def test_dcp_spans_per_group_and_rank_local_slots(tmp_path, monkeypatch):
         finally:
             h.poison = saved
         assert_bytes(raw, expected)
+
+
+def test_in_tree_metadata_alone_fills_whole_blocks(full):
+    from kvfill.connector import KVFillConnectorMetadata
+
+    h = full
+    meta = KVFillConnectorMetadata(reqs_to_fill={"x": (([4, 9],), 20)})
+    h.worker.bind_connector_metadata(meta)
+    h.worker.start_load_kv(None)
+    fills = [(name, b, s, k * BS + s) for name in LAYERS for k, b in enumerate([4, 9]) for s in range(BS)]
+    assert_bytes(h.raw, expected_after(h, fills))
+
+
+def test_finished_requests_are_forgotten_and_stats_are_reported(full):
+    h = full
+    h.add("a", list(range(1, 41)), max_tokens=1)
+    h.step()
+    conn = h.scheduler.connector
+    assert "a" not in conn.scheduler.filled  # request_finished(_all_groups) cleaned up
+    stats = h.worker.get_kv_connector_stats()
+    assert stats is not None and stats.data["requests"] == 1 and stats.data["bytes"] == 2 * 39 * 32 * 2
+    assert stats.reduce()["kvfill_fills"] == 1
+    assert h.worker.get_kv_connector_stats() is None  # reset after reporting
+    assert type(h.worker).build_kv_connector_stats(stats.data).data == stats.data
+
+
+def test_re_registration_rebuilds_the_engine(full):
+    h = full
+    first = h.worker.worker.engine
+    h.worker.register_kv_caches(h.views)
+    assert h.worker.worker.engine is not first
+    h.add("a", list(range(1, 41)))
+    h.step()
+    assert_bytes(h.raw, expected_after(h, token_fills(h, "a", 0, 39)))
