@@ -37,25 +37,28 @@ def layer_specs(spec: KVCacheSpec) -> list[KVCacheSpec]:
     return [spec]
 
 
+# Subclasses before their bases: SlidingWindowMLASpec is a SlidingWindowSpec,
+# MLA / sink attention are FullAttentionSpecs.
+_KINDS = (
+    (CircularBufferSpec, GroupKind.CIRCULAR_BUFFER),
+    (SlidingWindowSpec, GroupKind.SLIDING_WINDOW),
+    (ChunkedLocalAttentionSpec, GroupKind.CHUNKED_LOCAL),
+    (CrossAttentionSpec, GroupKind.CROSS_ATTENTION),
+    (MambaSpec, GroupKind.MAMBA),
+    (FullAttentionSpec, GroupKind.FULL_ATTENTION),
+)
+
+
 def spec_kind(spec: KVCacheSpec) -> GroupKind:
-    """The planner kind of a (group or layer) spec; order matters: subclasses first."""
+    """The planner kind of a (group or layer) spec."""
     if isinstance(spec, UniformTypeKVCacheSpecs):
         kinds = {spec_kind(s) for s in layer_specs(spec)}
         if len(kinds) != 1:
             raise ValueError(f"a uniform-type group mixes kinds {sorted(k.value for k in kinds)}")
         return kinds.pop()
-    if isinstance(spec, CircularBufferSpec):
-        return GroupKind.CIRCULAR_BUFFER
-    if isinstance(spec, SlidingWindowSpec):
-        return GroupKind.SLIDING_WINDOW
-    if isinstance(spec, ChunkedLocalAttentionSpec):
-        return GroupKind.CHUNKED_LOCAL
-    if isinstance(spec, CrossAttentionSpec):
-        return GroupKind.CROSS_ATTENTION
-    if isinstance(spec, MambaSpec):
-        return GroupKind.MAMBA
-    if isinstance(spec, FullAttentionSpec):
-        return GroupKind.FULL_ATTENTION
+    for cls, kind in _KINDS:
+        if isinstance(spec, cls):
+            return kind
     return GroupKind.OTHER
 
 

@@ -439,24 +439,15 @@ class FillEngine:
     def _slot_rows(self, expanded: dict) -> dict[str, SlotRows]:
         return {g: SlotRows(*arrays, self._groups[g].dcp) for g, arrays in expanded.items()}
 
-    def _expected(self, expanded: dict):
-        """Yield (class, slot rows, target, bits every planned slot must hold)."""
+    def _planned_classes(self, expanded: dict):
+        """Yield (class, its group's slot rows, value table) for planned groups."""
         rows = self._slot_rows(expanded)
         for c in self._classes:
-            r = rows.get(c.group)
-            if r is None:
-                continue
-            table = self._tables[(c.mode, c.vdtype, c.layout.itemsize)]
-            for t in c.targets:
-                yield c, r, t, expected_rows(r, c.layout, c.mode, table, t.key, t.elem_offset)
+            if c.group in rows:
+                yield c, rows[c.group], self._tables[(c.mode, c.vdtype, c.layout.itemsize)]
 
     def _fill_torch(self, expanded: dict, stats: dict) -> None:
-        rows = self._slot_rows(expanded)
-        for c in self._classes:
-            r = rows.get(c.group)
-            if r is None:
-                continue
-            table = self._tables[(c.mode, c.vdtype, c.layout.itemsize)]
+        for c, r, table in self._planned_classes(expanded):
             for t in c.targets:
                 fill_rows(t.tensor, c.layout, r, c.mode, table, t.key, t.elem_offset)
             self._count(stats, c.layout, r.num_rows, len(c.targets))
@@ -469,7 +460,10 @@ class FillEngine:
         """
         checked = mismatched = 0
         first: list[Mismatch] = []
-        for c, r, t, want in self._expected(self._expand(plan)):
+        for c, r, t, table in (
+            (c, r, t, table) for c, r, table in self._planned_classes(self._expand(plan)) for t in c.targets
+        ):
+            want = expected_rows(r, c.layout, c.mode, table, t.key, t.elem_offset)
             got = read_rows(t.tensor, c.layout, r)
             want = want.expand_as(got)
             bad = got != want
