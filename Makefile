@@ -8,7 +8,7 @@ PIP    := $(PY) -m pip --disable-pip-version-check
 STAMP  := $(VENV)/.installed
 HAS_NVIDIA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
-.PHONY: venv test demo bench clean
+.PHONY: venv test test-gpu demo bench clean
 
 venv: $(STAMP)
 
@@ -30,6 +30,10 @@ test: venv
 	TRITON_INTERPRET=1 $(PY) -m pytest -q
 
 # The main job: vLLM's CPU engine with kvfill vs the in-tree connector vs no connector.
+# The suite on CUDA tensors with compiled Triton (a machine with an NVIDIA GPU).
+test-gpu: venv
+	KVFILL_TEST_DEVICE=cuda TRITON_INTERPRET=0 $(PY) -m pytest -q
+
 demo: venv
 	$(PY) bench/e2e.py $(DEMO_ARGS)
 

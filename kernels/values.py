@@ -162,7 +162,7 @@ def standard_normal_pool() -> np.ndarray:
 
 def encode(values: torch.Tensor | np.ndarray, vdtype: torch.dtype) -> torch.Tensor:
     """float64 values -> storage bits of ``vdtype`` (float32 rounding, clamp, RNE)."""
-    x = torch.as_tensor(values, dtype=torch.float64).to(torch.float32)
+    x = torch.as_tensor(values, dtype=torch.float64, device="cpu").to(torch.float32)
     fmax = torch.finfo(vdtype).max
     x = x.clamp(-fmax, fmax)
     bits = BITS_DTYPE[torch.empty((), dtype=vdtype).element_size()]
@@ -172,7 +172,7 @@ def encode(values: torch.Tensor | np.ndarray, vdtype: torch.dtype) -> torch.Tens
 @functools.lru_cache(maxsize=64)
 def _value_table_cpu(mode: str, mean: float, std: float, vdtype: torch.dtype | None, itemsize: int):
     if mode == ZERO or vdtype is None:
-        return torch.zeros(1, dtype=BITS_DTYPE[itemsize])
+        return torch.zeros(1, dtype=BITS_DTYPE[itemsize], device="cpu")
     if mode == CONSTANT:
         return encode(np.array([mean]), vdtype)
     if mode == NORMAL:

@@ -13,8 +13,10 @@ from kvfill.kernels import values as V
 
 
 def poisoned_buffer(nbytes: int, seed: int = 1234) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
+    """Random bytes, on the tests' device (CPU unless KVFILL_TEST_DEVICE is set)."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    buf = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g, device="cpu")
+    return buf.to(torch.get_default_device())
 
 
 def dcp_position(local: int, world: int, rank: int, interleave: int) -> int:
@@ -27,12 +29,12 @@ def row_bits(
     """The storage bits of one token row, from the value function's definition."""
     table = V._value_table_cpu(mode, float(mean), float(std), vdtype, itemsize)
     if mode == V.ZERO or vdtype is None:
-        return torch.zeros(row_size, dtype=table.dtype)
+        return torch.zeros(row_size, dtype=table.dtype, device=table.device)
     if mode == V.CONSTANT:
         return table[0].repeat(row_size)
     h = V.lowbias32(V.layer_key(seed, layer) + position) + elem_offset
     start = (h % V.POOL_SIZE) // V.ROW_ALIGN * V.ROW_ALIGN
-    idx = torch.tensor([(start + e) % V.POOL_SIZE for e in range(row_size)])
+    idx = torch.tensor([(start + e) % V.POOL_SIZE for e in range(row_size)], device=table.device)
     return table[idx]
 
 
@@ -57,4 +59,4 @@ def write_expected(
         idx[block_dim] = block * kernel_split + slot // kbs
         idx[slot_dim] = slot % kbs
     target = v[tuple(idx)]
-    target.copy_(bits.view(target.shape))
+    target.copy_(bits.to(target.device).view(target.shape))

@@ -59,6 +59,7 @@ def test_bad_plan_arrays_never_reach_the_kernel(backend):
     assert torch.equal(buf, poison)
 
 
+@pytest.mark.cpu_only
 class TestConnector:
     """Through the vLLM harness (real Scheduler, worker connector, CPU caches)."""
 

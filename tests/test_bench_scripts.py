@@ -1,6 +1,8 @@
 """The GPU check and the demo stay runnable: dry runs on CPU, with assertions."""
 import fill_bench
 import pytest
+
+pytestmark = pytest.mark.cpu_only  # dry runs of the scripts on the CPU
 import gpu_check
 
 import engine_demo as demo

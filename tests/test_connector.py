@@ -4,6 +4,7 @@ import pytest
 import torch
 
 pytest.importorskip("vllm")
+pytestmark = pytest.mark.cpu_only  # the harness runs vLLM's CPU build
 from oracle import row_bits, write_expected  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec  # noqa: E402
 from vllm_harness import make_harness  # noqa: E402

@@ -138,6 +138,7 @@ def test_a_layer_in_two_groups_is_refused():
         FillEngine({"g": CacheGroup({"a": torch.zeros(2, 1, 4, 8)}), "h": CacheGroup({"a": torch.zeros(2, 1, 4, 8)})})
 
 
+@pytest.mark.cpu_only
 def test_triton_backend_on_cpu_needs_the_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
