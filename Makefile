@@ -37,8 +37,12 @@ test-gpu: venv
 demo: venv
 	$(PY) bench/e2e.py $(DEMO_ARGS)
 
+# CPU benchmark suites, then the report (table, bench/results/cpu-bench.json and .png).
 bench: venv
-	$(PY) bench/fill_bench.py
+	$(PY) -c "import matplotlib" 2>/dev/null || $(PIP) install -e '.[bench]'
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider bench/test_bench_fill.py \
+		--benchmark-json=bench/results/cpu-bench-raw.json
+	$(PY) bench/report.py bench/results/cpu-bench-raw.json --out bench/results/cpu-bench
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -74,14 +74,16 @@ def _intree_values(size, device, dtype, mean, std):
 
 
 def intree_fill(layers, requests, mean, std):
-    """The in-tree fill: for each request, for each layer (``_fill_block_tensor``)."""
+    """The in-tree fill: for each request, for each layer (``_fill_block_tensor``);
+    uint8 caches hold fp8 e4m3 values, as for vLLM's ``fp8`` cache dtype."""
     for block_ids in requests:
         for kv_cache in layers:
+            fill_dtype = torch.float8_e4m3fn if kv_cache.dtype == torch.uint8 else kv_cache.dtype
             ids = torch.tensor(block_ids, dtype=torch.long, device=kv_cache.device)
             valid = ids[ids < kv_cache.shape[0]]
             if len(valid) == 0:
                 continue
-            values = _intree_values((len(valid),) + kv_cache.shape[1:], kv_cache.device, kv_cache.dtype, mean, std)
+            values = _intree_values((len(valid),) + kv_cache.shape[1:], kv_cache.device, fill_dtype, mean, std)
             kv_cache[valid] = values.view(kv_cache.dtype)
 
 

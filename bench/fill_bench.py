@@ -30,6 +30,8 @@ def build(device, *, fill_bytes, num_layers, num_requests, heads=8, block_size=1
           dtype=torch.bfloat16, layout="LBNHC", seed=0):
     itemsize = torch.empty((), dtype=dtype).element_size()
     page = heads * block_size * content * itemsize
+    if fill_bytes > 0:  # small fills: fewer requests rather than more bytes
+        num_requests = max(1, min(num_requests, fill_bytes // (page * num_layers)))
     total_blocks = max(num_requests, fill_bytes // (page * num_layers))
     per_request = max(1, total_blocks // num_requests)
     num_blocks = 2 * per_request * num_requests
@@ -66,7 +68,7 @@ def run_case(device, *, fill_bytes, num_layers, num_requests, mode, layout="LBNH
     for impl, t, calls, mem in (
         # kvfill on CPU (torch backend): one index_put per layer tensor.
         ("kvfill", t_kv, stats.launches or num_layers, mem_kv),
-        ("in-tree", t_in, num_requests * num_layers, mem_in),
+        ("in-tree", t_in, len(requests) * num_layers, mem_in),
         ("memset", t_memset, 1, 0),
     ):
         if t is None:

@@ -91,7 +91,7 @@ class GroupGeometry:
         return self.zero_fill or self.kind == GroupKind.CIRCULAR_BUFFER
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: built per request per group on the scheduler's hot path
 class GroupSelection:
     """The blocks of one group of one request that hold external tokens.
 
@@ -108,7 +108,7 @@ class GroupSelection:
     whole: bool = False
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class RequestSelection:
     req_id: str
     num_external_tokens: int

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -32,7 +32,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec, UniformTypeKVCacheSpecs
 
 from kvfill.kernels import CacheGroup, FillEngine, GroupFill
 
-from .planner import GroupKind, GroupSelection, Planner, RequestSelection
+from .planner import NULL_BLOCK_ID, GroupKind, GroupSelection, Planner, RequestSelection
 from .specs import geometries_from_config, layer_encoding, layer_specs, select_request, spec_kind
 
 if TYPE_CHECKING:
@@ -105,28 +105,46 @@ def startup_fill_group_ids(kv_cache_config: "KVCacheConfig") -> set[int]:
     return out
 
 
-@dataclass
 class KVFillConnectorMetadata(KVConnectorMetadata):
     """The step's fills.
 
     ``reqs_to_fill``: the in-tree field, request id -> (block ids per group,
-    number of external tokens).  Alone (metadata written for the in-tree
-    connector), it means: fill those blocks whole.  ``selections`` carries
-    kvfill's token ranges and block positions for the same requests.
+    number of external tokens).  Given alone (metadata written for the
+    in-tree connector) it means: fill those blocks whole.  ``selections``
+    carries kvfill's token ranges and block positions; when the scheduler
+    builds the metadata from selections, ``reqs_to_fill`` is derived from them
+    on first access, so the scheduler's step does not pay for it.
     """
 
-    reqs_to_fill: dict[str, tuple[tuple[list[int], ...], int]]
-    selections: dict[str, RequestSelection] = field(default_factory=dict)
+    def __init__(
+        self,
+        reqs_to_fill: dict[str, tuple[tuple[list[int], ...], int]] | None = None,
+        selections: dict[str, RequestSelection] | None = None,
+        null_block_id: int = NULL_BLOCK_ID,
+    ):
+        self._reqs_to_fill = reqs_to_fill
+        self.selections = dict(selections or {})
+        self.null_block_id = null_block_id
+
+    @property
+    def reqs_to_fill(self) -> dict[str, tuple[tuple[list[int], ...], int]]:
+        if self._reqs_to_fill is None:
+            self._reqs_to_fill = {rid: s.intree_view(self.null_block_id) for rid, s in self.selections.items()}
+        return self._reqs_to_fill
+
+    def __bool__(self) -> bool:
+        return bool(self.selections) or bool(self._reqs_to_fill)
+
+    def __repr__(self) -> str:
+        return f"KVFillConnectorMetadata(reqs_to_fill={self.reqs_to_fill!r})"
 
     def request_selections(self) -> list[RequestSelection]:
-        out = []
-        for req_id, (groups, n_ext) in self.reqs_to_fill.items():
-            sel = self.selections.get(req_id)
-            if sel is None:
-                sel = RequestSelection(
+        out = list(self.selections.values())
+        for req_id, (groups, n_ext) in (self._reqs_to_fill or {}).items():
+            if req_id not in self.selections:
+                out.append(RequestSelection(
                     req_id, n_ext, tuple(GroupSelection(0, list(ids), 0, 0, whole=True) for ids in groups)
-                )
-            out.append(sel)
+                ))
         return out
 
 
@@ -201,11 +219,7 @@ class KVFillScheduler:
             self.pending[request.request_id] = sel
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVFillConnectorMetadata:
-        null = self.planner.null_block_id
-        meta = KVFillConnectorMetadata(
-            reqs_to_fill={rid: sel.intree_view(null) for rid, sel in self.pending.items()},
-            selections=self.pending,
-        )
+        meta = KVFillConnectorMetadata(selections=self.pending, null_block_id=self.planner.null_block_id)
         self.pending = {}
         return meta
 
@@ -299,7 +313,7 @@ class KVFillWorker:
         its first write - rather than crashing the worker.
         """
         self.last_stats = None
-        if not meta.reqs_to_fill:
+        if not meta:
             return
         if self.engine is None:
             raise RuntimeError("KVFillConnector: start_load_kv before register_kv_caches")

@@ -75,3 +75,30 @@ def test_main_job_runs_vllm_with_kvfill_by_plugin_name(tmp_path, capsys):
     # kvfill fills the prompt minus the last token; the in-tree fills whole blocks.
     assert 0 < rows["KVFillConnector"]["fill_MiB"] <= rows["DecodeBenchConnector"]["fill_MiB"]
     assert "all requests produced their outputs" in capsys.readouterr().out
+
+
+def test_host_bench_compares_both_connectors_on_a_tiny_step():
+    import host_bench
+
+    rows = host_bench.main(["--steps", "tiny", "--layers", "2", "--repeat", "1"])
+    assert rows[0]["kvfill worker ms"] > 0 and rows[0]["in-tree worker ms"] > 0
+
+
+def test_report_computes_bandwidth_and_memset_share(tmp_path):
+    import json
+
+    import report
+
+    def bench(impl, median, calls):
+        return {"stats": {"median": median}, "extra_info": {
+            "impl": impl, "sweep": "size", "case": "64MiB", "mode": "normal", "bytes": 64 << 20,
+            "calls": calls, "device": "cpu", "extra_bytes": None}}
+
+    raw = {"benchmarks": [bench("kvfill", 0.01, 1), bench("in-tree", 0.1, 128), bench("memset", 0.008, 1)],
+           "machine_info": {"cpu": {"brand_raw": "test cpu"}}}
+    path = tmp_path / "x-raw.json"
+    path.write_text(json.dumps(raw))
+    rows = report.main([str(path), "--out", str(tmp_path / "x")])
+    assert rows[0]["kvfill %memset"] == 80.0 and rows[0]["x in-tree"] == 10.0
+    assert rows[0]["kvfill GB/s"] == round((64 << 20) / 0.01 / 1e9, 2)
+    assert json.loads((tmp_path / "x.json").read_text())["rows"] == rows
