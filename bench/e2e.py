@@ -103,6 +103,7 @@ def run_one(args) -> dict:
         max_num_seqs=args.requests,
         max_num_batched_tokens=max(args.prompt_len + 16, 8192),
         disable_log_stats=True,
+        kv_cache_dtype=args.kv_cache_dtype,
         **kw,
     )
     record["startup_s"] = time.perf_counter() - t0
@@ -127,7 +128,8 @@ def main(argv=None):
     p.add_argument("--prompt-len", type=int, default=8000)
     p.add_argument("--output-len", type=int, default=2)
     p.add_argument("--fill-std", type=float, default=0.1)
-    p.add_argument("--kv-cache-gib", type=int, default=8)
+    p.add_argument("--kv-cache-gib", type=int, default=8, help="CPU only: VLLM_CPU_KVCACHE_SPACE")
+    p.add_argument("--kv-cache-dtype", default="auto", help="vLLM's --kv-cache-dtype (auto, fp8, fp8_e5m2, ...)")
     p.add_argument("--model", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "out", "tiny-llama"))
     p.add_argument("--connectors", nargs="+", default=["KVFillConnector", "DecodeBenchConnector", "none"])
     p.add_argument("--by-module-path", action="store_true", help="load kvfill by module path, not by plugin name")
@@ -143,7 +145,7 @@ def main(argv=None):
     for conn in a.connectors:
         cmd = [sys.executable, os.path.abspath(__file__), "--only", conn, "--requests", str(a.requests),
                "--prompt-len", str(a.prompt_len), "--output-len", str(a.output_len), "--fill-std", str(a.fill_std),
-               "--kv-cache-gib", str(a.kv_cache_gib), "--model", a.model] + (["--by-module-path"] if a.by_module_path else [])
+               "--kv-cache-gib", str(a.kv_cache_gib), "--kv-cache-dtype", a.kv_cache_dtype, "--model", a.model] + (["--by-module-path"] if a.by_module_path else [])
         print(f"running {conn} ...", flush=True)
         out = subprocess.run(cmd, capture_output=True, text=True)
         lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
