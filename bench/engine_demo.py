@@ -22,18 +22,10 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common as C  # noqa: E402
 
+from kvfill.connector.planner import GroupGeometry, GroupKind, Planner  # noqa: E402
 from kvfill.kernels import CacheGroup, FillEngine, GroupFill  # noqa: E402
 
 MiB = 1 << 20
-
-
-def request_entries(num_local, num_tokens, table, block_size):
-    """Entries for tokens [num_local, num_tokens - 1) of one request."""
-    lo, hi = num_local, num_tokens - 1
-    out = []
-    for k in range(lo // block_size, -(-hi // block_size)):
-        out.append((table[k], max(lo - k * block_size, 0), min(hi - k * block_size, block_size), k * block_size))
-    return out
 
 
 def build(num_layers, num_blocks, block_size):
@@ -69,18 +61,18 @@ def main(argv=None):
 
     rng = np.random.default_rng(a.seed)
     perm = rng.permutation(num_blocks)
-    entries, requests = [], []
+    planner = Planner([
+        GroupGeometry("full_attention", GroupKind.FULL_ATTENTION, bs),
+        GroupGeometry("fp8_attention", GroupKind.FULL_ATTENTION, bs),
+        GroupGeometry("mamba", GroupKind.MAMBA, a.prompt_len),  # one state row per request
+    ])
+    selections, requests = [], []
     for r in range(a.requests):
         table = perm[r * per_req : (r + 1) * per_req].tolist()
         local = int(rng.integers(0, 3 * bs))  # prefix-cache hit: partial first block
-        entries += request_entries(local, a.prompt_len, table, bs)
+        selections.append(planner.select(f"req-{r}", a.prompt_len, local, [table, table, [r]]))
         requests.append(table)
-    b, lo, hi, base = (np.array(x) for x in zip(*entries))
-    plan = {
-        "full_attention": GroupFill(block_ids=b, slot_start=lo, slot_end=hi, local_base=base),
-        "fp8_attention": GroupFill(block_ids=b, slot_start=lo, slot_end=hi, local_base=base),
-        "mamba": GroupFill(block_ids=np.arange(a.requests), local_base=np.full(a.requests, a.prompt_len - 2)),
-    }
+    plan = planner.rank_plan(selections).fill_plan()
     before = [t.clone() for t in tensors]
     t0 = time.perf_counter()
     stats = engine.fill(plan)
@@ -108,7 +100,9 @@ def main(argv=None):
     print(C.table(rows, ["impl", "ms", "x"]))
 
     # Triton kernel (interpreter on CPU) on the first request: same bytes as torch.
-    small = {"full_attention": GroupFill(block_ids=b[:3], slot_start=lo[:3], slot_end=hi[:3], local_base=base[:3])}
+    g = plan["full_attention"]
+    small = {"full_attention": GroupFill(*(np.asarray(x)[:3] for x in (g.block_ids, g.slot_start, g.slot_end,
+                                                                         g.local_base)))}
     _, ref = C.standard_views(2, num_blocks, 8, bs, 256, torch.bfloat16, "LBNHC")
     _, tri = C.standard_views(2, num_blocks, 8, bs, 256, torch.bfloat16, "LBNHC")
     for views, backend in ((ref, "torch"), (tri, "triton")):
