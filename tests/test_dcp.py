@@ -71,7 +71,7 @@ def slot_bytes(layers, block, slot, layout="standard-BHNC"):
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("world", [1, 2, 4, 8])
 @pytest.mark.parametrize("interleave", [1, BS // 2, BS])
 def test_ranks_reassembled_equal_single_rank_fill(world, interleave, backend, layout):
     _, _, ref, _ = run(1, 0, 1, backend, buf_seed=100, layout=layout)
