@@ -93,3 +93,27 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main()
+
+
+def compile_zoo(arch: int = 90) -> list[dict]:
+    """Compile the kernel for every cache layout of bench/layouts.py (bf16 and
+    fp8-in-uint8, constant and normal): the constexpr combinations the GPU
+    will see, checked to compile without a GPU."""
+    import layouts as LZ
+
+    from kvfill.kernels import layout_of
+
+    rows = []
+    for case in LZ.CASES:
+        for dtype in (torch.bfloat16, torch.uint8):
+            itemsize = torch.empty((), dtype=dtype).element_size()
+            made = case.make(torch.zeros(case.nbytes(itemsize), dtype=torch.uint8), dtype)
+            first = next(iter(made.values()))
+            tensors = first if isinstance(first, list) else [first]
+            for t in tensors:
+                lay = layout_of(t, block_dim=case.block_dim, slot_dim=case.slot_dim,
+                                num_blocks=LZ.NUM_BLOCKS if case.slot_dim is not None else None)
+                for mode in ("constant", "normal"):
+                    ops = memory_ops(compile_ptx(lay, mode, arch))
+                    rows.append({"case": case.name, "dtype": str(dtype).split(".")[-1], "mode": mode, **ops})
+    return rows

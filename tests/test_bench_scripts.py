@@ -102,3 +102,22 @@ def test_report_computes_bandwidth_and_memset_share(tmp_path):
     assert rows[0]["kvfill %memset"] == 80.0 and rows[0]["x in-tree"] == 10.0
     assert rows[0]["kvfill GB/s"] == round((64 << 20) / 0.01 / 1e9, 2)
     assert json.loads((tmp_path / "x.json").read_text())["rows"] == rows
+
+
+def test_kernel_compiles_for_sm90_for_every_layout_in_the_zoo():
+    import json
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.backends.nvidia")
+    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+    code = "import json, ptx_check; print(json.dumps(ptx_check.compile_zoo()))"
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    out = subprocess.run([sys.executable, "-c", code], cwd=bench, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len(rows) >= 13 * 2 * 2
+    for row in rows:
+        assert any(k.startswith("st.") for k in row), row  # every variant stores
