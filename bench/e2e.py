@@ -22,11 +22,26 @@ import time
 MODEL_LAYERS, KV_HEADS, HEAD_DIM = 4, 8, 128
 
 
-def make_model(path: str) -> str:
-    """A random-weight Llama saved to ``path`` (created once)."""
+def make_model(path: str, hybrid: bool = False) -> str:
+    """A random-weight model saved to ``path`` (created once): a Llama, or with
+    ``hybrid`` a Gemma3 whose layers alternate sliding-window (256 tokens) and
+    full attention, so vLLM runs two KV cache groups."""
     if os.path.exists(os.path.join(path, "config.json")):
         return path
     import torch
+
+    torch.manual_seed(0)
+    if hybrid:
+        from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+        cfg = Gemma3TextConfig(
+            vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=MODEL_LAYERS,
+            num_attention_heads=KV_HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
+            sliding_window=256, max_position_embeddings=32768,
+            layer_types=["sliding_attention", "full_attention"] * (MODEL_LAYERS // 2),
+        )
+        Gemma3ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
+        return path
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(
@@ -39,7 +54,6 @@ def make_model(path: str) -> str:
         head_dim=HEAD_DIM,
         max_position_embeddings=32768,
     )
-    torch.manual_seed(0)
     LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
     return path
 
@@ -130,17 +144,19 @@ def main(argv=None):
     p.add_argument("--fill-std", type=float, default=0.1)
     p.add_argument("--kv-cache-gib", type=int, default=8, help="CPU only: VLLM_CPU_KVCACHE_SPACE")
     p.add_argument("--kv-cache-dtype", default="auto", help="vLLM's --kv-cache-dtype (auto, fp8, fp8_e5m2, ...)")
-    p.add_argument("--model", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "out", "tiny-llama"))
+    p.add_argument("--model", default=None, help="model folder (created if missing; default out/tiny-llama or out/tiny-gemma3-hybrid)")
+    p.add_argument("--hybrid", action="store_true", help="sliding-window + full attention model (two KV cache groups)")
     p.add_argument("--connectors", nargs="+", default=["KVFillConnector", "DecodeBenchConnector", "none"])
     p.add_argument("--by-module-path", action="store_true", help="load kvfill by module path, not by plugin name")
     p.add_argument("--only", default=None, help=argparse.SUPPRESS)
     p.add_argument("--json", default=None, help="also write the rows here")
     a = p.parse_args(argv)
-    a.model = os.path.abspath(a.model)
+    out_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "out")
+    a.model = os.path.abspath(a.model or os.path.join(out_dir, "tiny-gemma3-hybrid" if a.hybrid else "tiny-llama"))
     if a.only:
         print("RESULT " + json.dumps(run_one(a)), flush=True)
         return 0
-    make_model(a.model)
+    make_model(a.model, a.hybrid)
     rows = []
     for conn in a.connectors:
         cmd = [sys.executable, os.path.abspath(__file__), "--only", conn, "--requests", str(a.requests),
@@ -163,7 +179,7 @@ def main(argv=None):
         for k in ("generate_s", "fill_s", "startup_s"):
             r[k] = round(r[k], 3)
     print(f"\n{a.requests} requests x {a.prompt_len} prompt tokens, {a.output_len} output tokens, "
-          f"fill_std={a.fill_std}; model: {MODEL_LAYERS} layers x {KV_HEADS} KV heads x {HEAD_DIM}")
+          f"fill_std={a.fill_std}, kv cache dtype {a.kv_cache_dtype}; model {os.path.basename(a.model)}")
     from common import table  # bench/common.py
 
     print(table(rows, COLUMNS))

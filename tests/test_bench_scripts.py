@@ -121,3 +121,24 @@ def test_kernel_compiles_for_sm90_for_every_layout_in_the_zoo():
     assert len(rows) >= 13 * 2 * 2
     for row in rows:
         assert any(k.startswith("st.") for k in row), row  # every variant stores
+
+
+def test_main_job_on_a_hybrid_sliding_window_model(tmp_path):
+    """Two KV cache groups in a real vLLM engine: Gemma3 alternating sliding-window
+    and full attention; kvfill fills fewer bytes than whole blocks and every
+    request completes."""
+    import json
+
+    import e2e
+
+    out = tmp_path / "e2e.json"
+    rc = e2e.main(["--hybrid", "--requests", "2", "--prompt-len", "1200", "--output-len", "3", "--kv-cache-gib", "1",
+                   "--model", str(tmp_path / "model"), "--connectors", "KVFillConnector", "--json", str(out)])
+    assert rc == 0
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["outputs"] == "2/2 x 3"
+    # Full-attention layers hold all 1199 external tokens; sliding-window layers
+    # only the blocks of the last 256 tokens (the rest are null blocks).
+    per_token_layer = 2 * 8 * 128 * 2
+    full_only = 2 * 1199 * 2 * per_token_layer
+    assert full_only < row["fill_bytes"] < 2 * full_only

@@ -56,6 +56,7 @@ def test_prompt_minus_last_token_is_filled_and_nothing_else(full):
     h.add("a", list(range(1, 41)))
     out, meta = h.step()
     assert out.num_scheduled_tokens["a"] == 1  # only the last prompt token is computed
+    assert out.has_sync_kv_loads  # so the model runner fills before the forward
     assert meta.reqs_to_fill["a"][1] == 39
     assert_bytes(h.raw, expected_after(h, token_fills(h, "a", 0, 39)))
 
