@@ -157,7 +157,6 @@ class FillEngine:
         if backend not in BACKENDS:
             raise ValueError(f"backend {backend!r} is not one of {BACKENDS}")
         self.mean, self.std, self.seed = float(mean), float(std), seed
-        self.default_mode = V.resolve_mode(self.std)
         self._groups: dict[str, _GroupInfo] = {}
         self._targets: list[_Target] = []
         self._register(groups, layer_ids or {})

@@ -56,10 +56,6 @@ class Layout:
         return self.block_size // self.kernel_block_size
 
     @property
-    def block_nbytes(self) -> int:
-        return self.block_size * self.row_size * self.itemsize
-
-    @property
     def canonical_shape(self) -> tuple[int, ...]:
         """``[num_blocks, r, kernel_block_size, *elem_shape]``."""
         return (self.num_blocks, self.kernel_split, self.kernel_block_size, *self.elem_shape)
