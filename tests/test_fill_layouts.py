@@ -85,6 +85,20 @@ def plan_of(entries):
 @pytest.mark.parametrize("dtype_case", DTYPES, ids=[d[0] for d in DTYPES])
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
 def test_fill_writes_planned_slots_and_nothing_else(case, dtype_case, backend):
+    check_fill(case, dtype_case, backend)
+
+
+@pytest.mark.parametrize("dtype_case", DTYPES, ids=[d[0] for d in DTYPES])
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_torch_backend_per_entry_path_writes_the_same(case, dtype_case, monkeypatch):
+    """The torch backend writes large entries one copy each; force that path."""
+    from kvfill.kernels import torch_fill
+
+    monkeypatch.setattr(torch_fill, "PER_ENTRY_BYTES", 0)
+    check_fill(case, dtype_case, "torch")
+
+
+def check_fill(case, dtype_case, backend):
     _, dtype, encoding = dtype_case
     itemsize = torch.empty((), dtype=dtype).element_size()
     buf = poisoned_buffer(case.nbytes(itemsize))
