@@ -28,11 +28,12 @@ from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import get_hash_fn_by_name
-from vllm.v1.core.kv_cache_utils import (
-    get_kv_cache_config_from_groups,
-    get_request_block_hasher,
-    init_none_hash,
-)
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+try:  # vLLM 0.32
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups
+except ImportError:  # vLLM 0.33 moved it
+    from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import KVCacheGroupSpec, create_kv_cache_views
 from vllm.v1.kv_cache_layout import KVCacheLayout
@@ -71,14 +72,19 @@ def vllm_config(model_path, *, extra=None, block_size=16, prefix_caching=True, c
         kv_connector_extra_config=dict(extra or {}),
         kv_connector_module_path=module_path,
     )
+    from vllm.config import DeviceConfig
+
     return VllmConfig(
+        device_config=DeviceConfig(device="cpu"),
         model_config=ModelConfig(model=model_path, skip_tokenizer_init=True, max_model_len=max_model_len,
                                  dtype="bfloat16"),
         cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=prefix_caching,
                                  cache_dtype=cache_dtype, num_gpu_blocks_override=num_blocks),
         scheduler_config=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=max_model_len,
                                          max_model_len=max_model_len, is_encoder_decoder=False,
-                                         disable_hybrid_kv_cache_manager=disable_hybrid),
+                                         # unset = vLLM decides (0.33 refuses an explicit "enable"
+                                         # where it is unsupported)
+                                         **({"disable_hybrid_kv_cache_manager": True} if disable_hybrid else {})),
         parallel_config=ParallelConfig(),
         kv_transfer_config=kt,
     )
