@@ -222,9 +222,10 @@ def test_fp8_caches_are_encoded_and_packed_ones_zeroed(tmp_path, dtype, kv_quant
                        h.views_over(h.poison)[LAYERS[0]][table[2], :, 39 % BS].contiguous().view(torch.uint8))
 
 
-def test_startup_fill_fills_whole_caches_then_no_per_request_fills(tmp_path):
+@pytest.mark.parametrize("layout", ["LBNHC", "BLHNC"])  # contiguous / strided per-layer views
+def test_startup_fill_fills_whole_caches_then_no_per_request_fills(tmp_path, layout):
     h = make_harness(tmp_path, [(LAYERS, FullAttentionSpec(**ATT))], extra={**FILL, "startup_fill": True},
-                     layout="BLHNC")  # block-outermost: strided per-layer views
+                     layout=layout)
     for name in LAYERS:
         v = h.views[name]
         nb = v.shape[0]

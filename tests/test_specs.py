@@ -98,3 +98,19 @@ def test_null_block_is_block_zero():
 
     pool = BlockPool(num_gpu_blocks=8, enable_caching=False, hash_block_size=16)
     assert pool.null_block.block_id == NULL_BLOCK_ID and pool.null_block.is_null
+
+
+@pytest.mark.parametrize("tp,dcp,ok", [(4, 2, True), (4, 4, True), (2, 4, False), (6, 4, False)])
+def test_dcp_size_must_divide_tp_size_as_vllm_requires(tp, dcp, ok):
+    from types import SimpleNamespace
+
+    from kvfill.connector.specs import geometries_from_config
+
+    par = SimpleNamespace(decode_context_parallel_size=dcp, tensor_parallel_size=tp,
+                          prefill_context_parallel_size=1, cp_kv_cache_interleave_size=1)
+    kv_cfg = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=SPECS["full"][0])])
+    if ok:
+        assert geometries_from_config(SimpleNamespace(parallel_config=par), kv_cfg)[0].dcp_world_size == dcp
+    else:
+        with pytest.raises(ValueError, match=rf"DCP size {dcp} does not divide the TP size {tp}"):
+            geometries_from_config(SimpleNamespace(parallel_config=par), kv_cfg)
