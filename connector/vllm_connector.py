@@ -373,9 +373,17 @@ def _layer_ids(kv_caches: dict[str, Any]) -> dict[str, int]:
 
 
 def _unique_entries(g) -> GroupFill:
-    """Drop repeated entries (a block shared by requests of one step is filled once)."""
+    """Drop repeated entries (a block shared by requests of one step is filled once).
+
+    Repeats are rare, so they are looked for with a 1-D sort of the block ids
+    (~7 ms for 1.2M entries); the row-wise unique (~100x slower) runs only
+    when some block id does repeat.
+    """
+    ids = np.sort(g.block_ids)
+    if ids.size < 2 or not (ids[1:] == ids[:-1]).any():
+        return g.fill()
     cols = np.stack([g.block_ids, g.slot_start, g.slot_end, g.local_base], axis=1)
-    uniq = np.unique(cols, axis=0) if cols.shape[0] > 1 else cols
+    uniq = np.unique(cols, axis=0)
     return GroupFill(uniq[:, 0], uniq[:, 1], uniq[:, 2], uniq[:, 3])
 
 

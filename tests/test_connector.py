@@ -361,3 +361,17 @@ def test_re_registration_rebuilds_the_engine(full):
     h.add("a", list(range(1, 41)))
     h.step()
     assert_bytes(h.raw, expected_after(h, token_fills(h, "a", 0, 39)))
+
+
+def test_a_block_shared_by_two_requests_of_a_step_is_filled_once(full):
+    """Two selections naming the same block and tokens: one entry reaches the engine."""
+    from kvfill.connector import KVFillConnectorMetadata
+
+    h = full
+    sched = h.scheduler.connector.scheduler
+    sel = sched.planner.select("x", 40, 0, [[5, 6, 7]])
+    twin = sched.planner.select("y", 40, 0, [[5, 6, 7]])
+    h.worker.bind_connector_metadata(KVFillConnectorMetadata(selections={"x": sel, "y": twin}))
+    h.worker.start_load_kv(None)
+    assert h.worker.worker.last_stats.entries == 3
+    assert_bytes(h.raw, expected_after(h, [(n, [5, 6, 7][t // BS], t % BS, t) for n in LAYERS for t in range(39)]))
