@@ -51,8 +51,10 @@ def full(tmp_path):
     return make_harness(tmp_path, [(LAYERS, FullAttentionSpec(**ATT))], extra=FILL)
 
 
-def test_prompt_minus_last_token_is_filled_and_nothing_else(full):
-    h = full
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_prompt_minus_last_token_is_filled_and_nothing_else(tmp_path, backend):
+    h = make_harness(tmp_path, [(LAYERS, FullAttentionSpec(**ATT))], extra={**FILL, "backend": backend})
+    assert h.worker.worker.engine.backend == backend
     h.add("a", list(range(1, 41)))
     out, meta = h.step()
     assert out.num_scheduled_tokens["a"] == 1  # only the last prompt token is computed
@@ -113,13 +115,14 @@ def test_prefix_cache_hit_fills_only_the_suffix(full):
     assert_bytes(h.raw, expected)
 
 
-def test_hybrid_groups_each_get_their_own_blocks_and_null_padding_is_skipped(tmp_path):
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_hybrid_groups_each_get_their_own_blocks_and_null_padding_is_skipped(tmp_path, backend):
     sw = ["model.layers.1.self_attn.attn"]
     full_layers = ["model.layers.0.self_attn.attn"]
     h = make_harness(
         tmp_path,
         [(full_layers, FullAttentionSpec(**ATT)), (sw, SlidingWindowSpec(**ATT, sliding_window=32))],
-        extra=FILL,
+        extra={**FILL, "backend": backend},
         layout="BLNHC",
     )
     h.add("a", list(range(1, 101)))
