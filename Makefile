@@ -8,7 +8,7 @@ PIP    := $(PY) -m pip --disable-pip-version-check
 STAMP  := $(VENV)/.installed
 HAS_NVIDIA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
-.PHONY: venv test test-gpu demo bench clean
+.PHONY: venv test test-gpu demo bench bench-gpu gpu-check clean
 
 venv: $(STAMP)
 
@@ -43,6 +43,16 @@ bench: venv
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider bench/test_bench_fill.py \
 		--benchmark-json=bench/results/cpu-bench-raw.json
 	$(PY) bench/report.py bench/results/cpu-bench-raw.json --out bench/results/cpu-bench
+
+# On a machine with an NVIDIA GPU: the one-shot check, then the full sweeps.
+gpu-check: venv
+	$(PY) bench/gpu_check.py --out bench/results
+
+bench-gpu: venv
+	$(PY) -c "import matplotlib" 2>/dev/null || $(PIP) install -e '.[bench]'
+	KVFILL_BENCH_DEVICE=cuda $(PY) -m pytest -q -p no:cacheprovider bench/test_bench_fill.py \
+		--benchmark-json=bench/results/gpu-bench-raw.json
+	$(PY) bench/report.py bench/results/gpu-bench-raw.json --out bench/results/gpu-bench
 
 clean:
 	rm -rf $(VENV) *.egg-info
