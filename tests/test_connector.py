@@ -378,3 +378,53 @@ def test_a_block_shared_by_two_requests_of_a_step_is_filled_once(full):
     h.worker.start_load_kv(None)
     assert h.worker.worker.last_stats.entries == 3
     assert_bytes(h.raw, expected_after(h, [(n, [5, 6, 7][t // BS], t % BS, t) for n in LAYERS for t in range(39)]))
+
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_random_request_streams_fill_exactly_their_external_slots(tmp_path_factory, data):
+    """Random prompts sharing random prefixes, arriving over several steps:
+    after every step the caches equal the oracle's writes of every fill so far
+    (external slots only, each request in its own blocks; nothing else)."""
+    h = make_harness(tmp_path_factory.mktemp("fuzz"), [(LAYERS, FullAttentionSpec(**ATT))], extra=FILL)
+    base = list(range(1, 200))
+    reqs = data.draw(st.lists(
+        st.tuples(st.integers(0, 80), st.integers(1, 60), st.integers(1, 3), st.integers(0, 2)),
+        min_size=1, max_size=5))
+    expected = h.poison.clone()
+    pending = list(enumerate(reqs))
+    for step in range(12):
+        for i, (shared, own, max_tokens, arrive) in list(pending):
+            if arrive <= step:
+                h.add(f"r{i}", base[:shared] + [500 + 7 * i + j for j in range(own)], max_tokens=max_tokens)
+                pending.remove((i, (shared, own, max_tokens, arrive)))
+        if not pending and not h.scheduler.running and not h.scheduler.waiting:
+            break
+        out = h.scheduler.schedule()
+        meta = out.kv_connector_metadata
+        fills = []
+        for rid, (groups, n_ext) in meta.reqs_to_fill.items():
+            req = h.scheduler.requests[rid]
+            n_tok = req.num_tokens
+            local = n_tok - 1 - n_ext
+            assert 0 <= local and local % BS == 0, (rid, n_tok, n_ext)  # prefix hits are whole blocks
+            table = h.block_table(rid)[0]
+            fills += [(n, table[t // BS], t % BS, t) for n in LAYERS for t in range(local, n_tok - 1)]
+        h.worker.bind_connector_metadata(meta)
+        h.worker.start_load_kv(None)
+        h.worker.clear_connector_metadata()
+        h.poison, saved = expected, h.poison
+        try:
+            expected = expected_after(h, fills)
+        finally:
+            h.poison = saved
+        assert_bytes(h.raw, expected)
+        ids = list(out.num_scheduled_tokens)
+        from vllm.v1.outputs import ModelRunnerOutput
+
+        h.scheduler.update_from_output(out, ModelRunnerOutput(
+            req_ids=ids, req_id_to_index={r: k for k, r in enumerate(ids)}, sampled_token_ids=[[7] for _ in ids]))
