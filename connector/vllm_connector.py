@@ -292,6 +292,7 @@ class KVFillWorker:
             backend=self.cfg["backend"],
             layer_ids=_layer_ids(kv_caches),
         )
+        self.engine.warmup()  # compile the kernels now, not in the first filling step
         logger.info(
             "KVFillConnector: %s fill (mean=%g, std=%g, seed=%d, %s granularity), %s backend, "
             "DCP rank %d, startup_fill=%s; caches:\n%s",

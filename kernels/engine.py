@@ -367,6 +367,20 @@ class FillEngine:
         """Startup fill: every block of every (or the given) group."""
         return self.fill(self.whole_plan(groups))
 
+    def warmup(self) -> int:
+        """Compile every launch class's kernel now, writing nothing.
+
+        Each class is launched once with one empty entry (slots [0, 0)), so the
+        Triton JIT compiles at registration instead of in the first step that
+        fills.  Returns the number of launches (0 on the torch backend).
+        """
+        if self.backend != "triton":
+            return 0
+        empty = torch.zeros(1, 4, dtype=torch.int32, device=self.device)
+        for c in self._classes:
+            self._launch(c, empty)
+        return len(self._classes)
+
     def fill_device_entries(self, group: str, entries: torch.Tensor) -> int:
         """Fill from a plan already on the device, without host validation or sync.
 

@@ -186,3 +186,14 @@ def test_repo_root_on_sys_path_does_not_load_a_second_copy():
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
+
+
+def test_warmup_launches_every_class_and_writes_nothing(count_launches):
+    buf = poisoned_buffer(2 * 4 * 2 * 4 * 8 * 2)
+    poison = buf.clone()
+    t = buf.view(torch.bfloat16).view(2, 4, 2, 4, 8)
+    eng = FillEngine({"a": CacheGroup({"l0": t[0]}), "b": CacheGroup({"l1": t[1]}, mode="zero")},
+                     mean=1.0, backend="triton")
+    assert eng.warmup() == 2 == len(count_launches)
+    assert torch.equal(buf, poison)
+    assert FillEngine({"a": CacheGroup({"l0": t[0]})}, backend="torch").warmup() == 0
