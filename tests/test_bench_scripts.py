@@ -27,8 +27,8 @@ def test_demo_small_run_verifies(capsys):
     assert "demo OK" in capsys.readouterr().out
 
 
-def test_compiled_kernel_stores_16_bytes_per_thread():
-    """Compile for sm_90 (no GPU needed) and check the stores are vectorised."""
+def ptx_check_rows(call: str) -> list[dict]:
+    """Run ``ptx_check.<call>`` in a process without TRITON_INTERPRET (real compiles)."""
     import json
     import os
     import subprocess
@@ -36,12 +36,17 @@ def test_compiled_kernel_stores_16_bytes_per_thread():
 
     pytest.importorskip("triton.backends.nvidia")
     bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
-    code = "import json, ptx_check; print(json.dumps(ptx_check.main([])))"
+    code = f"import json, ptx_check; print(json.dumps(ptx_check.{call}))"
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     out = subprocess.run([sys.executable, "-c", code], cwd=bench, env=env, capture_output=True, text=True,
-                         timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    rows = json.loads(out.stdout.strip().splitlines()[-1])
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_compiled_kernel_stores_16_bytes_per_thread():
+    """Compile for sm_90 (no GPU needed) and check the stores are vectorised."""
+    rows = ptx_check_rows("main([])")
     assert len(rows) == 10
     for row in rows:
         stores = {k: v for k, v in row.items() if k.startswith("st.")}
@@ -105,19 +110,7 @@ def test_report_computes_bandwidth_and_memset_share(tmp_path):
 
 
 def test_kernel_compiles_for_sm90_for_every_layout_in_the_zoo():
-    import json
-    import os
-    import subprocess
-    import sys
-
-    pytest.importorskip("triton.backends.nvidia")
-    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
-    code = "import json, ptx_check; print(json.dumps(ptx_check.compile_zoo()))"
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    out = subprocess.run([sys.executable, "-c", code], cwd=bench, env=env, capture_output=True, text=True,
-                         timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    rows = json.loads(out.stdout.strip().splitlines()[-1])
+    rows = ptx_check_rows("compile_zoo()")
     assert len(rows) >= 13 * 2 * 2
     for row in rows:
         assert any(k.startswith("st.") for k in row), row  # every variant stores

@@ -17,11 +17,10 @@ FILL = {"fill_mean": 0.1, "fill_std": 0.5, "seed": 5}
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
 
 
-def expected_after(h, fills, *, mean=0.1, std=0.5, seed=5, mode=None):
-    """The poisoned buffer with exactly ``fills`` applied by the oracle.
-
-    fills: [(layer name, block, slot, position)]"""
-    expected = h.poison.clone()
+def expected_after(h, fills, *, mean=0.1, std=0.5, seed=5, mode=None, base=None):
+    """``base`` (default: the poisoned buffer) with exactly ``fills`` applied by
+    the oracle.  fills: [(layer name, block, slot, position)]"""
+    expected = (h.poison if base is None else base).clone()
     views = h.views_over(expected)
     for name, block, slot, pos in fills:
         v = views[name]
@@ -107,11 +106,7 @@ def test_prefix_cache_hit_fills_only_the_suffix(full):
     fills = [(name, table[t // BS], t % BS, t) for name in LAYERS for t in range(32, 51)]
     # The oracle writes the suffix into the bytes as they were before b:
     # the shared prefix blocks keep a's bytes.
-    h.poison, saved = before, h.poison
-    try:
-        expected = expected_after(h, fills)
-    finally:
-        h.poison = saved
+    expected = expected_after(h, fills, base=before)
     assert_bytes(h.raw, expected)
 
 
@@ -155,11 +150,7 @@ def test_preempted_request_is_filled_again_not_prefilled(full):
     # rest but the last token is filled again.
     assert meta.reqs_to_fill["a"][1] == 42 - 32 - 1
     assert out.num_scheduled_tokens["a"] == 1  # not a real re-prefill
-    h.poison, saved = before, h.poison
-    try:
-        expected = expected_after(h, token_fills(h, "a", 32, 41))
-    finally:
-        h.poison = saved
+    expected = expected_after(h, token_fills(h, "a", 32, 41), base=before)
     assert_bytes(h.raw, expected)
 
 
@@ -324,11 +315,7 @@ def test_dcp_spans_per_group_and_rank_local_slots(tmp_path, monkeypatch):
             if owner == rank:
                 fills.append((full_layers[0], [1, 2][t // 32], local % BS, t))
             fills.append((sw[0], [5, 6, 7][t // BS], t % BS, t))  # W = 1: every rank holds every token
-        h.poison, saved = expected, h.poison
-        try:
-            expected = expected_after(h, fills)
-        finally:
-            h.poison = saved
+        expected = expected_after(h, fills, base=expected)
         assert_bytes(raw, expected)
 
 
@@ -417,11 +404,7 @@ def test_random_request_streams_fill_exactly_their_external_slots(tmp_path_facto
         h.worker.bind_connector_metadata(meta)
         h.worker.start_load_kv(None)
         h.worker.clear_connector_metadata()
-        h.poison, saved = expected, h.poison
-        try:
-            expected = expected_after(h, fills)
-        finally:
-            h.poison = saved
+        expected = expected_after(h, fills, base=expected)
         assert_bytes(h.raw, expected)
         ids = list(out.num_scheduled_tokens)
         from vllm.v1.outputs import ModelRunnerOutput
