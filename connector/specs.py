@@ -77,7 +77,10 @@ def layer_encoding(spec: KVCacheSpec, cache_dtype: str | None = None) -> str:
     """
     dtype = getattr(spec, "dtype", None)
     if isinstance(spec, MambaSpec):
-        return V.ENC_NATIVE if all(d in V.FLOAT_DTYPES for d in spec.dtypes) else V.ENC_PACKED
+        # vLLM 0.32+ registers a Mamba layer as one raw byte view per block
+        # ([num_blocks, 1, 1, page_bytes]) packing states of several dtypes:
+        # zeroed, the defined empty state.
+        return V.ENC_PACKED
     if dtype in V.FLOAT_DTYPES:
         return V.ENC_NATIVE
     if (

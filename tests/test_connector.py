@@ -411,3 +411,28 @@ def test_random_request_streams_fill_exactly_their_external_slots(tmp_path_facto
 
         h.scheduler.update_from_output(out, ModelRunnerOutput(
             req_ids=ids, req_id_to_index={r: k for k, r in enumerate(ids)}, sampled_token_ids=[[7] for _ in ids]))
+
+
+def test_mamba_group_state_rows_are_zeroed_beside_attention(tmp_path):
+    """vLLM 0.32 registers a Mamba layer as one raw byte view per block
+    ([num_blocks, 1, 1, page_bytes], several state dtypes packed): the request's
+    non-null state rows are zeroed, attention gets values, nothing else changes."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    page = FullAttentionSpec(**ATT).page_size_bytes
+    mamba = MambaSpec(block_size=BS, shapes=((4, 8), (2, 4)), dtypes=(torch.float32, torch.bfloat16),
+                      page_size_padded=page)
+    attn, mixer = ["model.layers.0.self_attn.attn"], ["model.layers.1.mixer"]
+    h = make_harness(tmp_path, [(attn, FullAttentionSpec(**ATT)), (mixer, mamba)], extra=FILL, layout="BLHNC")
+    assert h.views[mixer[0]].shape[1:3] == (1, 1)
+    h.add("a", list(range(1, 41)))
+    _, meta = h.step()
+    full_ids, mamba_ids = h.block_table("a")
+    null = h.scheduler.kv_cache_manager.block_pool.null_block.block_id
+    live = [b for b in mamba_ids if b != null]
+    assert live and meta.reqs_to_fill["a"][0][1] == live
+    expected = expected_after(h, [(attn[0], full_ids[t // BS], t % BS, t) for t in range(39)])
+    ev = h.views_over(expected)[mixer[0]]
+    for b in live:
+        ev[b].zero_()
+    assert_bytes(h.raw, expected)

@@ -84,7 +84,7 @@ def test_interleave_applies_to_sharded_groups_only():
         (FullAttentionSpec(**{**ATT, "dtype": torch.uint8}, kv_quant_mode=KVQuantMode.FP8_PER_TENSOR), "fp8_e5m2", "fp8_e5m2"),
         (FullAttentionSpec(**{**ATT, "dtype": torch.uint8}), "nvfp4", "packed"),
         (FullAttentionSpec(**{**ATT, "dtype": torch.uint8}, kv_quant_mode=KVQuantMode.FP8_PER_TENSOR, state_content_bytes=40), "fp8", "packed"),
-        (MambaSpec(block_size=16, shapes=((4, 8),), dtypes=(torch.float32,)), "auto", "native"),
+        (MambaSpec(block_size=16, shapes=((4, 8),), dtypes=(torch.float32,)), "auto", "packed"),
     ],
 )
 def test_layer_encoding(spec, cache_dtype, enc):
