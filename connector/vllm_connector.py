@@ -292,6 +292,18 @@ class KVFillWorker:
             backend=self.cfg["backend"],
             layer_ids=_layer_ids(kv_caches),
         )
+        # Caches storing several tokens per slot (tokens_per_state != 1, e.g.
+        # compressed MLA) or several slots per token: the planner's token slots
+        # don't map 1:1 onto them, so their planned blocks are filled whole.
+        self.whole_block_groups = {}
+        for geo in self.geometries:
+            info = self.engine.groups.get(geo.name)
+            if info is not None and geo.kind != GroupKind.MAMBA and info.block_size != geo.block_size:
+                self.whole_block_groups[geo.name] = (geo.block_size, info.block_size)
+                logger.warning(
+                    "KVFillConnector: group %s holds %d slots per block for %d tokens; its planned "
+                    "blocks are filled whole", geo.name, info.block_size, geo.block_size,
+                )
         self.engine.warmup()  # compile the kernels now, not in the first filling step
         logger.info(
             "KVFillConnector: %s fill (mean=%g, std=%g, seed=%d, %s granularity), %s backend, "
@@ -329,7 +341,7 @@ class KVFillWorker:
                     )
             plan = self.planner.rank_plan(selections, self.dcp_rank)
             fill = {
-                name: _unique_entries(g)
+                name: _unique_entries(g, self.whole_block_groups.get(name))
                 for name, g in plan.groups.items()
                 if g.num_entries and name in self.engine.groups
             }
@@ -373,17 +385,24 @@ def _layer_ids(kv_caches: dict[str, Any]) -> dict[str, int]:
     return out
 
 
-def _unique_entries(g) -> GroupFill:
+def _unique_entries(g, whole: tuple[int, int] | None = None) -> GroupFill:
     """Drop repeated entries (a block shared by requests of one step is filled once).
 
     Repeats are rare, so they are looked for with a 1-D sort of the block ids
     (~7 ms for 1.2M entries); the row-wise unique (~100x slower) runs only
-    when some block id does repeat.
+    when some block id does repeat.  ``whole = (tokens per block, slots per
+    block)``: fill every slot of each planned block instead of a token range.
     """
+    start, end, base = g.slot_start, g.slot_end, g.local_base
+    if whole is not None:
+        tokens, slots = whole
+        start = np.zeros_like(start)
+        end = np.full_like(end, slots)
+        base = base // tokens * slots
     ids = np.sort(g.block_ids)
     if ids.size < 2 or not (ids[1:] == ids[:-1]).any():
-        return g.fill()
-    cols = np.stack([g.block_ids, g.slot_start, g.slot_end, g.local_base], axis=1)
+        return GroupFill(g.block_ids, start, end, base)
+    cols = np.stack([g.block_ids, start, end, base], axis=1)
     uniq = np.unique(cols, axis=0)
     return GroupFill(uniq[:, 0], uniq[:, 1], uniq[:, 2], uniq[:, 3])
 

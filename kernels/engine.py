@@ -398,6 +398,8 @@ class FillEngine:
             raise ValueError(f"group {group!r} is not registered; registered: {sorted(self._groups)}")
         if entries.dtype != torch.int32 or entries.dim() != 2 or entries.shape[1] != 4:
             raise ValueError(f"entries must be int32 [n, 4], got {entries.dtype} {tuple(entries.shape)}")
+        if not entries.is_contiguous():  # the kernel reads entry i at offset 4 * i
+            raise ValueError(f"entries must be contiguous, got strides {entries.stride()}")
         if entries.device != self.device:
             raise ValueError(f"entries are on {entries.device}, the caches on {self.device}")
         launches = 0

@@ -436,3 +436,21 @@ def test_mamba_group_state_rows_are_zeroed_beside_attention(tmp_path):
     for b in live:
         ev[b].zero_()
     assert_bytes(h.raw, expected)
+
+
+def test_caches_with_several_tokens_per_slot_get_whole_blocks(tmp_path):
+    """Compressed MLA (tokens_per_state = 4): a 64-token block has 16 state
+    slots; the planned blocks are filled whole instead of being skipped."""
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    spec = MLAAttentionSpec(block_size=64, num_kv_heads=1, head_size=64, dtype=torch.bfloat16, tokens_per_state=4)
+    name = "model.layers.0.self_attn.attn"
+    h = make_harness(tmp_path, [([name], spec)], extra=FILL, block_size=64)
+    assert h.views[name].shape[2] == 16
+    assert h.worker.worker.whole_block_groups == {"group0": (64, 16)}
+    h.add("a", list(range(1, 301)))
+    _, meta = h.step()
+    table = h.block_table("a")[0][: -(-299 // 64)]
+    assert meta.reqs_to_fill["a"] == ([table], 299) or meta.reqs_to_fill["a"] == ((table,), 299)
+    fills = [(name, b, s, k * 16 + s) for k, b in enumerate(table) for s in range(16)]
+    assert_bytes(h.raw, expected_after(h, fills))

@@ -152,6 +152,8 @@ def test_device_entries_need_the_triton_backend_and_int32():
     eng = FillEngine({"g": CacheGroup({"l": cache})}, backend="triton")
     with pytest.raises(ValueError, match=r"int32 \[n, 4\], got torch.int64"):
         eng.fill_device_entries("g", torch.zeros(1, 4, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"entries must be contiguous"):
+        eng.fill_device_entries("g", torch.zeros(4, 3, dtype=torch.int32).t())
     assert (cache == 0).all()
 
 
