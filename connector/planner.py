@@ -202,6 +202,7 @@ class Planner:
         num_local_computed: int,
         block_ids: Sequence[Sequence[Any]],
         ids_of: Callable[[Sequence[Any]], Sequence[int]] = tuple,
+        num_external: int | None = None,
     ) -> RequestSelection:
         """Select the external blocks of one request in every group.
 
@@ -210,7 +211,9 @@ class Planner:
         ids - only the selected slice is converted (vLLM's ``KVCacheBlock``
         lists: ``ids_of=lambda bs: tuple(b.block_id for b in bs)``).  Raises
         ValueError naming the request, group and numbers when the table is too
-        short or the counts are inconsistent.
+        short or the counts are inconsistent.  ``num_external``: fill only
+        ``[num_local_computed, num_local_computed + num_external)`` (a grant the
+        scheduler trimmed); default: up to the last prompt token.
         """
         if not (isinstance(num_tokens, int) and isinstance(num_local_computed, int)):
             raise ValueError(f"request {req_id!r}: token counts must be ints")
@@ -226,6 +229,13 @@ class Planner:
                 f"{max(hi, 0)} tokens before the last prompt token (num_tokens={num_tokens})"
             )
         hi = max(hi, lo)
+        if num_external is not None:
+            if not 0 <= num_external <= hi - lo:
+                raise ValueError(
+                    f"request {req_id!r}: num_external={num_external} outside [0, {hi - lo}] "
+                    f"(num_tokens={num_tokens}, num_local_computed={num_local_computed})"
+                )
+            hi = lo + num_external
         if len(block_ids) != len(self.groups):
             raise ValueError(
                 f"request {req_id!r}: block ids for {len(block_ids)} groups, the planner has "

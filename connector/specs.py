@@ -132,14 +132,19 @@ def _block_ids(blocks) -> list[int]:
     return [b.block_id for b in blocks]
 
 
-def select_request(planner: Planner, request: Any, kv_blocks: Any, num_external_tokens: int) -> RequestSelection:
+def select_request(
+    planner: Planner, request: Any, kv_blocks: Any, num_external_tokens: int, num_local: int | None = None
+) -> RequestSelection:
     """Planner selection from vLLM's scheduler objects.
 
     ``request``: a vLLM ``Request`` (``request_id``, ``num_tokens``);
     ``kv_blocks``: its ``KVCacheBlocks``; ``num_external_tokens``: what the
-    scheduler granted, so the locally computed prefix is
-    ``num_tokens - 1 - num_external_tokens``.  Only the selected blocks' ids
-    are read.
+    scheduler granted; ``num_local``: the locally computed prefix the
+    connector was asked about (default ``num_tokens - 1 - num_external_tokens``,
+    exact unless the scheduler trimmed the grant).  Only the selected blocks'
+    ids are read.
     """
-    num_local = request.num_tokens - 1 - num_external_tokens
-    return planner.select(request.request_id, request.num_tokens, num_local, kv_blocks.blocks, _block_ids)
+    if num_local is None:
+        num_local = request.num_tokens - 1 - num_external_tokens
+    return planner.select(request.request_id, request.num_tokens, num_local, kv_blocks.blocks, _block_ids,
+                          num_external=num_external_tokens)

@@ -192,6 +192,9 @@ class KVFillScheduler:
         self.startup_groups = startup_fill_group_ids(kv_cache_config) if cfg["startup_fill"] else set()
         # request id -> its num_preemptions when it was filled
         self.filled: dict[str, int] = {}
+        # request id -> the locally computed tokens it was last asked about: the
+        # grant starts there even when the scheduler trims its end
+        self.asked: dict[str, int] = {}
         self.pending: dict[str, RequestSelection] = {}
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
@@ -199,12 +202,16 @@ class KVFillScheduler:
         seen = self.filled.get(request.request_id)
         if seen is not None and not (self.cfg["refill_on_preemption"] and preemptions > seen):
             return 0, False
+        self.asked[request.request_id] = num_computed_tokens
         return max(0, request.num_tokens - num_computed_tokens - 1), False
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        num_local = self.asked.pop(request.request_id, None)
         if num_external_tokens == 0:
             return
-        sel = select_request(self.planner, request, blocks, num_external_tokens)
+        if num_local is not None and num_local + num_external_tokens > request.num_tokens - 1:
+            num_local = None  # not the query this grant answers: fall back to the tail
+        sel = select_request(self.planner, request, blocks, num_external_tokens, num_local)
         if self.startup_groups:
             sel = RequestSelection(
                 sel.req_id,
@@ -225,6 +232,7 @@ class KVFillScheduler:
 
     def request_finished(self, request: "Request") -> None:
         self.filled.pop(request.request_id, None)
+        self.asked.pop(request.request_id, None)
         self.pending.pop(request.request_id, None)
 
 

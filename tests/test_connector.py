@@ -454,3 +454,21 @@ def test_caches_with_several_tokens_per_slot_get_whole_blocks(tmp_path):
     assert meta.reqs_to_fill["a"] == ([table], 299) or meta.reqs_to_fill["a"] == ((table,), 299)
     fills = [(name, b, s, k * 16 + s) for k, b in enumerate(table) for s in range(16)]
     assert_bytes(h.raw, expected_after(h, fills))
+
+
+def test_a_grant_trimmed_by_the_scheduler_starts_at_the_local_prefix(full):
+    """vLLM may trim the external grant's end (DSV4 bounded replay keeps whole
+    blocks): the fill covers [local, local + granted), not the prompt's tail."""
+    from types import SimpleNamespace
+
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+    sched = full.scheduler.connector.scheduler
+    req = SimpleNamespace(request_id="t", num_tokens=100, num_preemptions=0)
+    assert sched.get_num_new_matched_tokens(req, 32) == (67, False)
+    blocks = KVCacheBlocks(([KVCacheBlock(i) for i in range(1, 8)],))
+    sched.update_state_after_alloc(req, blocks, 64)  # trimmed to whole blocks
+    sel = sched.build_connector_meta(None).selections["t"].groups[0]
+    assert (sel.token_lo, sel.token_hi, sel.first_block) == (32, 96, 2)
+    assert list(sel.block_ids) == [3, 4, 5, 6]
