@@ -248,11 +248,16 @@ class KVFillWorker:
         self.dcp_rank = self._dcp_rank(vllm_config)
         cache_dtype = vllm_config.cache_config.cache_dtype
         self.encodings: dict[str, str] = {}
+        self.unaddressable: set[str] = set()
         for g in kv_cache_config.kv_cache_groups:
             spec = g.kv_cache_spec
             for name in g.layer_names:
                 layer_spec = spec.kv_cache_specs[name] if isinstance(spec, UniformTypeKVCacheSpecs) else spec
                 self.encodings[name] = layer_encoding(layer_spec, cache_dtype)
+                if not getattr(layer_spec, "has_layer_views", True):
+                    # Raw backing buffers laid out by the layer itself (HiSparse):
+                    # no block dim to address.
+                    self.unaddressable.add(name)
         self.engine: FillEngine | None = None
         self.stats = KVFillStats()
         self.last_stats = None  # FillStats of the latest fill
@@ -274,7 +279,7 @@ class KVFillWorker:
             layers, seen = {}, set()
             for name in g.layer_names:
                 cache = kv_caches.get(name)
-                if cache is None:
+                if cache is None or name in self.unaddressable:
                     continue
                 tensors = cache if isinstance(cache, (list, tuple)) else [cache]
                 key = tuple((t.data_ptr(), tuple(t.shape), t.stride(), t.dtype) for t in tensors)
@@ -291,6 +296,11 @@ class KVFillWorker:
                 dcp_world_size=geo.dcp_world_size,
                 dcp_rank=self.dcp_rank if geo.dcp_world_size > 1 else 0,
                 interleave=geo.interleave,
+            )
+        if self.unaddressable:
+            logger.warning(
+                "KVFillConnector: %d layers keep raw caches with no block views (%s...); they are not filled",
+                len(self.unaddressable), sorted(self.unaddressable)[0],
             )
         self.engine = FillEngine(
             groups,

@@ -472,3 +472,17 @@ def test_a_grant_trimmed_by_the_scheduler_starts_at_the_local_prefix(full):
     sel = sched.build_connector_meta(None).selections["t"].groups[0]
     assert (sel.token_lo, sel.token_hi, sel.first_block) == (32, 96, 2)
     assert list(sel.block_ids) == [3, 4, 5, 6]
+
+
+def test_layers_without_block_views_are_skipped_not_fatal(full, monkeypatch):
+    """Specs whose layers lay out a raw buffer themselves (has_layer_views is
+    False, e.g. HiSparse) cannot be addressed by block: skipped with a warning."""
+    h = full
+    name0, name1 = LAYERS
+    h.worker.worker.unaddressable.add(name1)
+    raw_views = dict(h.views)
+    raw_views[name1] = h.raw[:4096]  # a 1-D raw buffer, as such layers register
+    h.worker.register_kv_caches(raw_views)
+    h.add("a", list(range(1, 41)))
+    h.step()
+    assert_bytes(h.raw, expected_after(h, token_fills(h, "a", 0, 39, layers=[name0])))
