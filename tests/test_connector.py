@@ -40,6 +40,25 @@ def token_fills(h, req_id, lo, hi, group=0, layers=LAYERS, span=BS):
     return [(name, table[t // span], t % span, t) for name in layers for t in range(lo, hi)]
 
 
+def assert_attention_filled_and_second_group_zeroed(h, attn_layer, zero_layer, prompt_len):
+    """One request of ``prompt_len`` tokens over a full-attention group and a
+    group filled with zeros (circular buffer, Mamba state): the attention slots
+    hold values, the second group's non-null blocks of the request are zeroed
+    whole, and no other byte changes."""
+    h.add("a", list(range(1, prompt_len + 1)))
+    _, meta = h.step()
+    full_ids, zero_ids = h.block_table("a")
+    null = h.scheduler.kv_cache_manager.block_pool.null_block.block_id
+    live = [b for b in zero_ids if b != null]
+    assert live and meta.reqs_to_fill["a"][0][1] == live
+    n_ext = prompt_len - 1
+    expected = expected_after(h, [(attn_layer, full_ids[t // BS], t % BS, t) for t in range(n_ext)])
+    zero_view = h.views_over(expected)[zero_layer]
+    for b in live:
+        zero_view[b].view(torch.uint8).zero_()
+    assert_bytes(h.raw, expected)
+
+
 def assert_bytes(actual, expected):
     diff = (actual != expected).nonzero().flatten()
     assert diff.numel() == 0, f"{diff.numel()} bytes differ, first at {diff[:6].tolist()}"
@@ -261,18 +280,7 @@ def test_circular_buffer_group_is_zeroed_whole(tmp_path):
         extra=FILL,
         layout="BLNHC",
     )
-    h.add("a", list(range(1, 101)))
-    _, meta = h.step()
-    full_ids, ring_ids = h.block_table("a")
-    null = h.scheduler.kv_cache_manager.block_pool.null_block.block_id
-    live = [b for b in ring_ids if b != null]
-    assert live and meta.reqs_to_fill["a"][0][1] == live
-    fills = [(full_layers[0], full_ids[t // BS], t % BS, t) for t in range(99)]
-    expected = expected_after(h, fills)
-    ring_view = h.views_over(expected)[ring[0]]
-    for b in live:
-        ring_view[b].view(torch.uint8).zero_()
-    assert_bytes(h.raw, expected)
+    assert_attention_filled_and_second_group_zeroed(h, full_layers[0], ring[0], 100)
 
 
 def test_dcp_spans_per_group_and_rank_local_slots(tmp_path, monkeypatch):
@@ -425,17 +433,7 @@ def test_mamba_group_state_rows_are_zeroed_beside_attention(tmp_path):
     attn, mixer = ["model.layers.0.self_attn.attn"], ["model.layers.1.mixer"]
     h = make_harness(tmp_path, [(attn, FullAttentionSpec(**ATT)), (mixer, mamba)], extra=FILL, layout="BLHNC")
     assert h.views[mixer[0]].shape[1:3] == (1, 1)
-    h.add("a", list(range(1, 41)))
-    _, meta = h.step()
-    full_ids, mamba_ids = h.block_table("a")
-    null = h.scheduler.kv_cache_manager.block_pool.null_block.block_id
-    live = [b for b in mamba_ids if b != null]
-    assert live and meta.reqs_to_fill["a"][0][1] == live
-    expected = expected_after(h, [(attn[0], full_ids[t // BS], t % BS, t) for t in range(39)])
-    ev = h.views_over(expected)[mixer[0]]
-    for b in live:
-        ev[b].zero_()
-    assert_bytes(h.raw, expected)
+    assert_attention_filled_and_second_group_zeroed(h, attn[0], mixer[0], 40)
 
 
 def test_caches_with_several_tokens_per_slot_get_whole_blocks(tmp_path):
