@@ -41,7 +41,7 @@ def main(argv=None):
         "sampling error of the mean (1/sqrt(n))": n**-0.5,
         "corr(element e, e+1)": corr(x[:, 1:], x[:, :-1]),
         "corr(token t, t+1)": corr(x[1:], x[:-1]),
-        "corr(token t, t+4096)": corr(x[4096:], x[:-4096]),
+        "corr(token t, t+4096)": corr(x[4096:], x[:-4096]) if a.tokens > 4096 else float("nan"),
         "corr(layer 0, layer 1)": corr(x, y),
     }
     for k, v in figures.items():
