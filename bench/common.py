@@ -1,8 +1,7 @@
 """Shared pieces of the benchmarks and GPU check (torch + triton only, no vLLM).
 
-* ``standard_views``: vLLM's per-layer ``[B, H, N, C]`` views over one raw
-  buffer in any of its six physical orders (same strides as vLLM's
-  ``create_kv_cache_views``; tests/test_bench_common.py checks that).
+* ``standard_views`` (from ``kvfill.kernels.testing``): vLLM's per-layer
+  ``[B, H, N, C]`` views over one raw buffer in any of its six physical orders.
 * ``intree_fill``: the in-tree DecodeBenchConnector fill, re-implemented
   faithfully (vLLM 0.32 ``_fill_block_tensor``): per request, per layer, an
   H2D copy of the block ids, a bounds filter, a freshly sampled
@@ -22,37 +21,7 @@ from datetime import datetime, timezone
 import numpy as np
 import torch
 
-# vLLM's KVCacheLayout stride orders over the logical [L, B, H, N, C] dims.
-STANDARD_LAYOUTS = {
-    "LBHNC": (0, 1, 2, 3, 4),
-    "LBNHC": (0, 1, 3, 2, 4),
-    "LHBNC": (0, 2, 1, 3, 4),
-    "BLHNC": (1, 0, 2, 3, 4),
-    "BLNHC": (1, 0, 3, 2, 4),
-    "BHLNC": (1, 2, 0, 3, 4),
-}
-
-
-def standard_views(
-    num_layers, num_blocks, heads, block_size, content, dtype, layout="LBNHC", device="cpu", raw=None
-):
-    """Per-layer ``[B, H, N, C]`` views of one buffer in the given physical order.
-
-    Returns ``(raw_uint8_buffer, [view per layer])``.
-    """
-    shape = (num_layers, num_blocks, heads, block_size, content)
-    strides = [0] * 5
-    step = 1
-    for dim in reversed(STANDARD_LAYOUTS[layout]):
-        strides[dim] = step
-        step *= shape[dim]
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    if raw is None:
-        raw = torch.empty(step * itemsize, dtype=torch.uint8, device=device)
-    typed = raw.view(dtype)
-    view5 = typed.as_strided(shape, strides, 0)
-    return raw, [view5[i] for i in range(num_layers)]
-
+from kvfill.kernels.testing import standard_views  # noqa: F401  (the benches build caches with it)
 
 def scattered_requests(num_requests, blocks_per_request, num_blocks, seed=0):
     """Disjoint, randomly placed block tables (like a busy block pool)."""

@@ -11,6 +11,7 @@ site=$(mktemp -d)
 mkdir -p "$site/kvfill"
 ln -s "$PWD/kernels" "$site/kvfill/kernels"
 ln -s "$PWD/connector" "$site/kvfill/connector"
+ln -s "$PWD/bench" "$site/kvfill/bench"
 export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 PY=${PY:-python3}
 nvidia-smi -L || true

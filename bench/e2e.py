@@ -180,7 +180,7 @@ def main(argv=None):
             r[k] = round(r[k], 3)
     print(f"\n{a.requests} requests x {a.prompt_len} prompt tokens, {a.output_len} output tokens, "
           f"fill_std={a.fill_std}, kv cache dtype {a.kv_cache_dtype}; model {os.path.basename(a.model)}")
-    from common import table  # bench/common.py
+    from kvfill.bench.common import table
 
     print(table(rows, COLUMNS))
     if a.json:
@@ -191,5 +191,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     sys.exit(main())

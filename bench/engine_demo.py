@@ -1,7 +1,7 @@
 """Engine demo (no vLLM needed): fill a hybrid model's KV caches on CPU, verify, compare with the in-tree fill.
 
-Until the vLLM connector lands this drives the engine directly: caches shaped
-as vLLM allocates them (standard [B, H, N, C] views, an fp8-in-uint8 group, a
+It drives the planner and the engine directly, as the connector's worker does
+(``Planner.plan`` then ``FillEngine.fill``): caches shaped as vLLM allocates them (standard [B, H, N, C] views, an fp8-in-uint8 group, a
 Mamba state group), a step of several long requests with partially computed
 first blocks, one ``fill`` per step, then ``verify`` of every planned slot and
 a check that no other byte changed.  The Triton kernel runs too (under the
@@ -19,8 +19,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before kvfill imports triton
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import common as C  # noqa: E402
+from kvfill.bench import common as C  # noqa: E402
 
 from kvfill.connector.planner import GroupGeometry, GroupKind, Planner  # noqa: E402
 from kvfill.kernels import CacheGroup, FillEngine, GroupFill  # noqa: E402
@@ -72,7 +71,7 @@ def main(argv=None):
         local = int(rng.integers(0, 3 * bs))  # prefix-cache hit: partial first block
         selections.append(planner.select(f"req-{r}", a.prompt_len, local, [table, table, [r]]))
         requests.append(table)
-    plan = planner.rank_plan(selections).fill_plan()
+    plan = planner.plan(selections)  # what the connector's worker calls each step
     before = [t.clone() for t in tensors]
     t0 = time.perf_counter()
     stats = engine.fill(plan)

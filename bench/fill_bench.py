@@ -12,14 +12,12 @@ in-tree path, fill calls per step, peak extra device memory (CUDA).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import common as C  # noqa: E402
+from kvfill.bench import common as C  # noqa: E402
 
 from kvfill.kernels import CacheGroup, FillEngine, GroupFill  # noqa: E402
 

@@ -5,7 +5,7 @@ vLLM, no network); prints a compact table last and writes JSON.
     python bench/gpu_check.py --out bench/results          # on a GPU machine
     TRITON_INTERPRET=1 python bench/gpu_check.py --smoke   # CPU dry run (tests do this)
 
-Correctness: each cache layout of bench/layouts.py is built over a poisoned
+Correctness: each cache layout of kvfill.kernels.testing is built over a poisoned
 buffer on the device, filled by the Triton kernel (partial first block, whole
 block, partial last block, out of order), and every byte of the buffer is
 compared with the torch backend's fill of a CPU copy (the torch backend is
@@ -20,10 +20,9 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import common as C  # noqa: E402
-import fill_bench  # noqa: E402
-import layouts as LZ  # noqa: E402
+from kvfill.bench import common as C  # noqa: E402
+from kvfill.bench import fill_bench  # noqa: E402
+from kvfill.kernels import testing as LZ  # noqa: E402
 
 from kvfill.kernels import CacheGroup, FillEngine, GroupFill, fill_blocks  # noqa: E402
 

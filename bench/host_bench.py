@@ -15,16 +15,13 @@ tensor and bounds filter; sampling and index-put removed).
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 from types import SimpleNamespace
 from unittest import mock
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import planner_bench as PB  # noqa: E402
-from common import table  # noqa: E402
+from kvfill.bench import planner_bench as PB  # noqa: E402
+from kvfill.bench.common import table  # noqa: E402
 
 from vllm.distributed.kv_transfer.kv_connector.v1.decode_bench_connector import (  # noqa: E402
     DecodeBenchConnectorScheduler,
@@ -32,8 +29,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.decode_bench_connector import 
 )
 from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec  # noqa: E402
 
-from kvfill.connector.vllm_connector import KVFillScheduler, KVFillWorker, parse_config  # noqa: E402
-from kvfill.kernels.engine import FillEngine  # noqa: E402
+from kvfill.connector.options import FillOptions  # noqa: E402
+from kvfill.connector.scheduler import KVFillScheduler  # noqa: E402
+from kvfill.connector.worker import KVFillWorker  # noqa: E402
+from kvfill.kernels.torch_fill import TorchBackend  # noqa: E402
 
 
 def with_layers(vllm_config, kv_cache_config, num_layers):
@@ -55,7 +54,7 @@ def run_step(name, num_requests, num_tokens, num_layers, repeat):
 
     def sched_step(cls):
         sched = cls(vllm_config, kv_cfg) if cls is DecodeBenchConnectorScheduler else cls(
-            vllm_config, kv_cfg, parse_config({}))
+            vllm_config, kv_cfg, FillOptions())
         for req, blk in zip(requests, blocks):
             sched.update_state_after_alloc(req, blk, n_ext)
         return sched.build_connector_meta(None)
@@ -70,7 +69,7 @@ def run_step(name, num_requests, num_tokens, num_layers, repeat):
     names = [n for g in kv_cfg.kv_cache_groups for n in g.layer_names]
     caches = {n: torch.zeros(nb, 1, 16, 2, dtype=torch.bfloat16) for n in names}
 
-    worker_kv = KVFillWorker(vllm_config, kv_cfg, parse_config({"fill_std": 0.1}))
+    worker_kv = KVFillWorker(vllm_config, kv_cfg, FillOptions(fill_std=0.1))
     worker_kv.register_kv_caches(caches)
     worker_in = DecodeBenchConnectorWorker(vllm_config, kv_cfg)
     worker_in.register_kv_caches(caches)
@@ -79,7 +78,7 @@ def run_step(name, num_requests, num_tokens, num_layers, repeat):
         ids = torch.tensor(block_ids, dtype=torch.long, device=kv_cache.device)
         ids[ids < kv_cache.shape[0]]
 
-    with mock.patch.object(FillEngine, "_fill_torch", lambda self, expanded, stats: None):
+    with mock.patch.object(TorchBackend, "fill", lambda self, plan: 0):
         t_work_kv = PB.median(lambda: worker_kv.start_fill(meta_kv), repeat)
     with mock.patch.object(DecodeBenchConnectorWorker, "_fill_block_tensor", intree_host_only):
         t_work_in = PB.median(lambda: worker_in.start_fill_kv(meta_in), repeat)

@@ -8,7 +8,7 @@ vLLM ``KVCacheBlock`` objects.  In-tree: ``DecodeBenchConnectorScheduler``
 ``update_state_after_alloc`` for every request, then ``build_connector_meta``.
 kvfill: ``specs.select_request`` for every request (the planner's selection,
 which reads only the selected blocks' ids), collected into the step's
-metadata, plus the worker-side ``rank_plan`` reported separately.  Prints the
+metadata, plus the worker-side ``Planner.plan`` reported separately.  Prints the
 median times and the ratio.
 """
 from __future__ import annotations
@@ -102,13 +102,13 @@ def main(argv=None):
     t_in = median(intree, a.repeat)
     t_kv = median(kvfill, a.repeat)
     sels = list(ours.values())
-    t_rank = median(lambda: planner.rank_plan(sels, 0), a.repeat)
+    t_rank = median(lambda: planner.plan(sels), a.repeat)
     n_blocks = sum(len(g) for v in theirs.values() for g in v[0])
     print(f"{a.requests} requests x {a.tokens} tokens x 2 groups, {n_blocks} blocks selected")
     print(f"  in-tree update_state_after_alloc + build_connector_meta: {t_in * 1e3:8.1f} ms")
     print(f"  kvfill select_request (scheduler side):                  {t_kv * 1e3:8.1f} ms")
     print(f"  ratio in-tree / kvfill:                                  {t_in / t_kv:8.2f}x")
-    print(f"  kvfill rank_plan (worker side, once per step):           {t_rank * 1e3:8.1f} ms")
+    print(f"  kvfill Planner.plan (worker side, once per step):        {t_rank * 1e3:8.1f} ms")
     return t_in, t_kv
 
 

@@ -14,12 +14,10 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import common as C  # noqa: E402
+from kvfill.bench import common as C  # noqa: E402
 
 
 def compile_ptx(layout, mode: str, arch: int = 90) -> str:
@@ -30,26 +28,18 @@ def compile_ptx(layout, mode: str, arch: int = 90) -> str:
     from triton.compiler import ASTSource
 
     from kvfill.kernels import triton_fill as tf
-    from kvfill.kernels import values as V
 
     bits = {1: "u8", 2: "i16", 4: "i32", 8: "i64"}[layout.itemsize]
     sig = {
         "entries_ptr": "*i32", "layers_ptr": "*i64", "ref_ptr": f"*{bits}", "table_ptr": f"*{bits}",
-        "dcp_world": "i32", "dcp_rank": "i32", "interleave": "i32", "num_blocks": "i32",
+        "dcp_world_size": "i32", "dcp_rank": "i32", "dcp_interleave": "i32", "num_blocks": "i32",
     }
-    (d0, d1, d2, d3), (s0, s1, s2, s3) = layout.padded_elem_dims()
-    tile_s, tile_e = tf.tile_shape(layout)
-    consts = dict(
-        MODE=tf.MODE_CODE[mode], LAYER_ALIGN=16 // layout.itemsize, BLOCK_STRIDE=layout.block_stride,
-        BLOCK_SIZE=layout.block_size, KBS=layout.kernel_block_size, KSTRIDE=layout.kernel_block_stride, SSTRIDE=layout.slot_stride,
-        D0=d0, D1=d1, D2=d2, D3=d3, S0=s0, S1=s1, S2=s2, S3=s3, ROW=layout.row_size,
-        POOL_MASK=V.POOL_MASK, ROW_ALIGN=V.ROW_ALIGN, TILE_S=tile_s, TILE_E=tile_e,
-    )
+    consts = tf.kernel_constexprs(layout, mode, layer_align=16 // layout.itemsize)
     names = list(sig) + list(consts)
     sig.update({k: "constexpr" for k in consts})
     # Pointer arguments are 16-byte aligned (Triton specialises on that at launch).
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(4)}
-    src = ASTSource(tf._scatter_fill_kernel, sig, constexprs={(names.index(k),): v for k, v in consts.items()},
+    src = ASTSource(tf.scatter_fill_kernel, sig, constexprs={(names.index(k),): v for k, v in consts.items()},
                     attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32)).asm["ptx"]
 
@@ -96,10 +86,10 @@ if __name__ == "__main__":
 
 
 def compile_zoo(arch: int = 90) -> list[dict]:
-    """Compile the kernel for every cache layout of bench/layouts.py (bf16 and
+    """Compile the kernel for every cache layout of kvfill.kernels.testing (bf16 and
     fp8-in-uint8, constant and normal): the constexpr combinations the GPU
     will see, checked to compile without a GPU."""
-    import layouts as LZ
+    from kvfill.kernels import testing as LZ
 
     from kvfill.kernels import layout_of
 

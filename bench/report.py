@@ -13,11 +13,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from collections import defaultdict
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import common as C  # noqa: E402
+from kvfill.bench import common as C  # noqa: E402
 
 COLUMNS = ["sweep", "case", "mode", "kvfill ms", "kvfill GB/s", "kvfill %memset", "in-tree ms",
            "in-tree %memset", "x in-tree", "kvfill calls", "in-tree calls", "kvfill extra MiB",

@@ -15,14 +15,12 @@ of memset and the speedup over the in-tree path.
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import common as C  # noqa: E402
-import fill_bench  # noqa: E402
+from kvfill.bench import common as C  # noqa: E402
+from kvfill.bench import fill_bench  # noqa: E402
 
 DEVICE = os.environ.get("KVFILL_BENCH_DEVICE", "cuda" if torch.cuda.is_available() else "cpu")
 GPU = DEVICE.startswith("cuda")

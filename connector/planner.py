@@ -1,14 +1,17 @@
 """DCP-aware block planner: exactly the external slots of every KV cache group.
 
-Pure Python over plain integers (no vLLM import), in two stages:
+Pure Python over plain integers (no vLLM import: ``specs.py`` adapts vLLM's
+types to it), in two stages:
 
 * ``Planner.select`` (scheduler side, once per request): which blocks of each
   group's block table hold external tokens, and which global token range they
   hold.  Rank independent, so the scheduler plans once for all ranks.
-* ``Planner.rank_plan`` (worker side, once per step): the selections of all
-  requests turned into one rank's fill entries - ``(block, slot_start,
-  slot_end, local_base)`` per planned block, CSR per group - ready for one
-  upload to ``FillEngine.fill``.
+* ``Planner.plan`` (worker side, once per step): the selections of all
+  requests turned into the ``FillPlan`` one rank's engine fills - entries
+  ``(block, slot_start, slot_end, local_base)`` per group, blocks of caches
+  that hold several tokens per slot remapped to whole blocks, and a block
+  shared by two requests of the step planned once.  The connector, the demo,
+  the README and the tests all call this one function.
 
 Geometry (ARCHITECTURE.md): a request's external tokens are
 ``[num_local_computed, num_tokens - 1)``; the last prompt token is left for the
@@ -22,12 +25,12 @@ range of local indices, so each planned block is one slot range.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
-from kvfill.kernels.plan import GroupFill
+from kvfill.kernels import NO_DCP, DcpGeometry, FillPlan, GroupFill
 
 NULL_BLOCK_ID = 0  # vLLM's BlockPool hands out block 0 as the null block
 
@@ -49,37 +52,45 @@ class Granularity(str, enum.Enum):
 
 @dataclass(frozen=True)
 class GroupGeometry:
-    """One KV cache group as the planner sees it."""
+    """One KV cache group as the planner sees it.
+
+    ``block_size``: tokens per block per rank (the spec's block size);
+    ``dcp``: the group's DCP geometry (W > 1 only for DCP-sharded full
+    attention; the rank matters only to ``Planner.plan``);
+    ``slots_per_block``: slots the group's caches hold per block, when that
+    differs from ``block_size`` (several tokens per slot, e.g. compressed MLA):
+    its planned blocks are then filled whole.
+    """
 
     name: str
     kind: GroupKind
-    block_size: int          # tokens per block per rank (the spec's block size)
-    dcp_world_size: int = 1  # W of this group: > 1 only for DCP-sharded full attention
-    interleave: int = 1      # I: DCP interleave, divides block_size
+    block_size: int
+    dcp: DcpGeometry = NO_DCP
     zero_fill: bool = False  # packed encodings / int metadata: zeros, not values
+    slots_per_block: int | None = None
 
     def __post_init__(self):
         if not isinstance(self.kind, GroupKind):
             object.__setattr__(self, "kind", GroupKind(self.kind))
-        for what, v in (("block_size", self.block_size), ("dcp_world_size", self.dcp_world_size),
-                        ("interleave", self.interleave)):
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"group {self.name!r}: {what} must be an int >= 1, got {v!r}")
-        if self.dcp_world_size > 1 and self.kind != GroupKind.FULL_ATTENTION:
+        if not isinstance(self.block_size, int) or self.block_size < 1:
+            raise ValueError(f"group {self.name!r}: block_size must be an int >= 1, got {self.block_size!r}")
+        if not isinstance(self.dcp, DcpGeometry):
+            raise TypeError(f"group {self.name!r}: dcp must be a DcpGeometry, got {type(self.dcp).__name__}")
+        if self.dcp.sharded and self.kind != GroupKind.FULL_ATTENTION:
             raise ValueError(
                 f"group {self.name!r}: only full attention is DCP-sharded, got kind "
-                f"{self.kind.value} with dcp_world_size {self.dcp_world_size}"
+                f"{self.kind.value} with DCP world size {self.dcp.world_size}"
             )
-        if self.block_size % self.interleave:
+        if self.block_size % self.dcp.interleave:
             raise ValueError(
-                f"group {self.name!r}: interleave {self.interleave} does not divide the "
+                f"group {self.name!r}: interleave {self.dcp.interleave} does not divide the "
                 f"block size {self.block_size}"
             )
 
     @property
     def span(self) -> int:
         """Global tokens covered by one block id (block_size x W)."""
-        return self.block_size * self.dcp_world_size
+        return self.block_size * self.dcp.world_size
 
     @property
     def whole_blocks(self) -> bool:
@@ -89,6 +100,11 @@ class GroupGeometry:
     @property
     def zero(self) -> bool:
         return self.zero_fill or self.kind == GroupKind.CIRCULAR_BUFFER
+
+    @property
+    def remaps_to_whole_blocks(self) -> bool:
+        """Token slots don't map 1:1 onto this group's caches: fill planned blocks whole."""
+        return self.kind != GroupKind.MAMBA and self.slots_per_block not in (None, self.block_size)
 
 
 @dataclass(slots=True)  # not frozen: built per request per group on the scheduler's hot path
@@ -130,51 +146,6 @@ def _non_null(ids: Sequence[int], null_block_id: int) -> list[int]:
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def local_count(n: np.ndarray | int, world: int, rank: int, interleave: int):
-    """How many of the global tokens ``[0, n)`` live on ``rank``."""
-    if world == 1:
-        return n
-    period = interleave * world
-    return (n // period) * interleave + np.clip(n % period - rank * interleave, 0, interleave)
-
-
-@dataclass
-class GroupEntries:
-    """One group's planned entries on one rank, CSR over requests."""
-
-    block_ids: np.ndarray
-    slot_start: np.ndarray
-    slot_end: np.ndarray
-    local_base: np.ndarray
-    req_indptr: np.ndarray  # entries of request i: [req_indptr[i], req_indptr[i + 1])
-
-    @property
-    def num_entries(self) -> int:
-        return int(self.block_ids.size)
-
-    @property
-    def num_slots(self) -> int:
-        return int((self.slot_end - self.slot_start).sum())
-
-    def fill(self) -> GroupFill:
-        return GroupFill(self.block_ids, self.slot_start, self.slot_end, self.local_base)
-
-
-@dataclass
-class StepPlan:
-    """One step's fill on one rank: entries per group (by group name)."""
-
-    req_ids: list[str]
-    groups: dict[str, GroupEntries] = field(default_factory=dict)
-
-    def fill_plan(self) -> dict[str, GroupFill]:
-        return {name: g.fill() for name, g in self.groups.items() if g.num_entries}
-
-    @property
-    def num_entries(self) -> int:
-        return sum(g.num_entries for g in self.groups.values())
 
 
 class Planner:
@@ -252,7 +223,7 @@ class Planner:
                 raise ValueError(
                     f"request {req_id!r}, group {geo.name!r}: tokens [{lo}, {hi}) need blocks "
                     f"[{first}, {end}) of span {geo.span} (block_size {geo.block_size} x "
-                    f"W {geo.dcp_world_size}), but only {len(table)} are allocated"
+                    f"W {geo.dcp.world_size}), but only {len(table)} are allocated"
                 )
             selections.append(
                 GroupSelection(
@@ -265,45 +236,95 @@ class Planner:
             )
         return RequestSelection(req_id, hi - lo, tuple(selections))
 
-    # ------------------------------------------------------------ worker side
-    def rank_plan(self, selections: Sequence[RequestSelection], dcp_rank: int = 0) -> StepPlan:
-        """The entries one rank fills for the given requests (all groups).
+    def for_rank(self, rank: int) -> "Planner":
+        """This planner with every DCP-sharded group seen from ``rank``."""
+        return Planner([replace(g, dcp=g.dcp.on_rank(rank)) for g in self.groups],
+                       granularity=self.granularity, null_block_id=self.null_block_id)
 
-        Vectorised over all requests of the step: one numpy conversion of the
-        selected block ids per group, then array arithmetic.
+    # ------------------------------------------------------------ worker side
+    def plan(self, selections: Sequence[RequestSelection], groups: Iterable[str] | None = None) -> FillPlan:
+        """The ``FillPlan`` this planner's rank fills for the given requests.
+
+        ``groups``: plan only these groups (default: all; a worker passes the
+        groups its engine registered).  Per group: the rank-local entries of
+        every request in request order, remapped to whole blocks where the
+        caches hold several tokens per slot, a repeated entry (a block shared
+        by two requests of the step) kept once; groups without entries are
+        left out.  Raises ValueError naming a request whose selection has
+        another group count.
         """
-        plan = StepPlan([s.req_id for s in selections])
-        num_req = len(selections)
+        for sel in selections:
+            if len(sel.groups) != len(self.groups):
+                raise ValueError(
+                    f"request {sel.req_id!r} has block ids for {len(sel.groups)} groups, "
+                    f"the planner has {len(self.groups)} ({[g.name for g in self.groups]})"
+                )
+        wanted = None if groups is None else set(groups)
+        out = {}
         for gi, geo in enumerate(self.groups):
-            W, I, bs = geo.dcp_world_size, geo.interleave, geo.block_size
-            if W > 1 and not 0 <= dcp_rank < W:
-                raise ValueError(f"group {geo.name!r}: DCP rank {dcp_rank} outside [0, {W})")
-            rank = dcp_rank if W > 1 else 0
-            sels = [sel.groups[gi] for sel in selections]
-            lens = np.fromiter((len(g.block_ids) for g in sels), np.int64, num_req)
-            ids = np.concatenate([np.asarray(g.block_ids, np.int64) for g in sels] or [np.zeros(0, np.int64)])
-            req = np.repeat(np.arange(num_req, dtype=np.int64), lens)
-            first = np.fromiter((g.first_block for g in sels), np.int64, num_req)
-            lo = np.fromiter((g.token_lo for g in sels), np.int64, num_req)
-            hi = np.fromiter((g.token_hi for g in sels), np.int64, num_req)
-            whole = np.fromiter((g.whole for g in sels), bool, num_req)[req]
-            # Table index of each selected block.
-            k = first[req] + np.arange(ids.size, dtype=np.int64) - (np.cumsum(lens) - lens)[req]
-            base = k * bs
-            if geo.kind == GroupKind.MAMBA:
-                # A state row summarises the prompt up to its last external token.
-                start = np.zeros(ids.size, np.int64)
-                end = np.ones(ids.size, np.int64)
-                base = np.maximum(hi - 1, 0)[req]
-            else:
-                llo = local_count(lo, W, rank, I)[req]
-                lhi = local_count(hi, W, rank, I)[req]
-                start = np.where(whole, 0, np.clip(llo - base, 0, bs))
-                end = np.where(whole, bs, np.clip(lhi - base, 0, bs))
-            keep = (ids != self.null_block_id) & (end > start)
-            indptr = np.zeros(num_req + 1, np.int64)
-            np.cumsum(np.bincount(req[keep], minlength=num_req), out=indptr[1:])
-            plan.groups[geo.name] = GroupEntries(
-                ids[keep], start[keep], end[keep], base[keep], req_indptr=indptr
-            )
-        return plan
+            if wanted is not None and geo.name not in wanted:
+                continue
+            entries = _rank_entries(geo, [sel.groups[gi] for sel in selections], self.null_block_id)
+            if geo.remaps_to_whole_blocks:
+                entries = _whole_blocks(entries, geo.block_size, geo.slots_per_block)
+            entries = _unique(entries)
+            if entries.num_entries:
+                out[geo.name] = entries
+        return FillPlan(out)
+
+
+def _rank_entries(geo: GroupGeometry, sels: Sequence[GroupSelection], null_block_id: int) -> GroupFill:
+    """One group's entries on ``geo.dcp.rank``, request after request.
+
+    Vectorised over all requests of the step: one numpy conversion of the
+    selected block ids, then array arithmetic.
+    """
+    num_req, bs = len(sels), geo.block_size
+    lens = np.fromiter((len(g.block_ids) for g in sels), np.int64, num_req)
+    ids = np.concatenate([np.asarray(g.block_ids, np.int64) for g in sels] or [np.zeros(0, np.int64)])
+    req = np.repeat(np.arange(num_req, dtype=np.int64), lens)
+    first = np.fromiter((g.first_block for g in sels), np.int64, num_req)
+    lo = np.fromiter((g.token_lo for g in sels), np.int64, num_req)
+    hi = np.fromiter((g.token_hi for g in sels), np.int64, num_req)
+    whole = np.fromiter((g.whole for g in sels), bool, num_req)[req]
+    # Table index of each selected block.
+    k = first[req] + np.arange(ids.size, dtype=np.int64) - (np.cumsum(lens) - lens)[req]
+    base = k * bs
+    if geo.kind == GroupKind.MAMBA:
+        # A state row summarises the prompt up to its last external token.
+        start = np.zeros(ids.size, np.int64)
+        end = np.ones(ids.size, np.int64)
+        base = np.maximum(hi - 1, 0)[req]
+    else:
+        llo = geo.dcp.local_count(lo)[req]
+        lhi = geo.dcp.local_count(hi)[req]
+        start = np.where(whole, 0, np.clip(llo - base, 0, bs))
+        end = np.where(whole, bs, np.clip(lhi - base, 0, bs))
+    keep = (ids != null_block_id) & (end > start)
+    return GroupFill(ids[keep], start[keep], end[keep], base[keep])
+
+
+def _whole_blocks(entries: GroupFill, tokens_per_block: int, slots_per_block: int) -> GroupFill:
+    """Every slot of each planned block, block k of the table holding slots
+    ``[k * slots_per_block, (k + 1) * slots_per_block)``."""
+    return GroupFill(
+        entries.block_ids,
+        np.zeros_like(entries.slot_start),
+        np.full_like(entries.slot_end, slots_per_block),
+        entries.local_base // tokens_per_block * slots_per_block,
+    )
+
+
+def _unique(entries: GroupFill) -> GroupFill:
+    """Drop repeated entries (a block shared by requests of one step is filled once).
+
+    Repeats are rare, so they are looked for with a 1-D sort of the block ids
+    (~7 ms for 1.2M entries); the row-wise unique (~100x slower) runs only
+    when some block id does repeat.
+    """
+    ids = np.sort(entries.block_ids)
+    if ids.size < 2 or not (ids[1:] == ids[:-1]).any():
+        return entries
+    cols = np.stack([entries.block_ids, entries.slot_start, entries.slot_end, entries.local_base], axis=1)
+    uniq = np.unique(cols, axis=0)
+    return GroupFill(uniq[:, 0], uniq[:, 1], uniq[:, 2], uniq[:, 3])

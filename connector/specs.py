@@ -26,6 +26,7 @@ from vllm.v1.kv_cache_interface import (
     UniformTypeKVCacheSpecs,
 )
 
+from kvfill.kernels import DcpGeometry
 from kvfill.kernels import values as V
 
 from .planner import GroupGeometry, GroupKind, Planner, RequestSelection
@@ -100,14 +101,14 @@ def layer_encoding(spec: KVCacheSpec, cache_dtype: str | None = None) -> str:
 def group_geometry(
     name: str, spec: KVCacheSpec, *, dcp_world_size: int = 1, interleave: int = 1
 ) -> GroupGeometry:
+    """The planner's geometry of one group (DCP rank 0: ``Planner.for_rank`` sets a worker's)."""
     kind = spec_kind(spec)
     world = dcp_world_size_of(spec, dcp_world_size)
     return GroupGeometry(
         name=name,
         kind=kind,
         block_size=spec.block_size,
-        dcp_world_size=world,
-        interleave=interleave if world > 1 else 1,
+        dcp=DcpGeometry(world, 0, interleave if world > 1 else 1),
         zero_fill=kind == GroupKind.CIRCULAR_BUFFER,
     )
 
@@ -125,6 +126,29 @@ def geometries_from_config(vllm_config: Any, kv_cache_config: Any) -> list[Group
         group_geometry(f"group{i}", g.kv_cache_spec, dcp_world_size=dcp, interleave=interleave)
         for i, g in enumerate(kv_cache_config.kv_cache_groups)
     ]
+
+
+def startup_fill_group_ids(kv_cache_config: Any) -> set[int]:
+    """Groups a startup fill covers: not circular buffers (zeroed per request),
+    not attention groups the engine zeroes on allocation (that wipes the fill)."""
+    out = set()
+    for i, g in enumerate(kv_cache_config.kv_cache_groups):
+        if any(spec_kind(s) == GroupKind.CIRCULAR_BUFFER for s in layer_specs(g.kv_cache_spec)):
+            continue
+        if getattr(kv_cache_config, "needs_kv_cache_zeroing", False) and isinstance(g.kv_cache_spec, AttentionSpec):
+            continue
+        out.add(i)
+    return out
+
+
+def layer_specs_by_name(kv_cache_config: Any) -> dict[str, KVCacheSpec]:
+    """Layer name -> that layer's own spec (uniform-type groups hold one per layer)."""
+    out = {}
+    for g in kv_cache_config.kv_cache_groups:
+        spec = g.kv_cache_spec
+        for name in g.layer_names:
+            out[name] = spec.kv_cache_specs[name] if isinstance(spec, UniformTypeKVCacheSpecs) else spec
+    return out
 
 
 def _block_ids(blocks) -> list[int]:

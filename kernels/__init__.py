@@ -3,8 +3,11 @@
 Public API:
     fill_blocks / verify_blocks     functional fill of whole blocks (custom op)
     FillEngine, CacheGroup          register caches once, fill plans per step
-    FillPlan, GroupFill             the plan format (CSR entries per group)
+    FillPlan, GroupFill             the plan format (a list of entries per group)
+    DcpGeometry                     which rank holds which token of a group
+    ValueSpec                       what is written (mean, std, seed)
     layout_of, Layout               how a tensor is addressed
+    kvfill.kernels.testing          the layout zoo and helpers for tests and checks
 """
 if __name__ != "kvfill.kernels":
     # This folder imported by path as a top-level `kernels` (the repo root on
@@ -13,23 +16,32 @@ if __name__ != "kvfill.kernels":
     # torch custom op again and split the engine cache between two copies.
     __all__: list[str] = []
 else:
-    from .api import fill_blocks, verify_blocks
-    from .engine import CacheGroup, FillEngine, FillStats, Mismatch, VerifyReport
+    from .api import clear_engine_cache, fill_blocks, num_cached_engines, verify_blocks
+    from .dcp import NO_DCP, DcpGeometry
+    from .engine import FillEngine, FillStats
     from .layout import Layout, layout_of
     from .plan import FillPlan, GroupFill
-    from .values import POOL_SIZE
+    from .registry import CacheGroup, RegisteredGroup
+    from .values import POOL_SIZE, ValueSpec
+    from .verify import Mismatch, VerifyReport
 
     __all__ = [
         "CacheGroup",
+        "DcpGeometry",
         "FillEngine",
         "FillPlan",
         "FillStats",
         "GroupFill",
         "Layout",
         "Mismatch",
+        "NO_DCP",
         "POOL_SIZE",
+        "RegisteredGroup",
+        "ValueSpec",
         "VerifyReport",
+        "clear_engine_cache",
         "fill_blocks",
         "layout_of",
+        "num_cached_engines",
         "verify_blocks",
     ]

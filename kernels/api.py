@@ -7,9 +7,11 @@ from typing import Mapping, Sequence
 import numpy as np
 import torch
 
-from .engine import CacheGroup, FillEngine, VerifyReport
+from .engine import FillEngine
 from .layout import default_slot_dim
 from .plan import GroupFill
+from .registry import CacheGroup
+from .verify import VerifyReport
 
 
 def _flatten(caches) -> list[torch.Tensor]:
@@ -40,7 +42,13 @@ _MAX_ENGINES = 8
 
 
 def clear_engine_cache() -> None:
+    """Drop the engines (and cache references) kept for repeated calls."""
     _ENGINES.clear()
+
+
+def num_cached_engines() -> int:
+    """How many engines recent ``fill_blocks``/``verify_blocks`` calls keep."""
+    return len(_ENGINES)
 
 
 def _engine(caches, block_dim, mean, std, seed, backend) -> FillEngine:
@@ -96,7 +104,7 @@ def _fill_captured(engine: FillEngine, block_ids: torch.Tensor) -> None:
     ids = block_ids.to(torch.int32).reshape(n)
     pos = torch.arange(n, dtype=torch.int32, device=ids.device)
     for g, info in engine.groups.items():
-        bs = info.block_size
+        bs = info.slots_per_block
         entries = torch.stack([ids, torch.zeros_like(ids), torch.full_like(ids, bs), pos * bs], dim=1)
         engine.fill_device_entries(g, entries)
 
@@ -109,7 +117,7 @@ def _whole_blocks_plan(engine: FillEngine, ids: np.ndarray) -> dict[str, GroupFi
     first.sort()
     out = {}
     for g, info in engine.groups.items():
-        out[g] = GroupFill(block_ids=ids[first], local_base=first * info.block_size)
+        out[g] = GroupFill(block_ids=ids[first], local_base=first * info.slots_per_block)
     return out
 
 

@@ -11,14 +11,14 @@ All offsets are in elements of the tensor's dtype:
 
     offset(block b, slot s, element e) =
         b * block_stride
-      + (s // kernel_block_size) * kernel_block_stride
-      + (s %  kernel_block_size) * slot_stride
+      + (s // slots_per_kernel_block) * kernel_block_stride
+      + (s %  slots_per_kernel_block) * slot_stride
       + sum_i e_i * elem_strides[i]          (e_i: digits of e over elem_shape)
 
-``kernel_block_size < block_size`` describes kernel-block-granular views, where
+``slots_per_kernel_block < slots_per_block`` describes kernel-block-granular views, where
 the block dim has ``num_blocks * r`` entries and manager block ``b`` is kernel
 blocks ``[b*r, (b+1)*r)``.  Tensors without a slot dim (Mamba state rows) have
-``block_size == 1``.
+``slots_per_block == 1``.
 """
 from __future__ import annotations
 
@@ -38,9 +38,9 @@ class Layout:
 
     itemsize: int
     num_blocks: int            # manager blocks
-    block_size: int            # slots (tokens) per manager block; 1 without a slot dim
+    slots_per_block: int       # slots (token rows) per manager block; 1 without a slot dim
     block_stride: int
-    kernel_block_size: int
+    slots_per_kernel_block: int
     kernel_block_stride: int
     slot_stride: int
     elem_shape: tuple[int, ...]    # coalesced, logical order, no size-1 dims
@@ -53,12 +53,12 @@ class Layout:
 
     @property
     def kernel_split(self) -> int:
-        return self.block_size // self.kernel_block_size
+        return self.slots_per_block // self.slots_per_kernel_block
 
     @property
     def canonical_shape(self) -> tuple[int, ...]:
-        """``[num_blocks, r, kernel_block_size, *elem_shape]``."""
-        return (self.num_blocks, self.kernel_split, self.kernel_block_size, *self.elem_shape)
+        """``[num_blocks, r, slots_per_kernel_block, *elem_shape]``."""
+        return (self.num_blocks, self.kernel_split, self.slots_per_kernel_block, *self.elem_shape)
 
     @property
     def canonical_strides(self) -> tuple[int, ...]:
@@ -191,9 +191,9 @@ def layout_of(
     return Layout(
         itemsize=t.element_size(),
         num_blocks=num_blocks,
-        block_size=kbs * ratio,
+        slots_per_block=kbs * ratio,
         block_stride=kstride * ratio,
-        kernel_block_size=kbs,
+        slots_per_kernel_block=kbs,
         kernel_block_stride=kstride,
         slot_stride=slot_stride,
         elem_shape=elem_shape,
@@ -202,6 +202,6 @@ def layout_of(
 
 
 def canonical_view(t: torch.Tensor, layout: Layout) -> torch.Tensor:
-    """``t`` seen as raw bits ``[num_blocks, r, kernel_block_size, *elem_shape]``."""
+    """``t`` seen as raw bits ``[num_blocks, r, slots_per_kernel_block, *elem_shape]``."""
     bits = t.view(V.BITS_DTYPE[layout.itemsize]) if t.dim() else t
     return bits.as_strided(layout.canonical_shape, layout.canonical_strides, t.storage_offset())

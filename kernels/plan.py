@@ -1,21 +1,19 @@
 """Fill plans: which slots of which blocks of each cache group to fill.
 
-A plan is CSR-like per group: one *entry* per (block, slot range), as four
-parallel integer arrays - the form the planner produces and the kernels read
-after one upload of ``int32[num_entries, 4]`` (16 bytes per planned block):
+A group's plan is a list of *entries*, one per (block, slot range), held as
+four parallel integer arrays - the form the planner produces and the kernels
+read after one upload of ``int32[num_entries, 4]`` (16 bytes per entry):
 
     block_ids[i]   manager block id (index along the block dim)
-    slot_start[i]  first slot of the block to write              (0 <= start)
-    slot_end[i]    one past the last slot to write               (end <= block_size)
-    local_base[i]  rank-local token index held by slot 0 of the block; the
-                   slot ``s`` holds local index ``l = local_base + s`` and the
-                   global position ``t = (l // I) * (I * W) + r * I + l % I``
-                   under DCP (W ranks, interleave I, this rank r), ``t = l``
-                   without DCP.
+    slot_start[i]  first slot of the block to write          (0 <= start)
+    slot_end[i]    one past the last slot to write           (end <= slots per block)
+    local_base[i]  rank-local token index held by slot 0 of the block; slot
+                   ``s`` holds local index ``l = local_base + s``, i.e. global
+                   position ``DcpGeometry.global_positions(l)``.
 
 For a request whose block table is ``[b0, b1, ...]`` and whose rank-local
 external slots are ``[lo, hi)``, the entries are the blocks overlapping
-``[lo, hi)`` with ``local_base = k * block_size`` for the k-th block.
+``[lo, hi)`` with ``local_base = k * slots_per_block`` for the k-th block.
 """
 from __future__ import annotations
 
@@ -24,6 +22,8 @@ from typing import Mapping, Sequence
 
 import numpy as np
 import torch
+
+IntArray = Sequence[int] | np.ndarray | torch.Tensor
 
 
 def _as_i64(x, name: str) -> np.ndarray:
@@ -39,37 +39,69 @@ def _as_i64(x, name: str) -> np.ndarray:
 
 @dataclass(frozen=True)
 class GroupFill:
-    """The planned entries of one cache group (see module docstring).
+    """The entries of one cache group (see module docstring).
 
     ``slot_start``/``slot_end``/``local_base`` default to whole blocks holding
-    consecutive tokens: entry i covers slots ``[0, block_size)`` and tokens
-    ``[i * block_size, (i + 1) * block_size)``.
+    consecutive tokens: entry i covers every slot and the tokens
+    ``[i * slots_per_block, (i + 1) * slots_per_block)``.
     """
 
-    block_ids: Sequence[int] | np.ndarray | torch.Tensor
-    slot_start: Sequence[int] | np.ndarray | torch.Tensor | None = None
-    slot_end: Sequence[int] | np.ndarray | torch.Tensor | None = None
-    local_base: Sequence[int] | np.ndarray | torch.Tensor | None = None
+    block_ids: IntArray
+    slot_start: IntArray | None = None
+    slot_end: IntArray | None = None
+    local_base: IntArray | None = None
 
-    def arrays(self, block_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """``(block_ids, slot_start, slot_end, local_base)`` as int64 arrays."""
+    def normalized(self, slots_per_block: int) -> "GroupFill":
+        """The same entries as four int64 arrays of equal length, defaults filled in."""
         blocks = _as_i64(self.block_ids, "block_ids")
         n = blocks.size
         start = np.zeros(n, np.int64) if self.slot_start is None else _as_i64(self.slot_start, "slot_start")
-        end = np.full(n, block_size, np.int64) if self.slot_end is None else _as_i64(self.slot_end, "slot_end")
+        end = np.full(n, slots_per_block, np.int64) if self.slot_end is None else _as_i64(self.slot_end, "slot_end")
         base = (
-            np.arange(n, dtype=np.int64) * block_size
+            np.arange(n, dtype=np.int64) * slots_per_block
             if self.local_base is None
             else _as_i64(self.local_base, "local_base")
         )
         for name, a in (("slot_start", start), ("slot_end", end), ("local_base", base)):
             if a.size != n:
                 raise ValueError(f"{name} has {a.size} entries, block_ids has {n}")
-        return blocks, start, end, base
+        return GroupFill(blocks, start, end, base)
+
+    def select(self, keep: np.ndarray) -> "GroupFill":
+        """The entries where ``keep`` is true (normalized entries only)."""
+        return GroupFill(self.block_ids[keep], self.slot_start[keep], self.slot_end[keep], self.local_base[keep])
 
     @property
     def num_entries(self) -> int:
         return len(self.block_ids)
+
+    @property
+    def num_slots(self) -> int:
+        """Slots planned (normalized entries only)."""
+        return int((np.asarray(self.slot_end) - np.asarray(self.slot_start)).sum())
+
+    def validate(self, group: str, *, num_blocks: int, slots_per_block: int) -> None:
+        """Raise ValueError naming the group, the first bad entry and the bound
+        (normalized entries only)."""
+        blocks, start, end, base = self.block_ids, self.slot_start, self.slot_end, self.local_base
+
+        def first_bad(mask: np.ndarray, what: str, expected: str) -> None:
+            if mask.any():
+                i = int(np.flatnonzero(mask)[0])
+                raise ValueError(
+                    f"group {group!r} entry {i} (block {int(blocks[i])}, slots "
+                    f"[{int(start[i])}, {int(end[i])}), local_base {int(base[i])}): {what}; "
+                    f"expected {expected}"
+                )
+
+        first_bad((blocks < 0) | (blocks >= num_blocks), "block id out of range", f"0 <= block id < {num_blocks}")
+        first_bad(
+            (start < 0) | (end > slots_per_block) | (start > end),
+            "slot range outside the block",
+            f"0 <= slot_start <= slot_end <= slots per block {slots_per_block}",
+        )
+        first_bad(base < 0, "negative local_base", "local_base >= 0")
+        first_bad(base + end > np.iinfo(np.int32).max, "token index past 2**31", "local_base + slot_end < 2**31")
 
 
 @dataclass(frozen=True)
@@ -82,33 +114,12 @@ class FillPlan:
     def of(plan: "FillPlan | Mapping[str, GroupFill]") -> "FillPlan":
         return plan if isinstance(plan, FillPlan) else FillPlan(dict(plan))
 
+    def __getitem__(self, group: str) -> GroupFill:
+        return self.groups[group]
 
-def validate_entries(
-    group: str,
-    blocks: np.ndarray,
-    start: np.ndarray,
-    end: np.ndarray,
-    base: np.ndarray,
-    *,
-    num_blocks: int,
-    block_size: int,
-) -> None:
-    """Raise ValueError naming the group, the first bad entry and the bound."""
+    def __contains__(self, group: str) -> bool:
+        return group in self.groups
 
-    def first_bad(mask: np.ndarray, what: str, expected: str) -> None:
-        if mask.any():
-            i = int(np.flatnonzero(mask)[0])
-            raise ValueError(
-                f"group {group!r} entry {i} (block {int(blocks[i])}, slots "
-                f"[{int(start[i])}, {int(end[i])}), local_base {int(base[i])}): {what}; "
-                f"expected {expected}"
-            )
-
-    first_bad((blocks < 0) | (blocks >= num_blocks), "block id out of range", f"0 <= block id < {num_blocks}")
-    first_bad(
-        (start < 0) | (end > block_size) | (start > end),
-        "slot range outside the block",
-        f"0 <= slot_start <= slot_end <= block_size {block_size}",
-    )
-    first_bad(base < 0, "negative local_base", "local_base >= 0")
-    first_bad(base + end > np.iinfo(np.int32).max, "token index past 2**31", "local_base + slot_end < 2**31")
+    @property
+    def num_entries(self) -> int:
+        return sum(g.num_entries for g in self.groups.values())

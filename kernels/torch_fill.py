@@ -4,42 +4,47 @@ Used for CPU caches (vLLM's CPU platform) and as the reference in tests.  It
 expands the plan into one row per planned slot, builds the rows' bits from the
 same value table (a row is a window of the table starting at the row's hashed
 offset) and writes them through the canonical strided view ``[num_blocks, r,
-kernel_block_size, *elem_shape]``: large entries (whole pages) one strided
+slots_per_kernel_block, *elem_shape]``: large entries (whole pages) one strided
 ``copy_`` each, many small ones with chunked ``index_put_``.  The bytes are
 identical to the Triton path's by construction.
 """
 from __future__ import annotations
 
+from typing import Mapping
+
 import numpy as np
 import torch
 
 from . import values as V
+from .backend import FillBackend
+from .dcp import DcpGeometry
 from .layout import Layout, canonical_view
+from .plan import GroupFill
 
 
 class SlotRows:
-    """A group's plan expanded to one row per planned slot (host arrays)."""
+    """A group's normalized entries expanded to one row per planned slot (host arrays)."""
 
-    def __init__(self, blocks, start, end, base, dcp: tuple[int, int, int]):
+    def __init__(self, entries: GroupFill, dcp: DcpGeometry):
+        blocks, start, end = entries.block_ids, entries.slot_start, entries.slot_end
         counts = end - start
         n = int(counts.sum())
         entry = np.repeat(np.arange(blocks.size), counts)
         first = np.cumsum(counts) - counts
         slot = start[entry] + (np.arange(n, dtype=np.int64) - first[entry])
-        world, rank, interleave = dcp
         self.num_rows = n
         self.entries = (blocks, start, end, first)  # per entry; its rows are [first, first + end - start)
         self.block = blocks[entry]
         self.slot = slot
-        self.position = V.dcp_positions(base[entry] + slot, world, rank, interleave)
+        self.position = dcp.global_positions(entries.local_base[entry] + slot)
         self._device_index: dict = {}
 
     def index(self, layout: Layout, device: torch.device):
         """Index tensors (block, kernel sub-block, slot-in-kernel-block)."""
-        key = (layout.kernel_block_size, torch.device(device))
+        key = (layout.slots_per_kernel_block, torch.device(device))
         idx = self._device_index.get(key)
         if idx is None:
-            kbs = layout.kernel_block_size
+            kbs = layout.slots_per_kernel_block
             idx = tuple(
                 torch.from_numpy(a).to(device)
                 for a in (self.block, self.slot // kbs, self.slot % kbs)
@@ -108,7 +113,7 @@ PER_ENTRY_BYTES = 256 << 10
 
 
 def _fill_per_entry(view, layout: Layout, rows: SlotRows, mode: str, table, start) -> None:
-    kbs = layout.kernel_block_size
+    kbs = layout.slots_per_kernel_block
     windows = table.unfold(0, layout.row_size, 1) if mode == V.NORMAL else None
     buf = None
     if windows is not None:
@@ -132,3 +137,19 @@ def read_rows(cache: torch.Tensor, layout: Layout, rows: SlotRows) -> torch.Tens
     """The bits held by the planned slots: ``[num_rows, row_size]``."""
     view = canonical_view(cache, layout)
     return view[rows.index(layout, cache.device)].reshape(rows.num_rows, layout.row_size)
+
+
+class TorchBackend(FillBackend):
+    """Fills with torch ops: CPU caches (vLLM's CPU platform), and the tests' reference."""
+
+    name = "torch"
+
+    def fill(self, plan: Mapping[str, GroupFill]) -> int:
+        rows = {g: SlotRows(entries, self.registry.groups[g].dcp) for g, entries in plan.items()}
+        for c in self.registry.classes:
+            r = rows.get(c.group)
+            if r is None:
+                continue
+            for t in c.tensors:
+                fill_rows(t.tensor, c.layout, r, c.mode, c.table, t.key, t.elem_offset)
+        return 0

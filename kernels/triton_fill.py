@@ -5,7 +5,7 @@ set before the ``@triton.jit`` definition below runs.
 
 Grid: ``(num_entries, num_layers_in_class)``.  Program (i, l) writes entry i's
 slot range of one block of layer l: it reads the 16-byte plan entry and the
-layer's row of the layer table, then stores 2-D tiles ``[TILE_S slots, TILE_E
+layer's row of the layer table, then stores 2-D tiles ``[TILE_SLOTS slots, TILE_ELEMS
 elements]`` of raw storage bits.  No float math runs here: values are gathered
 from a small table of pre-encoded bits (``values.py``), so every backend stores
 the same bytes.
@@ -24,15 +24,24 @@ import torch
 import triton
 import triton.language as tl
 
+from dataclasses import dataclass
+from typing import Mapping
+
+import numpy as np
+
 from . import values as V
+from .backend import FillBackend
+from .dcp import DcpGeometry
 from .layout import Layout
+from .plan import GroupFill
+from .registry import LaunchClass, Registry
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 MODE_CODE = {V.ZERO: 0, V.CONSTANT: 1, V.NORMAL: 2}
-# Elements stored per tile: enough in flight per program on a GPU; larger under
+# Elements stored per program per tile: enough in flight on a GPU; larger under
 # the interpreter, whose cost is per tile, not per element.
-TILE_ELEMS = 16384 if INTERPRETED else 4096
-MAX_TILE_E = 1024
+TILE_NUMEL = 16384 if INTERPRETED else 4096
+MAX_TILE_ELEMS = 1024  # widest tile along a token row
 
 
 @triton.jit
@@ -46,29 +55,30 @@ def _lowbias32(x):
 
 
 @triton.jit
-def _scatter_fill_kernel(
-    entries_ptr,   # *int32 [num_entries, 4]: block, slot_start, slot_end, local_base
-    layers_ptr,    # *int64 [num_layers, 3]: offset from ref_ptr (elements), row key, element offset
-    ref_ptr,       # *bits: the class's reference tensor
-    table_ptr,     # *bits  [POOL_SIZE + ROW - 1] (normal) or [1] (constant / zero)
-    dcp_world,     # W of this group
-    dcp_rank,      # r of this rank
-    interleave,    # I of this group
-    num_blocks,    # manager blocks; entries outside [0, num_blocks) write nothing
-    MODE: tl.constexpr,          # 0 zero, 1 constant, 2 normal
-    LAYER_ALIGN: tl.constexpr,   # every layer offset is a multiple of this (elements)
-    BLOCK_STRIDE: tl.constexpr,  # elements between manager blocks
-    BLOCK_SIZE: tl.constexpr,    # slots per manager block
-    KBS: tl.constexpr,           # slots per kernel block
-    KSTRIDE: tl.constexpr,       # elements between kernel blocks of one manager block
-    SSTRIDE: tl.constexpr,       # elements between slots
-    D0: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
-    S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr, S3: tl.constexpr,
-    ROW: tl.constexpr,           # D0 * D1 * D2 * D3 elements per token row
+def scatter_fill_kernel(
+    entries_ptr,     # *int32 [num_entries, 4]: block, slot_start, slot_end, local_base
+    layers_ptr,      # *int64 [num_layers, 3]: offset from ref_ptr (elements), row key, element offset
+    ref_ptr,         # *bits: the class's reference tensor
+    table_ptr,       # *bits  [POOL_SIZE + ROW_ELEMS - 1] (normal) or [1] (constant / zero)
+    dcp_world_size,  # W of this group
+    dcp_rank,        # r of this rank
+    dcp_interleave,  # I of this group
+    num_blocks,      # manager blocks; entries outside [0, num_blocks) write nothing
+    MODE: tl.constexpr,                    # 0 zero, 1 constant, 2 normal
+    LAYER_ALIGN: tl.constexpr,             # every layer offset is a multiple of this (elements)
+    BLOCK_STRIDE: tl.constexpr,            # elements between manager blocks
+    SLOTS_PER_BLOCK: tl.constexpr,         # token slots per manager block
+    SLOTS_PER_KERNEL_BLOCK: tl.constexpr,  # token slots per kernel block (< SLOTS_PER_BLOCK: split blocks)
+    KERNEL_BLOCK_STRIDE: tl.constexpr,     # elements between the kernel blocks of one manager block
+    SLOT_STRIDE: tl.constexpr,             # elements between slots of a kernel block
+    ELEM_SIZE0: tl.constexpr, ELEM_SIZE1: tl.constexpr, ELEM_SIZE2: tl.constexpr, ELEM_SIZE3: tl.constexpr,
+    ELEM_STRIDE0: tl.constexpr, ELEM_STRIDE1: tl.constexpr, ELEM_STRIDE2: tl.constexpr,
+    ELEM_STRIDE3: tl.constexpr,            # the token row's element dims (outermost first) and strides
+    ROW_ELEMS: tl.constexpr,               # ELEM_SIZE0 * ... * ELEM_SIZE3 elements per token row
     POOL_MASK: tl.constexpr,
-    ROW_ALIGN: tl.constexpr,     # row starts are multiples of this (table entries)
-    TILE_S: tl.constexpr,
-    TILE_E: tl.constexpr,
+    ROW_ALIGN: tl.constexpr,               # row starts are multiples of this (table entries)
+    TILE_SLOTS: tl.constexpr,              # slots per tile
+    TILE_ELEMS: tl.constexpr,              # row elements per tile
 ):
     entry = tl.program_id(0).to(tl.int64)
     layer = tl.program_id(1).to(tl.int64)
@@ -79,7 +89,7 @@ def _scatter_fill_kernel(
     # write outside the block.
     valid = (block >= 0) & (block < num_blocks)
     s_lo = tl.maximum(tl.load(entries_ptr + entry * 4 + 1), 0)
-    s_hi = tl.where(valid, tl.minimum(tl.load(entries_ptr + entry * 4 + 2), BLOCK_SIZE), 0)
+    s_hi = tl.where(valid, tl.minimum(tl.load(entries_ptr + entry * 4 + 2), SLOTS_PER_BLOCK), 0)
     local_base = tl.load(entries_ptr + entry * 4 + 3)
     layer_off = tl.multiple_of(tl.load(layers_ptr + layer * 3), LAYER_ALIGN)
     key = tl.load(layers_ptr + layer * 3 + 1).to(tl.uint32)
@@ -87,43 +97,70 @@ def _scatter_fill_kernel(
     bits_ty = ref_ptr.dtype.element_ty
     dst = ref_ptr + layer_off + block * BLOCK_STRIDE
 
-    for e0 in range(0, ROW, TILE_E):
-        # Element offsets of this column tile, digits of e over (D0, D1, D2, D3).
-        e = e0 + tl.arange(0, TILE_E)
-        e_mask = e < ROW
+    for e0 in range(0, ROW_ELEMS, TILE_ELEMS):
+        # Element offsets of this column tile: the digits of e over the element dims.
+        e = e0 + tl.arange(0, TILE_ELEMS)
+        e_mask = e < ROW_ELEMS
         rest = e.to(tl.int64)
-        e_addr = (rest % D3) * S3
-        rest = rest // D3
-        e_addr += (rest % D2) * S2
-        rest = rest // D2
-        e_addr += (rest % D1) * S1
-        e_addr += (rest // D1) * S0
-        for s0 in range(s_lo, s_hi, TILE_S):
-            s = s0 + tl.arange(0, TILE_S)
+        e_addr = (rest % ELEM_SIZE3) * ELEM_STRIDE3
+        rest = rest // ELEM_SIZE3
+        e_addr += (rest % ELEM_SIZE2) * ELEM_STRIDE2
+        rest = rest // ELEM_SIZE2
+        e_addr += (rest % ELEM_SIZE1) * ELEM_STRIDE1
+        e_addr += (rest // ELEM_SIZE1) * ELEM_STRIDE0
+        for s0 in range(s_lo, s_hi, TILE_SLOTS):
+            s = s0 + tl.arange(0, TILE_SLOTS)
             s_mask = s < s_hi
-            s_addr = (s // KBS).to(tl.int64) * KSTRIDE + (s % KBS).to(tl.int64) * SSTRIDE
+            # Slot -> (kernel block, slot in it) -> element offset from the block.
+            s_addr = (s // SLOTS_PER_KERNEL_BLOCK).to(tl.int64) * KERNEL_BLOCK_STRIDE + (
+                s % SLOTS_PER_KERNEL_BLOCK
+            ).to(tl.int64) * SLOT_STRIDE
             ptrs = dst + s_addr[:, None] + e_addr[None, :]
             mask = s_mask[:, None] & e_mask[None, :]
             if MODE == 2:
                 # Local slot -> global token position (DCP), one hash per row.
                 local = local_base + s
-                t = (local // interleave) * (interleave * dcp_world) + dcp_rank * interleave + local % interleave
+                t = ((local // dcp_interleave) * (dcp_interleave * dcp_world_size)
+                     + dcp_rank * dcp_interleave + local % dcp_interleave)
                 # start(t) = ((hash + elem_off) mod POOL_SIZE) rounded down to a
                 # multiple of ROW_ALIGN; the multiply shows Triton the alignment.
                 h = (_lowbias32(key + t.to(tl.uint32)) + elem_off) & POOL_MASK
                 start = (h // ROW_ALIGN).to(tl.int32) * ROW_ALIGN
                 vals = tl.load(table_ptr + (start[:, None] + e[None, :]), mask=mask)
             elif MODE == 1:
-                vals = tl.zeros([TILE_S, TILE_E], dtype=bits_ty) + tl.load(table_ptr)
+                vals = tl.zeros([TILE_SLOTS, TILE_ELEMS], dtype=bits_ty) + tl.load(table_ptr)
             else:
-                vals = tl.zeros([TILE_S, TILE_E], dtype=bits_ty)
+                vals = tl.zeros([TILE_SLOTS, TILE_ELEMS], dtype=bits_ty)
             tl.store(ptrs, vals, mask=mask)
 
 
 def tile_shape(layout: Layout) -> tuple[int, int]:
-    tile_e = min(triton.next_power_of_2(max(layout.row_size, 1)), MAX_TILE_E)
-    tile_s = max(1, min(triton.next_power_of_2(layout.block_size), TILE_ELEMS // tile_e))
-    return tile_s, tile_e
+    """``(TILE_SLOTS, TILE_ELEMS)`` for a layout: whole rows up to MAX_TILE_ELEMS."""
+    tile_elems = min(triton.next_power_of_2(max(layout.row_size, 1)), MAX_TILE_ELEMS)
+    tile_slots = max(1, min(triton.next_power_of_2(layout.slots_per_block), TILE_NUMEL // tile_elems))
+    return tile_slots, tile_elems
+
+
+def kernel_constexprs(layout: Layout, mode: str, layer_align: int) -> dict[str, int]:
+    """The compile-time arguments of ``scatter_fill_kernel`` for one launch class."""
+    sizes, strides = layout.padded_elem_dims()
+    tile_slots, tile_elems = tile_shape(layout)
+    return dict(
+        MODE=MODE_CODE[mode],
+        LAYER_ALIGN=layer_align,
+        BLOCK_STRIDE=layout.block_stride,
+        SLOTS_PER_BLOCK=layout.slots_per_block,
+        SLOTS_PER_KERNEL_BLOCK=layout.slots_per_kernel_block,
+        KERNEL_BLOCK_STRIDE=layout.kernel_block_stride,
+        SLOT_STRIDE=layout.slot_stride,
+        **{f"ELEM_SIZE{i}": d for i, d in enumerate(sizes)},
+        **{f"ELEM_STRIDE{i}": st for i, st in enumerate(strides)},
+        ROW_ELEMS=layout.row_size,
+        POOL_MASK=V.POOL_MASK,
+        ROW_ALIGN=V.ROW_ALIGN,
+        TILE_SLOTS=tile_slots,
+        TILE_ELEMS=tile_elems,
+    )
 
 
 def launch_fill(
@@ -134,7 +171,7 @@ def launch_fill(
     table: torch.Tensor,
     layout: Layout,
     mode: str,
-    dcp: tuple[int, int, int],
+    dcp: DcpGeometry,
 ) -> None:
     """One launch: every entry of ``entries`` x every layer row of ``layer_table``.
 
@@ -142,29 +179,110 @@ def launch_fill(
     ``[L, 3]`` on the device (element offset from ``ref``, row key, element
     offset in the row); ``ref``: the reference tensor viewed as its bits dtype;
     ``layer_align``: a power of two dividing every offset; ``table``: the value
-    bits (values.value_table), same dtype as ``ref``; ``dcp``: (W, r, I).
+    bits (values.value_table), same dtype as ``ref``.
     """
     n, num_layers = entries.shape[0], layer_table.shape[0]
     if n == 0 or num_layers == 0:
         return
-    (d0, d1, d2, d3), (s0, s1, s2, s3) = layout.padded_elem_dims()
-    tile_s, tile_e = tile_shape(layout)
-    world, rank, interleave = dcp
-    _scatter_fill_kernel[(n, num_layers)](
+    scatter_fill_kernel[(n, num_layers)](
         entries, layer_table, ref, table,
-        world, rank, interleave, layout.num_blocks,
-        MODE=MODE_CODE[mode],
-        LAYER_ALIGN=layer_align,
-        BLOCK_STRIDE=layout.block_stride,
-        BLOCK_SIZE=layout.block_size,
-        KBS=layout.kernel_block_size,
-        KSTRIDE=layout.kernel_block_stride,
-        SSTRIDE=layout.slot_stride,
-        D0=d0, D1=d1, D2=d2, D3=d3,
-        S0=s0, S1=s1, S2=s2, S3=s3,
-        ROW=layout.row_size,
-        POOL_MASK=V.POOL_MASK,
-        ROW_ALIGN=V.ROW_ALIGN,
-        TILE_S=tile_s,
-        TILE_E=tile_e,
+        dcp.world_size, dcp.rank, dcp.interleave, layout.num_blocks,
+        **kernel_constexprs(layout, mode, layer_align),
     )
+
+
+@dataclass(frozen=True)
+class _ClassLaunch:
+    """How one launch class is addressed: its rows of the layer table, the
+    reference tensor the layer offsets count from, and their alignment."""
+
+    cls: LaunchClass
+    layer_rows: slice
+    ref: torch.Tensor
+    layer_align: int
+
+
+def _addressing(c: LaunchClass) -> tuple[torch.Tensor, int, list[int]]:
+    """(reference tensor as bits, offset alignment, element offset of each tensor)."""
+    itemsize = c.layout.itemsize
+    ref = min(c.tensors, key=lambda t: t.tensor.data_ptr())
+    offsets = []
+    for t in c.tensors:
+        delta = t.tensor.data_ptr() - ref.tensor.data_ptr()
+        if delta % itemsize:
+            raise ValueError(
+                f"layer {t.layer!r} starts {delta} bytes after layer {ref.layer!r}, not a "
+                f"multiple of its {itemsize}-byte elements; cannot address both in one launch"
+            )
+        offsets.append(delta // itemsize)
+    # Largest power of two (<= 16 bytes) dividing every offset.
+    align = 16 // itemsize
+    while align > 1 and any(o % align for o in offsets):
+        align //= 2
+    return ref.tensor.view(V.BITS_DTYPE[itemsize]), align, offsets
+
+
+class TritonBackend(FillBackend):
+    """One launch per launch class with planned entries: the launch count
+    depends on neither the number of layers nor the number of requests."""
+
+    name = "triton"
+
+    def __init__(self, registry: Registry):
+        super().__init__(registry)
+        rows: list[tuple[int, int, int]] = []
+        self._launches: list[_ClassLaunch] = []
+        for c in registry.classes:
+            ref, align, offsets = _addressing(c)
+            self._launches.append(_ClassLaunch(c, slice(len(rows), len(rows) + len(offsets)), ref, align))
+            rows.extend((o, t.key, t.elem_offset) for o, t in zip(offsets, c.tensors))
+        # Per layer tensor: (element offset from its class's reference, row key, element offset in the row).
+        self.layer_table = torch.tensor(rows, dtype=torch.int64).reshape(-1, 3).to(registry.device)
+
+    def _launch(self, cl: _ClassLaunch, entries: torch.Tensor) -> None:
+        c = cl.cls
+        launch_fill(entries, self.layer_table[cl.layer_rows], cl.ref, cl.layer_align, c.table, c.layout, c.mode,
+                    self.registry.groups[c.group].dcp)
+
+    def fill(self, plan: Mapping[str, GroupFill]) -> int:
+        # One upload of the whole plan: int32 [n, 4], pinned when the target is a GPU.
+        order = list(plan)
+        host = np.concatenate([
+            np.stack([g.block_ids, g.slot_start, g.slot_end, g.local_base], axis=1) for g in map(plan.get, order)
+        ]).astype(np.int32)
+        host_t = torch.from_numpy(host)
+        if self.registry.device.type == "cuda":
+            host_t = host_t.pin_memory()
+        entries = host_t.to(self.registry.device, non_blocking=True)
+        rows, pos = {}, 0
+        for g in order:
+            rows[g] = slice(pos, pos + plan[g].num_entries)
+            pos += plan[g].num_entries
+        launches = 0
+        for cl in self._launches:
+            if cl.cls.group in rows:
+                self._launch(cl, entries[rows[cl.cls.group]])
+                launches += 1
+        return launches
+
+    def warmup(self) -> int:
+        """Launch every class once with one empty entry (slots [0, 0))."""
+        empty = torch.zeros(1, 4, dtype=torch.int32, device=self.registry.device)
+        for cl in self._launches:
+            self._launch(cl, empty)
+        return len(self._launches)
+
+    def fill_device_entries(self, group: str, entries: torch.Tensor) -> int:
+        self.registry.group(group)
+        if entries.dtype != torch.int32 or entries.dim() != 2 or entries.shape[1] != 4:
+            raise ValueError(f"entries must be int32 [n, 4], got {entries.dtype} {tuple(entries.shape)}")
+        if not entries.is_contiguous():  # the kernel reads entry i at offset 4 * i
+            raise ValueError(f"entries must be contiguous, got strides {entries.stride()}")
+        if entries.device != self.registry.device:
+            raise ValueError(f"entries are on {entries.device}, the caches on {self.registry.device}")
+        launches = 0
+        for cl in self._launches:
+            if cl.cls.group == group:
+                self._launch(cl, entries)
+                launches += 1
+        return launches

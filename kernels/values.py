@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -73,6 +74,41 @@ _FP8_OF_ENCODING = {
 }
 # The integer dtype whose bits the kernels move for a given element size.
 BITS_DTYPE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+class ValueSpecError(ValueError):
+    """A bad fill parameter; ``field`` names it, so callers can name their own key."""
+
+    def __init__(self, field: str, value, expected: str):
+        super().__init__(f"{field} must be {expected}, got {value!r}")
+        self.field, self.value, self.expected = field, value, expected
+
+
+@dataclass(frozen=True)
+class ValueSpec:
+    """What a fill writes: ``std == 0``: the constant ``mean``; ``std > 0``:
+    ``mean + std * z`` with ``z`` standard normal, reproducible from ``seed``.
+    Validated once, here."""
+
+    mean: float = 0.015
+    std: float = 0.0
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("mean", "std"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ValueSpecError(name, v, "a finite number")
+        if self.std < 0:
+            raise ValueSpecError("std", self.std, "a finite number >= 0")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueSpecError("seed", self.seed, "an int >= 0")
+        object.__setattr__(self, "mean", float(self.mean))
+        object.__setattr__(self, "std", float(self.std))
+
+    @property
+    def mode(self) -> str:
+        return NORMAL if self.std > 0.0 else CONSTANT
 
 
 def value_dtype(dtype: torch.dtype, encoding: str = ENC_AUTO) -> torch.dtype | None:
@@ -170,7 +206,9 @@ def encode(values: torch.Tensor | np.ndarray, vdtype: torch.dtype) -> torch.Tens
 
 
 @functools.lru_cache(maxsize=64)
-def _value_table_cpu(mode: str, mean: float, std: float, vdtype: torch.dtype | None, itemsize: int):
+def host_table(mode: str, mean: float, std: float, vdtype: torch.dtype | None, itemsize: int) -> torch.Tensor:
+    """The storage bits a mode draws from, on the host: the encoded pool
+    (normal, ``POOL_SIZE`` entries) or one entry (constant / zero)."""
     if mode == ZERO or vdtype is None:
         return torch.zeros(1, dtype=BITS_DTYPE[itemsize], device="cpu")
     if mode == CONSTANT:
@@ -207,32 +245,10 @@ def value_table(
     key = (mode, float(mean), float(std), vdtype, itemsize, torch.device(device), max_row)
     table = _DEVICE_TABLES.get(key)
     if table is None:
-        table = _value_table_cpu(mode, float(mean), float(std), vdtype, itemsize)
+        table = host_table(mode, float(mean), float(std), vdtype, itemsize)
         if mode == NORMAL and max_row > 1:
             reps = -(-(POOL_SIZE + max_row - 1) // POOL_SIZE)
             table = table.repeat(reps)[: POOL_SIZE + max_row - 1]
         table = table.to(device)
         _DEVICE_TABLES[key] = table
     return table
-
-
-def resolve_mode(std: float, mode: str | None = None) -> str:
-    """``normal`` when std > 0, else ``constant``; an explicit mode wins."""
-    if mode is not None:
-        if mode not in MODES:
-            raise ValueError(f"mode {mode!r} is not one of {MODES}")
-        return mode
-    if not (std >= 0.0) or math.isinf(std):
-        raise ValueError(f"std must be a finite number >= 0, got {std}")
-    return NORMAL if std > 0.0 else CONSTANT
-
-
-def dcp_positions(local: np.ndarray, world: int, rank: int, interleave: int) -> np.ndarray:
-    """Global token position of rank-local slot index ``local`` under DCP.
-
-    ``t = (l // I) * (I * W) + r * I + l % I`` (ARCHITECTURE.md, Geometry).
-    """
-    local = np.asarray(local, dtype=np.int64)
-    if world == 1:
-        return local
-    return (local // interleave) * (interleave * world) + rank * interleave + local % interleave

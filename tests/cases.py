@@ -1,10 +1,10 @@
-"""Test layouts: bench/layouts.py's cases plus the same geometries built by
+"""Test layouts: kvfill.kernels.testing's cases plus the same geometries built by
 vLLM itself (``create_kv_cache_views``): the six standard orders, kernel-block
 splitting and padded pages."""
 from __future__ import annotations
 
 import torch
-from layouts import (  # noqa: F401  (re-exported for the tests)
+from kvfill.kernels.testing import (  # noqa: F401  (re-exported for the tests)
     BLOCK_SIZE,
     CASES as BUILT_CASES,
     DTYPES,
@@ -14,7 +14,7 @@ from layouts import (  # noqa: F401  (re-exported for the tests)
     NUM_LAYERS,
     STANDARD_LAYOUTS,
     Case,
-    _dense,
+    dense_nbytes,
 )
 
 
@@ -53,10 +53,10 @@ except ImportError:  # e.g. the GPU machine: torch and triton only
     HAVE_VLLM = False
 
 if HAVE_VLLM:
-    VLLM_CASES = [Case(f"vllm-{name}", vllm_views(name), _dense) for name in STANDARD_LAYOUTS] + [
-        Case("vllm-LBNHC-kernel-split2", vllm_views("LBNHC", kernel_block_size=BLOCK_SIZE // 2), _dense,
+    VLLM_CASES = [Case(f"vllm-{name}", vllm_views(name), dense_nbytes) for name in STANDARD_LAYOUTS] + [
+        Case("vllm-LBNHC-kernel-split2", vllm_views("LBNHC", kernel_block_size=BLOCK_SIZE // 2), dense_nbytes,
              kernel_split=2),
-        Case("vllm-LBNHC-padded", vllm_views("LBNHC", pad=64), lambda s: _dense(s, 64)),
+        Case("vllm-LBNHC-padded", vllm_views("LBNHC", pad=64), lambda s: dense_nbytes(s, 64)),
     ]
     CASES = VLLM_CASES + [c for c in BUILT_CASES if not c.name.startswith("std-")]
 else:  # the same geometries, built without vLLM (checked equal where vLLM exists)

@@ -8,11 +8,6 @@ DEVICE = os.environ.get("KVFILL_TEST_DEVICE", "cpu")
 if DEVICE == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import sys  # noqa: E402
-
-# bench/ holds the layout zoo shared by the tests and the GPU check.
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
-
 import pytest  # noqa: E402
 import torch  # noqa: E402
 

@@ -27,7 +27,7 @@ def row_bits(
     *, mode, mean, std, seed, layer, position, row_size, vdtype, itemsize, elem_offset=0
 ) -> torch.Tensor:
     """The storage bits of one token row, from the value function's definition."""
-    table = V._value_table_cpu(mode, float(mean), float(std), vdtype, itemsize)
+    table = V.host_table(mode, float(mean), float(std), vdtype, itemsize)
     if mode == V.ZERO or vdtype is None:
         return torch.zeros(row_size, dtype=table.dtype, device=table.device)
     if mode == V.CONSTANT:

@@ -119,7 +119,7 @@ class TestConnector:
         from vllm.v1.kv_cache_interface import FullAttentionSpec
         from vllm_harness import make_harness
 
-        from kvfill.kernels import engine as E
+        from kvfill.kernels.torch_fill import TorchBackend
 
         spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.bfloat16)
         h = make_harness(tmp_path, [(["model.layers.0.self_attn.attn"], spec)],
@@ -127,7 +127,7 @@ class TestConnector:
         h.add("a", list(range(1, 41)))
         h.step()  # a clean fill verifies
         # A broken backend: writes nothing. verify must catch it.
-        monkeypatch.setattr(E.FillEngine, "_fill_torch", lambda self, expanded, stats: None)
+        monkeypatch.setattr(TorchBackend, "fill", lambda self, plan: 0)
         h.add("b", list(range(100, 140)))
         with pytest.raises(RuntimeError, match=r"verify found \d+ of \d+ elements mismatched"):
             h.step()

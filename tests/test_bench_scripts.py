@@ -1,11 +1,10 @@
 """The GPU check and the demo stay runnable: dry runs on CPU, with assertions."""
-import fill_bench
 import pytest
 
-pytestmark = pytest.mark.cpu_only  # dry runs of the scripts on the CPU
-import gpu_check
+from kvfill.bench import engine_demo as demo
+from kvfill.bench import fill_bench, gpu_check
 
-import engine_demo as demo
+pytestmark = pytest.mark.cpu_only  # dry runs of the scripts on the CPU
 
 
 def test_gpu_check_smoke_run_is_byte_exact(tmp_path, capsys):
@@ -35,10 +34,10 @@ def ptx_check_rows(call: str) -> list[dict]:
     import sys
 
     pytest.importorskip("triton.backends.nvidia")
-    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
-    code = f"import json, ptx_check; print(json.dumps(ptx_check.{call}))"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = f"import json; from kvfill.bench import ptx_check; print(json.dumps(ptx_check.{call}))"
     env = {**os.environ, "TRITON_INTERPRET": "0"}
-    out = subprocess.run([sys.executable, "-c", code], cwd=bench, env=env, capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
                          timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -56,7 +55,7 @@ def test_compiled_kernel_stores_16_bytes_per_thread():
 
 
 def test_planner_bench_selects_what_the_in_tree_connector_selects(capsys):
-    import planner_bench
+    from kvfill.bench import planner_bench
 
     t_in, t_kv = planner_bench.main(["--requests", "8", "--tokens", "5000", "--repeat", "1"])
     assert t_in > 0 and t_kv > 0
@@ -68,7 +67,7 @@ def test_main_job_runs_vllm_with_kvfill_by_plugin_name(tmp_path, capsys):
     name through the vllm.general_plugins entry point) and the in-tree connector."""
     import json
 
-    import e2e
+    from kvfill.bench import e2e
 
     out = tmp_path / "e2e.json"
     rc = e2e.main(["--requests", "2", "--prompt-len", "600", "--output-len", "3", "--kv-cache-gib", "1",
@@ -83,7 +82,7 @@ def test_main_job_runs_vllm_with_kvfill_by_plugin_name(tmp_path, capsys):
 
 
 def test_host_bench_compares_both_connectors_on_a_tiny_step():
-    import host_bench
+    from kvfill.bench import host_bench
 
     rows = host_bench.main(["--steps", "tiny", "--layers", "2", "--repeat", "1"])
     assert rows[0]["kvfill worker ms"] > 0 and rows[0]["in-tree worker ms"] > 0
@@ -92,7 +91,7 @@ def test_host_bench_compares_both_connectors_on_a_tiny_step():
 def test_report_computes_bandwidth_and_memset_share(tmp_path):
     import json
 
-    import report
+    from kvfill.bench import report
 
     def bench(impl, median, calls):
         return {"stats": {"median": median}, "extra_info": {
@@ -122,7 +121,7 @@ def test_main_job_on_a_hybrid_sliding_window_model(tmp_path):
     request completes."""
     import json
 
-    import e2e
+    from kvfill.bench import e2e
 
     out = tmp_path / "e2e.json"
     rc = e2e.main(["--hybrid", "--requests", "2", "--prompt-len", "1200", "--output-len", "3", "--kv-cache-gib", "1",

@@ -283,7 +283,7 @@ def test_circular_buffer_group_is_zeroed_whole(tmp_path):
     assert_attention_filled_and_second_group_zeroed(h, full_layers[0], ring[0], 100)
 
 
-def test_dcp_spans_per_group_and_rank_local_slots(tmp_path, monkeypatch):
+def test_dcp_spans_per_group_and_rank_local_slots(tmp_path):
     """DCP = 2: full attention spans 32 tokens a block, sliding window 16 (the
     fix of vLLM PR 54679); each rank writes the tokens it owns."""
     from types import SimpleNamespace
@@ -291,7 +291,9 @@ def test_dcp_spans_per_group_and_rank_local_slots(tmp_path, monkeypatch):
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
-    from kvfill.connector.vllm_connector import KVFillScheduler, KVFillWorker, parse_config
+    from kvfill.connector.options import FillOptions
+    from kvfill.connector.scheduler import KVFillScheduler
+    from kvfill.connector.worker import KVFillWorker
 
     sw = ["model.layers.1.self_attn.attn"]
     full_layers = ["model.layers.0.self_attn.attn"]
@@ -300,7 +302,7 @@ def test_dcp_spans_per_group_and_rank_local_slots(tmp_path, monkeypatch):
     par = SimpleNamespace(decode_context_parallel_size=2, tensor_parallel_size=2, prefill_context_parallel_size=1,
                           cp_kv_cache_interleave_size=1)
     cfg_ns = SimpleNamespace(parallel_config=par, cache_config=h.config.cache_config)
-    cfg = parse_config(FILL)
+    cfg = FillOptions.from_extra_config(FILL)
     sched = KVFillScheduler(cfg_ns, h.kv_cache_config, cfg)
     req = SimpleNamespace(request_id="r", num_tokens=34, num_preemptions=0)
     blocks = KVCacheBlocks(([KVCacheBlock(i) for i in (1, 2, 3)], [KVCacheBlock(i) for i in (5, 6, 7, 8)]))
@@ -310,8 +312,7 @@ def test_dcp_spans_per_group_and_rank_local_slots(tmp_path, monkeypatch):
     assert meta.reqs_to_fill["r"] == (([1, 2], [5, 6, 7]), 33)
 
     for rank in (0, 1):
-        monkeypatch.setattr(KVFillWorker, "_dcp_rank", staticmethod(lambda _cfg, r=rank: r))
-        worker = KVFillWorker(cfg_ns, h.kv_cache_config, cfg)
+        worker = KVFillWorker(cfg_ns, h.kv_cache_config, cfg, dcp_rank=rank)
         raw = h.poison.clone()
         views = h.views_over(raw)
         worker.register_kv_caches(views)
@@ -445,7 +446,8 @@ def test_caches_with_several_tokens_per_slot_get_whole_blocks(tmp_path):
     name = "model.layers.0.self_attn.attn"
     h = make_harness(tmp_path, [([name], spec)], extra=FILL, block_size=64)
     assert h.views[name].shape[2] == 16
-    assert h.worker.worker.whole_block_groups == {"group0": (64, 16)}
+    geo = h.worker.worker.planner.groups[0]
+    assert (geo.block_size, geo.slots_per_block, geo.remaps_to_whole_blocks) == (64, 16, True)
     h.add("a", list(range(1, 301)))
     _, meta = h.step()
     table = h.block_table("a")[0][: -(-299 // 64)]
@@ -484,3 +486,21 @@ def test_layers_without_block_views_are_skipped_not_fatal(full, monkeypatch):
     h.add("a", list(range(1, 41)))
     h.step()
     assert_bytes(h.raw, expected_after(h, token_fills(h, "a", 0, 39, layers=[name0])))
+
+
+def test_the_worker_fills_exactly_what_planner_plan_returns(full, monkeypatch):
+    """The shipped path: start_fill hands the engine the very FillPlan that
+    Planner.plan builds from the step's selections (nothing reshaped after)."""
+    from kvfill.connector.planner import Planner
+    from kvfill.kernels import FillEngine
+
+    planned, filled = [], []
+    real_plan, real_fill = Planner.plan, FillEngine.fill
+    monkeypatch.setattr(Planner, "plan", lambda self, *a, **k: planned.append(real_plan(self, *a, **k)) or planned[-1])
+    monkeypatch.setattr(FillEngine, "fill", lambda self, plan: filled.append(plan) or real_fill(self, plan))
+    h = full
+    h.add("a", list(range(1, 41)))
+    h.step()
+    assert len(planned) == 1 and filled == planned
+    assert planned[0]["group0"].num_slots == 39
+    assert_bytes(h.raw, expected_after(h, token_fills(h, "a", 0, 39)))

@@ -3,7 +3,7 @@ import pytest
 import torch
 from oracle import poisoned_buffer
 
-from kvfill.kernels import CacheGroup, FillEngine, GroupFill
+from kvfill.kernels import CacheGroup, DcpGeometry, FillEngine, GroupFill
 
 BS, NUM_BLOCKS, HEADS, C = 8, 12, 2, 8
 NUM_TOKENS, LOCAL = 70, 5  # external tokens [LOCAL, NUM_TOKENS - 1)
@@ -51,8 +51,7 @@ def run(world, rank, interleave, backend, buf_seed, layout="standard-BHNC"):
     poison = buf.clone()
     block_dim = LAYOUTS[layout][1]
     eng = FillEngine(
-        {"full": CacheGroup(layers, block_dim=block_dim, slot_dim=2, dcp_world_size=world, dcp_rank=rank,
-                            interleave=interleave)},
+        {"full": CacheGroup(layers, block_dim=block_dim, slot_dim=2, dcp=DcpGeometry(world, rank, interleave))},
         mean=0.0,
         std=1.0,
         seed=21,

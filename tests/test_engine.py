@@ -11,7 +11,7 @@ from kvfill.kernels import triton_fill
 def count_launches(monkeypatch):
     """Counts launches of the Triton kernel itself."""
     calls = []
-    kernel = triton_fill._scatter_fill_kernel
+    kernel = triton_fill.scatter_fill_kernel
     run = kernel.run
 
     def counting_run(*args, **kwargs):
@@ -158,15 +158,15 @@ def test_device_entries_need_the_triton_backend_and_int32():
 
 
 def test_repeated_fill_blocks_reuse_one_engine():
-    from kvfill.kernels import api
+    from kvfill.kernels import clear_engine_cache, num_cached_engines
 
-    api.clear_engine_cache()
+    clear_engine_cache()
     t = torch.zeros(4, 1, 4, 8)
     fill_blocks([t], [0], mean=1.0)
     fill_blocks([t], [1, 2], mean=1.0)
-    assert len(api._ENGINES) == 1
+    assert num_cached_engines() == 1
     fill_blocks([t], [3], mean=2.0)
-    assert len(api._ENGINES) == 2 and (t[:3] == 1.0).all() and (t[3] == 2.0).all()
+    assert num_cached_engines() == 2 and (t[:3] == 1.0).all() and (t[3] == 2.0).all()
 
 
 @pytest.mark.cpu_only
@@ -180,11 +180,11 @@ def test_repo_root_on_sys_path_does_not_load_a_second_copy():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     code = (
         "import sys, torch\n"
-        "from kvfill.kernels import api, fill_blocks\n"
+        "from kvfill.kernels import clear_engine_cache, fill_blocks, num_cached_engines\n"
         "import transformers.integrations.hub_kernels\n"
         "assert 'kernels.api' not in sys.modules, sorted(k for k in sys.modules if k.startswith('kernels'))\n"
-        "t = torch.zeros(2, 1, 4, 8); api.clear_engine_cache(); fill_blocks([t], [1], mean=1.0)\n"
-        "assert len(api._ENGINES) == 1 and (t[1] == 1).all()\n"
+        "t = torch.zeros(2, 1, 4, 8); clear_engine_cache(); fill_blocks([t], [1], mean=1.0)\n"
+        "assert num_cached_engines() == 1 and (t[1] == 1).all()\n"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]

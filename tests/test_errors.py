@@ -3,7 +3,7 @@ import pytest
 import torch
 from oracle import poisoned_buffer
 
-from kvfill.kernels import CacheGroup, FillEngine, GroupFill, fill_blocks, layout_of
+from kvfill.kernels import CacheGroup, DcpGeometry, FillEngine, GroupFill, fill_blocks, layout_of
 
 
 @pytest.fixture
@@ -21,7 +21,7 @@ def engine(t, backend, **kw):
     [
         (GroupFill(block_ids=[1, 6]), r"entry 1 \(block 6.*0 <= block id < 6"),
         (GroupFill(block_ids=[-1]), r"entry 0 \(block -1.*block id out of range"),
-        (GroupFill(block_ids=[2], slot_start=[3], slot_end=[9]), r"slots \[3, 9\).*slot_end <= block_size 8"),
+        (GroupFill(block_ids=[2], slot_start=[3], slot_end=[9]), r"slots \[3, 9\).*slot_end <= slots per block 8"),
         (GroupFill(block_ids=[2], slot_start=[-1], slot_end=[4]), r"slot range outside the block"),
         (GroupFill(block_ids=[2], slot_start=[5], slot_end=[4]), r"slot range outside the block"),
         (GroupFill(block_ids=[2], local_base=[-8]), r"negative local_base"),
@@ -99,7 +99,7 @@ def test_fp8_encoding_needs_a_byte_cache():
 def test_bad_engine_arguments():
     t = torch.zeros(2, 1, 4, 8)
     for kw, match in [
-        ({"std": -1.0}, r"std must be >= 0.0, got -1.0"),
+        ({"std": -1.0}, r"std must be a finite number >= 0, got -1.0"),
         ({"std": float("nan")}, "std must be a finite number"),
         ({"mean": float("inf")}, "mean must be a finite number"),
         ({"seed": -3}, r"seed must be an int >= 0, got -3"),
@@ -110,16 +110,17 @@ def test_bad_engine_arguments():
 
 
 @pytest.mark.parametrize(
-    "kw,match",
+    "dcp,match",
     [
-        ({"dcp_world_size": 2, "dcp_rank": 2}, r"world_size=2, rank=2"),
-        ({"dcp_world_size": 0}, r"world_size=0"),
-        ({"dcp_world_size": 2, "interleave": 3}, r"interleave 3 does not divide the block size 8"),
+        ((2, 2, 1), r"world_size=2, rank=2, interleave=1 is invalid"),
+        ((0, 0, 1), r"world_size=0"),
+        ((2, 0, 0), r"interleave=0"),
+        ((2, 0, 3), r"interleave 3 does not divide the block size 8"),
     ],
 )
-def test_bad_dcp_geometry(kw, match):
+def test_bad_dcp_geometry(dcp, match):
     with pytest.raises(ValueError, match=match):
-        FillEngine({"g": CacheGroup({"l": torch.zeros(2, 1, 8, 8)}, **kw)})
+        FillEngine({"g": CacheGroup({"l": torch.zeros(2, 1, 8, 8)}, dcp=DcpGeometry(*dcp))})
 
 
 def test_kernel_split_must_divide_block_rows():

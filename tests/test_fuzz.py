@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from oracle import dcp_position, poisoned_buffer, row_bits, write_expected
 
-from kvfill.kernels import CacheGroup, FillEngine, GroupFill
+from kvfill.kernels import CacheGroup, DcpGeometry, FillEngine, GroupFill
 from kvfill.kernels import values as V
 
 EXAMPLES = int(os.environ.get("KVFILL_FUZZ_EXAMPLES", "200"))
@@ -112,8 +112,8 @@ def test_random_layouts_and_plans_write_exactly_the_planned_slots(data):
 
     engine = FillEngine(
         {"g": CacheGroup(views, num_blocks=lay["num_blocks"], block_dim=lay["block_dim"],
-                         slot_dim=lay["slot_dim"], encoding=encoding, dcp_world_size=world,
-                         dcp_rank=rank, interleave=interleave)},
+                         slot_dim=lay["slot_dim"], encoding=encoding,
+                         dcp=DcpGeometry(world, rank, interleave))},
         mean=0.3, std=std, seed=4, backend=backend,
     )
     if entries:

@@ -46,7 +46,7 @@ def test_span_agrees_with_vllm_where_vllm_runs_dcp(name, dcp):
     geo = group_geometry(name, spec, dcp_world_size=dcp, interleave=1)
     helper = getattr(kv_cache_utils, "dcp_world_size_for_kv_cache_spec", None)
     if helper is not None:  # newer vLLM: the allocator's own rule, for every kind
-        assert geo.dcp_world_size == helper(spec, dcp)
+        assert geo.dcp.world_size == helper(spec, dcp)
     if kind in (GroupKind.FULL_ATTENTION, GroupKind.MAMBA) or dcp == 1:
         assert geo.span == kv_cache_utils.resolve_dcp_kv_block_size(spec, dcp)
     else:
@@ -70,8 +70,8 @@ def test_vllm_refuses_dcp_for_sliding_window():
 
 
 def test_interleave_applies_to_sharded_groups_only():
-    assert group_geometry("full", SPECS["full"][0], dcp_world_size=2, interleave=8).interleave == 8
-    assert group_geometry("sw", SPECS["sliding"][0], dcp_world_size=2, interleave=8).interleave == 1
+    assert group_geometry("full", SPECS["full"][0], dcp_world_size=2, interleave=8).dcp.interleave == 8
+    assert group_geometry("sw", SPECS["sliding"][0], dcp_world_size=2, interleave=8).dcp.interleave == 1
     assert dcp_world_size_of(SPECS["full-unsharded"][0], 4) == 1
 
 
@@ -110,7 +110,7 @@ def test_dcp_size_must_divide_tp_size_as_vllm_requires(tp, dcp, ok):
                           prefill_context_parallel_size=1, cp_kv_cache_interleave_size=1)
     kv_cfg = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=SPECS["full"][0])])
     if ok:
-        assert geometries_from_config(SimpleNamespace(parallel_config=par), kv_cfg)[0].dcp_world_size == dcp
+        assert geometries_from_config(SimpleNamespace(parallel_config=par), kv_cfg)[0].dcp.world_size == dcp
     else:
         with pytest.raises(ValueError, match=rf"DCP size {dcp} does not divide the TP size {tp}"):
             geometries_from_config(SimpleNamespace(parallel_config=par), kv_cfg)

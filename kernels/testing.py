@@ -1,10 +1,15 @@
-"""Cache layouts the engine must address, each built over a given byte buffer.
+"""Test support: cache layouts the engine must address, built without vLLM.
 
-A case builds its layer tensors as views of a ``uint8`` buffer, so a check can
-build the very same views over a copy (the expected buffer) and compare every
-byte of the backing memory afterwards.  Used by the tests (which add the six
-standard orders built by vLLM's own ``create_kv_cache_views``) and by the GPU
-check (no vLLM there: ``common.standard_views`` builds the same strides).
+Used by kvfill's tests, ``bench/gpu_check.py`` and ``bench/ptx_check.py``
+(on machines with torch and triton only); public, so they need no private names.
+
+* ``standard_views``: vLLM's per-layer ``[B, H, N, C]`` views over one raw
+  buffer in any of its six physical orders (the strides of vLLM's
+  ``create_kv_cache_views``; the tests check that where vLLM is installed).
+* ``CASES``: the layout zoo.  A ``Case`` builds its layer tensors as views of
+  a ``uint8`` buffer, so a check can build the very same views over a copy
+  (the expected buffer) and compare every byte of the backing memory.
+* ``DTYPES``: (name, cache dtype, encoding) of every supported storage.
 """
 from __future__ import annotations
 
@@ -13,14 +18,43 @@ from typing import Callable
 
 import torch
 
-from common import standard_views
+# vLLM's KVCacheLayout stride orders over the logical [L, B, H, N, C] dims.
+STANDARD_LAYOUTS = {
+    "LBHNC": (0, 1, 2, 3, 4),
+    "LBNHC": (0, 1, 3, 2, 4),
+    "LHBNC": (0, 2, 1, 3, 4),
+    "BLHNC": (1, 0, 2, 3, 4),
+    "BLNHC": (1, 0, 3, 2, 4),
+    "BHLNC": (1, 2, 0, 3, 4),
+}
+
+
+def standard_views(
+    num_layers, num_blocks, heads, block_size, content, dtype, layout="LBNHC", device="cpu", raw=None
+):
+    """Per-layer ``[B, H, N, C]`` views of one buffer in the given physical order.
+
+    Returns ``(raw_uint8_buffer, [view per layer])``.
+    """
+    shape = (num_layers, num_blocks, heads, block_size, content)
+    strides = [0] * 5
+    step = 1
+    for dim in reversed(STANDARD_LAYOUTS[layout]):
+        strides[dim] = step
+        step *= shape[dim]
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if raw is None:
+        raw = torch.empty(step * itemsize, dtype=torch.uint8, device=device)
+    typed = raw.view(dtype)
+    view5 = typed.as_strided(shape, strides, 0)
+    return raw, [view5[i] for i in range(num_layers)]
+
 
 NUM_BLOCKS = 6
 BLOCK_SIZE = 8
 HEADS = 2
 HEAD_DIM = 4
 NUM_LAYERS = 2
-STANDARD_LAYOUTS = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
 
 # (name, cache dtype, encoding)
 DTYPES = [
@@ -90,12 +124,12 @@ def _padded(pad_bytes: int):
     return make
 
 
-def _page(itemsize: int) -> int:
+def page_nbytes(itemsize: int) -> int:
     return HEADS * BLOCK_SIZE * 2 * HEAD_DIM * itemsize
 
 
-def _dense(itemsize: int, pad: int = 0) -> int:
-    return NUM_LAYERS * NUM_BLOCKS * (_page(itemsize) + pad)
+def dense_nbytes(itemsize: int, pad: int = 0) -> int:
+    return NUM_LAYERS * NUM_BLOCKS * (page_nbytes(itemsize) + pad)
 
 
 def _typed(buf, dtype, offset_elems=0):
@@ -160,13 +194,13 @@ def _mamba(buf, dtype):
     return out
 
 
-CASES = [Case(f"std-{name}", _standard(name), _dense) for name in STANDARD_LAYOUTS] + [
-    Case("fa-2xB", _fa_old, _dense, block_dim=1),
-    Case("nhd-Bx2", _nhd, _dense),
-    Case("hnd-Bx2", _hnd, _dense),
+CASES = [Case(f"std-{name}", _standard(name), dense_nbytes) for name in STANDARD_LAYOUTS] + [
+    Case("fa-2xB", _fa_old, dense_nbytes, block_dim=1),
+    Case("nhd-Bx2", _nhd, dense_nbytes),
+    Case("hnd-Bx2", _hnd, dense_nbytes),
     Case("mla", _mla, lambda s: (NUM_LAYERS * NUM_BLOCKS * BLOCK_SIZE * MLA_DIM + 3) * s, slot_dim=1),
     Case("mamba-states", _mamba, lambda s: NUM_LAYERS * NUM_BLOCKS * 39 * s, slot_dim=None),
-    Case("LBNHC-kernel-split2", _kernel_split(2), _dense, kernel_split=2),
-    Case("LBNHC-padded", _padded(64), lambda s: _dense(s, 64)),
+    Case("LBNHC-kernel-split2", _kernel_split(2), dense_nbytes, kernel_split=2),
+    Case("LBNHC-padded", _padded(64), lambda s: dense_nbytes(s, 64)),
 ]
 CASE_IDS = [c.name for c in CASES]

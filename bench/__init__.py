@@ -1,0 +1,5 @@
+"""kvfill.bench: the main job (e2e.py), benchmarks and GPU checks.
+
+Run them as scripts (``python bench/e2e.py``) or modules
+(``python -m kvfill.bench.e2e``); they import each other as ``kvfill.bench.*``.
+"""

@@ -1,0 +1,88 @@
+"""What travels from the scheduler to the workers each step, and the fill
+statistics that travel back to vLLM's metrics."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+from .planner import NULL_BLOCK_ID, GroupSelection, RequestSelection
+
+
+class KVFillConnectorMetadata(KVConnectorMetadata):
+    """The step's fills.
+
+    ``reqs_to_fill``: the in-tree field, request id -> (block ids per group,
+    number of external tokens).  Given alone (metadata written for the
+    in-tree connector) it means: fill those blocks whole.  ``selections``
+    carries kvfill's token ranges and block positions; when the scheduler
+    builds the metadata from selections, ``reqs_to_fill`` is derived from them
+    on first access, so the scheduler's step does not pay for it.
+    """
+
+    def __init__(
+        self,
+        reqs_to_fill: dict[str, tuple[tuple[list[int], ...], int]] | None = None,
+        selections: dict[str, RequestSelection] | None = None,
+        null_block_id: int = NULL_BLOCK_ID,
+    ):
+        self._reqs_to_fill = reqs_to_fill
+        self.selections = dict(selections or {})
+        self.null_block_id = null_block_id
+
+    @property
+    def reqs_to_fill(self) -> dict[str, tuple[tuple[list[int], ...], int]]:
+        if self._reqs_to_fill is None:
+            self._reqs_to_fill = {rid: s.intree_view(self.null_block_id) for rid, s in self.selections.items()}
+        return self._reqs_to_fill
+
+    def __bool__(self) -> bool:
+        return bool(self.selections) or bool(self._reqs_to_fill)
+
+    def __repr__(self) -> str:
+        return f"KVFillConnectorMetadata(reqs_to_fill={self.reqs_to_fill!r})"
+
+    def request_selections(self) -> list[RequestSelection]:
+        out = list(self.selections.values())
+        for req_id, (groups, n_ext) in (self._reqs_to_fill or {}).items():
+            if req_id not in self.selections:
+                out.append(RequestSelection(
+                    req_id, n_ext, tuple(GroupSelection(0, list(ids), 0, 0, whole=True) for ids in groups)
+                ))
+        return out
+
+
+@dataclass
+class KVFillStats(KVConnectorStats):
+    """Fill statistics for vLLM's KV connector metrics (summed over steps)."""
+
+    def reset(self):
+        self.data = {"fills": 0, "requests": 0, "entries": 0, "bytes": 0, "seconds": 0.0}
+
+    def __post_init__(self):
+        if not self.data:
+            self.reset()
+
+    def record(self, requests: int, entries: int, nbytes: int, seconds: float) -> None:
+        self.data["fills"] += 1
+        self.data["requests"] += requests
+        self.data["entries"] += entries
+        self.data["bytes"] += nbytes
+        self.data["seconds"] += seconds
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for k, v in other.data.items():
+            self.data[k] = self.data.get(k, 0) + v
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return {
+            "kvfill_fills": self.data["fills"],
+            "kvfill_requests": self.data["requests"],
+            "kvfill_MiB": round(self.data["bytes"] / 2**20, 3),
+            "kvfill_ms": round(self.data["seconds"] * 1e3, 3),
+        }
+
+    def is_empty(self) -> bool:
+        return self.data.get("fills", 0) == 0

@@ -1,0 +1,87 @@
+"""The connector's options (``kv_connector_extra_config``): one frozen, typed
+object, validated once when the connector is built.
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "KVFillConnector",
+        "kv_role": "kv_both", "kv_connector_extra_config": {"fill_std": 0.1}}'
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any, Mapping
+
+from kvfill.kernels import ValueSpec
+from kvfill.kernels.backend import BACKENDS
+from kvfill.kernels.values import ValueSpecError
+
+from .planner import Granularity
+
+VERIFY_MODES = ("log", "raise")
+
+
+class OptionError(ValueError):
+    """A bad ``kv_connector_extra_config`` entry: names the key, the value and what was expected."""
+
+    def __init__(self, key: str, value: Any, expected: str):
+        super().__init__(
+            f"KVFillConnector: kv_connector_extra_config[{key!r}] = {value!r} is invalid; expected {expected}"
+        )
+
+
+@dataclass(frozen=True)
+class FillOptions:
+    """Field names are the config keys; defaults are the in-tree connector's behaviour."""
+
+    fill_mean: float = 0.015           # as the in-tree connector
+    fill_std: float = 0.0              # 0: constant fill_mean; > 0: normal(mean, std)
+    seed: int = 0                      # values are a function of (seed, layer, token, element)
+    startup_fill: bool = False         # fill whole caches once at registration
+    granularity: Granularity = Granularity.TOKEN  # "token": external slots only; "block": whole blocks
+    refill_on_preemption: bool = True  # a preempted request is filled again, not prefilled for real
+    backend: str = "auto"              # "auto" / "triton" / "torch"
+    verify: str | None = None          # None / "log" / "raise": re-check every fill (debug aid; syncs)
+    values: ValueSpec = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        keys = {"mean": "fill_mean", "std": "fill_std", "seed": "seed"}
+        try:
+            values = ValueSpec(self.fill_mean, self.fill_std, self.seed)
+        except ValueSpecError as exc:
+            raise OptionError(keys[exc.field], exc.value, exc.expected) from None
+        object.__setattr__(self, "values", values)
+        object.__setattr__(self, "fill_mean", values.mean)
+        object.__setattr__(self, "fill_std", values.std)
+        for key in ("startup_fill", "refill_on_preemption"):
+            if not isinstance(getattr(self, key), bool):
+                raise OptionError(key, getattr(self, key), "true or false")
+        try:
+            object.__setattr__(self, "granularity", Granularity(self.granularity))
+        except ValueError:
+            raise OptionError("granularity", self.granularity, "'token' or 'block'") from None
+        if self.backend not in BACKENDS:
+            raise OptionError("backend", self.backend, f"one of {list(BACKENDS)}")
+        if self.verify not in (None, *VERIFY_MODES):
+            raise OptionError("verify", self.verify, "false, true, 'log' or 'raise'")
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> "FillOptions":
+        """Options from ``kv_connector_extra_config``; an unknown key is an
+        error listing the valid ones.  ``verify``: true means ``"raise"``."""
+        extra = dict(extra or {})
+        valid = sorted(f.name for f in fields(cls) if f.init)
+        unknown = sorted(set(extra) - set(valid))
+        if unknown:
+            raise ValueError(
+                f"KVFillConnector: unknown kv_connector_extra_config key(s) {unknown}; valid keys: {valid}"
+            )
+        if extra.get("verify") is True:
+            extra["verify"] = "raise"
+        elif extra.get("verify") is False:
+            extra["verify"] = None
+        return cls(**extra)
+
+    def summary(self) -> str:
+        kind = "random" if self.fill_std > 0 else "constant"
+        return (
+            f"{kind} fill (mean={self.fill_mean:g}, std={self.fill_std:g}, seed={self.seed}, "
+            f"{self.granularity.value} granularity), startup_fill={self.startup_fill}"
+        )

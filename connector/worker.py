@@ -1,0 +1,176 @@
+"""Worker side of KVFillConnector: one engine over vLLM's caches, one fill per step.
+
+``register_kv_caches`` builds a ``FillEngine`` from the per-layer caches vLLM
+registers (again after re-registration, e.g. sleep mode) and this rank's
+planner; ``start_fill`` turns a step's metadata into one ``Planner.plan`` and
+one ``FillEngine.fill`` for every request, group and layer, stream-ordered,
+without a host sync.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from vllm.logger import init_logger
+
+from kvfill.kernels import CacheGroup, FillEngine, FillPlan
+
+from .metadata import KVFillConnectorMetadata, KVFillStats
+from .options import FillOptions
+from .planner import Planner
+from .specs import geometries_from_config, layer_encoding, layer_specs_by_name, startup_fill_group_ids
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+# Under "vllm." so that vLLM's logging configuration (handlers, level) applies.
+logger = init_logger("vllm.kvfill.connector")
+
+
+def current_dcp_rank(vllm_config: "VllmConfig") -> int:
+    """This process's rank in its DCP group (0 without DCP)."""
+    if vllm_config.parallel_config.decode_context_parallel_size <= 1:
+        return 0
+    from vllm.distributed.parallel_state import get_dcp_group
+
+    return get_dcp_group().rank_in_group
+
+
+class KVFillWorker:
+    def __init__(self, vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", options: FillOptions,
+                 dcp_rank: int | None = None):
+        self.options = options
+        self.kv_cache_config = kv_cache_config
+        self.dcp_rank = current_dcp_rank(vllm_config) if dcp_rank is None else dcp_rank
+        # This rank's planner; register_kv_caches adds the caches' slots per block.
+        self.planner = Planner(geometries_from_config(vllm_config, kv_cache_config),
+                               granularity=options.granularity).for_rank(self.dcp_rank)
+        self.startup_groups = startup_fill_group_ids(kv_cache_config) if options.startup_fill else set()
+        cache_dtype = vllm_config.cache_config.cache_dtype
+        specs = layer_specs_by_name(kv_cache_config)
+        self.encodings = {name: layer_encoding(spec, cache_dtype) for name, spec in specs.items()}
+        # Raw backing buffers laid out by the layer itself (HiSparse): no block dim to address.
+        self.unaddressable = {name for name, spec in specs.items() if not getattr(spec, "has_layer_views", True)}
+        self.engine: FillEngine | None = None
+        self.stats = KVFillStats()
+        self.last_stats = None  # FillStats of the latest fill
+
+    # ------------------------------------------------------------ registration
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        groups = self._cache_groups(kv_caches)
+        if self.unaddressable:
+            logger.warning(
+                "KVFillConnector: %d layers keep raw caches with no block views (%s...); they are not filled",
+                len(self.unaddressable), sorted(self.unaddressable)[0],
+            )
+        self.engine = FillEngine(groups, values=self.options.values, backend=self.options.backend,
+                                 layer_ids=_layer_ids(kv_caches))
+        self.planner = self._with_cache_slots(self.planner, self.engine)
+        self.engine.warmup()  # compile the kernels now, not in the first filling step
+        logger.info("KVFillConnector: %s, %s backend, DCP rank %d; caches:\n%s",
+                    self.options.summary(), self.engine.backend, self.dcp_rank, self.engine.describe())
+        if self.startup_groups:
+            names = [g.name for i, g in enumerate(self.planner.groups) if i in self.startup_groups and g.name in groups]
+            stats = self.engine.fill_all(names)
+            logger.info("KVFillConnector: startup fill of %d groups, %.1f MiB", len(names), stats.bytes / 2**20)
+
+    def _cache_groups(self, kv_caches: dict[str, Any]) -> dict[str, CacheGroup]:
+        """One engine group per KV cache group with addressable caches here.
+
+        Layers of one group sharing one cache tensor are filled once.  Groups
+        may alias one buffer (hybrid models): each still fills its own blocks.
+        """
+        groups: dict[str, CacheGroup] = {}
+        for geo, g in zip(self.planner.groups, self.kv_cache_config.kv_cache_groups):
+            layers, seen = {}, set()
+            for name in g.layer_names:
+                cache = kv_caches.get(name)
+                if cache is None or name in self.unaddressable:
+                    continue
+                tensors = cache if isinstance(cache, (list, tuple)) else [cache]
+                key = tuple((t.data_ptr(), tuple(t.shape), t.stride(), t.dtype) for t in tensors)
+                if key not in seen:
+                    seen.add(key)
+                    layers[name] = cache
+            if layers:
+                groups[geo.name] = CacheGroup(
+                    layers,
+                    num_blocks=self.kv_cache_config.num_blocks,
+                    encoding={n: self.encodings.get(n, "auto") for n in layers},
+                    mode="zero" if geo.zero else None,
+                    dcp=geo.dcp,
+                )
+        return groups
+
+    @staticmethod
+    def _with_cache_slots(planner: Planner, engine: FillEngine) -> Planner:
+        """The planner told how many slots each group's caches hold per block."""
+        geos = []
+        for geo in planner.groups:
+            info = engine.groups.get(geo.name)
+            geo = replace(geo, slots_per_block=info.slots_per_block if info else None)
+            if geo.remaps_to_whole_blocks:
+                logger.warning("KVFillConnector: group %s holds %d slots per block for %d tokens; its planned "
+                               "blocks are filled whole", geo.name, geo.slots_per_block, geo.block_size)
+            geos.append(geo)
+        return Planner(geos, granularity=planner.granularity, null_block_id=planner.null_block_id)
+
+    # ------------------------------------------------------------ per step
+    def start_fill(self, meta: KVFillConnectorMetadata) -> None:
+        """One engine fill for every request of the step.
+
+        Metadata this engine cannot apply (block ids past its caches, another
+        group count: another engine configuration) is logged and skipped -
+        nothing is written, since the engine validates the whole plan before
+        its first write - rather than crashing the worker.
+        """
+        self.last_stats = None
+        if not meta:
+            return
+        if self.engine is None:
+            raise RuntimeError("KVFillConnector: start_load_kv before register_kv_caches")
+        t0 = time.perf_counter()
+        selections = meta.request_selections()
+        try:
+            plan = self.planner.plan(selections, groups=self.engine.groups)
+            stats = self.last_stats = self.engine.fill(plan)
+        except ValueError as exc:
+            logger.error("KVFillConnector: skipped this step's fill, its metadata does not fit the caches: %s", exc)
+            return
+        elapsed = time.perf_counter() - t0
+        self.stats.record(len(selections), stats.entries, stats.bytes, elapsed)
+        logger.debug(
+            "KVFillConnector: filled %d requests, %d block entries, %.2f MiB in %d launches, %.3f ms host",
+            len(selections), stats.entries, stats.bytes / 2**20, stats.launches, elapsed * 1e3,
+        )
+        if self.options.verify:
+            self._verify(plan)
+
+    def _verify(self, plan: FillPlan) -> None:
+        report = self.engine.verify(plan)
+        if report.ok:
+            logger.debug("KVFillConnector: verified %d elements", report.num_checked)
+            return
+        msg = (f"KVFillConnector: verify found {report.num_mismatched} of {report.num_checked} "
+               f"elements mismatched after the fill, first: {report.first[:3]}")
+        if self.options.verify == "raise":
+            raise RuntimeError(msg)
+        logger.error(msg)
+
+
+def _layer_ids(kv_caches: dict[str, Any]) -> dict[str, int]:
+    """Layer index for the value function: the number in the layer name
+    (``model.layers.7.self_attn.attn`` -> 7), registration order otherwise."""
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    out = {}
+    for i, name in enumerate(kv_caches):
+        try:
+            out[name] = extract_layer_index(name)
+        except (AssertionError, ValueError):
+            out[name] = i
+    if len(set(out.values())) != len(out):  # names without unique indices
+        out = {name: i for i, name in enumerate(kv_caches)}
+    return out

@@ -1,0 +1,185 @@
+"""Registration: cache tensors -> layouts -> launch classes, done once.
+
+Every registered tensor gets its layout (``layout.py``), the dtype its bytes
+encode and its mode.  Tensors of one group with equal layout, dtype and mode
+form a *launch class*: one kernel launch (or one torch pass) fills all of
+them.  Nothing here depends on the backend that will do the writes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+import torch
+
+from . import values as V
+from .dcp import NO_DCP, DcpGeometry
+from .layout import Layout, layout_of
+
+
+@dataclass
+class CacheGroup:
+    """One KV cache group: layers sharing a block table.
+
+    layers: layer name -> cache tensor, or a list/tuple of state tensors
+        (Mamba/KDA: each block-indexed on ``block_dim``, no slot dim).
+    num_blocks: the manager's block count; a tensor with ``num_blocks * r``
+        entries on ``block_dim`` is kernel-block granular.  None: taken from
+        the tensors (the smallest block count).
+    block_dim / slot_dim: as in ``layout_of``; lists of state tensors have no
+        slot dim whatever ``slot_dim`` says.
+    encoding: ``auto`` / ``native`` / ``fp8_e4m3`` / ``fp8_e5m2`` / ``packed``
+        for every tensor of the group, or a mapping layer name -> encoding.
+    mode: None (the engine's: normal if std > 0 else constant) or ``zero``
+        (circular buffers, int metadata).
+    dcp: this group's DCP geometry on this rank.
+    """
+
+    layers: Mapping[str, torch.Tensor | Sequence[torch.Tensor]]
+    num_blocks: int | None = None
+    block_dim: int = 0
+    slot_dim: int | None | str = "auto"
+    encoding: str | Mapping[str, str] = V.ENC_AUTO
+    mode: str | None = None
+    dcp: DcpGeometry = NO_DCP
+
+
+@dataclass(frozen=True)
+class RegisteredGroup:
+    """A group as registered: what a plan for it is checked against."""
+
+    name: str
+    slots_per_block: int
+    num_blocks: int
+    dcp: DcpGeometry
+
+
+@dataclass(frozen=True)
+class LayerTensor:
+    """One registered tensor of one layer."""
+
+    group: str
+    layer: str
+    sub: int | None           # index in a state-tensor list, None for plain caches
+    tensor: torch.Tensor
+    layout: Layout
+    vdtype: torch.dtype | None  # the float dtype its bytes encode; None: zero-filled
+    mode: str
+    key: int                  # the layer's 32-bit key of the value function
+    elem_offset: int          # element index of this tensor's row 0 within the layer's row
+
+
+@dataclass
+class LaunchClass:
+    """Tensors of one group with one layout, dtype and mode: filled together."""
+
+    group: str
+    layout: Layout
+    vdtype: torch.dtype | None
+    mode: str
+    tensors: list[LayerTensor] = field(default_factory=list)
+    table: torch.Tensor | None = None  # value bits on the device (values.value_table)
+
+
+class Registry:
+    """The registered caches of an engine, grouped into launch classes."""
+
+    def __init__(self, groups: Mapping[str, CacheGroup], values: V.ValueSpec, layer_ids: Mapping[str, int]):
+        self.values = values
+        self.groups: dict[str, RegisteredGroup] = {}
+        self.tensors: list[LayerTensor] = []
+        next_id = 0
+        for gname, g in groups.items():
+            if not isinstance(g, CacheGroup):
+                raise TypeError(f"group {gname!r}: expected a CacheGroup, got {type(g).__name__}")
+            if g.mode is not None and g.mode not in V.MODES:
+                raise ValueError(f"group {gname!r}: mode {g.mode!r} is not one of {V.MODES}")
+            tensors, next_id = self._register_layers(gname, g, layer_ids, next_id)
+            self.groups[gname] = self._group_info(gname, g, tensors)
+            self.tensors.extend(tensors)
+        devices = {t.tensor.device for t in self.tensors}
+        if len(devices) > 1:
+            raise ValueError(f"all caches must be on one device, got {sorted(map(str, devices))}")
+        self.device = devices.pop() if devices else torch.device("cpu")
+        self.classes = self._launch_classes()
+
+    def _register_layers(self, gname, g: CacheGroup, layer_ids, next_id) -> tuple[list[LayerTensor], int]:
+        seen = {t.layer for t in self.tensors}
+        out: list[LayerTensor] = []
+        for lname, caches in g.layers.items():
+            if lname in seen:
+                raise ValueError(f"layer {lname!r} is registered in more than one group")
+            seen.add(lname)
+            lid = layer_ids.get(lname, next_id)
+            next_id = max(next_id, lid + 1)
+            enc = g.encoding.get(lname, V.ENC_AUTO) if isinstance(g.encoding, Mapping) else g.encoding
+            is_list = isinstance(caches, (list, tuple))
+            elem_offset = 0
+            for sub, t in enumerate(list(caches) if is_list else [caches]):
+                where = f"group {gname!r} layer {lname!r}" + (f" state tensor {sub}" if is_list else "")
+                try:
+                    layout = layout_of(t, block_dim=g.block_dim, slot_dim=None if is_list else g.slot_dim,
+                                       num_blocks=g.num_blocks)
+                    vdtype = V.value_dtype(t.dtype, enc)
+                except (ValueError, TypeError) as exc:
+                    raise type(exc)(f"{where}: {exc}") from None
+                mode = V.ZERO if vdtype is None else (g.mode or self.values.mode)
+                out.append(LayerTensor(gname, lname, sub if is_list else None, t, layout, vdtype, mode,
+                                       V.layer_key(self.values.seed, lid), elem_offset))
+                elem_offset += layout.row_size
+        return out, next_id
+
+    @staticmethod
+    def _group_info(gname, g: CacheGroup, tensors: list[LayerTensor]) -> RegisteredGroup:
+        sizes = {t.layout.slots_per_block for t in tensors}
+        if len(sizes) > 1:
+            raise ValueError(
+                f"group {gname!r}: layers disagree on the block size (slots per block): "
+                f"{sorted(sizes)}; a group shares one block table"
+            )
+        slots = sizes.pop() if sizes else 1
+        if g.dcp.sharded and slots % g.dcp.interleave:
+            raise ValueError(
+                f"group {gname!r}: interleave {g.dcp.interleave} does not divide the block size {slots}"
+            )
+        nb = g.num_blocks if g.num_blocks is not None else min((t.layout.num_blocks for t in tensors), default=0)
+        return RegisteredGroup(gname, slots, nb, g.dcp)
+
+    def _launch_classes(self) -> tuple[LaunchClass, ...]:
+        classes: dict[tuple, LaunchClass] = {}
+        for t in self.tensors:
+            k = (t.group, t.layout, t.vdtype, t.mode)
+            if k not in classes:
+                classes[k] = LaunchClass(t.group, t.layout, t.vdtype, t.mode)
+            classes[k].tensors.append(t)
+        # One value table per (mode, dtype, item size), long enough for the
+        # widest row that reads it.
+        max_row: dict[tuple, int] = {}
+        for c in classes.values():
+            k = (c.mode, c.vdtype, c.layout.itemsize)
+            max_row[k] = max(max_row.get(k, 1), c.layout.row_size)
+        v = self.values
+        tables = {
+            k: V.value_table(k[0], v.mean, v.std, k[1], k[2], self.device, max_row=row) for k, row in max_row.items()
+        }
+        for c in classes.values():
+            c.table = tables[(c.mode, c.vdtype, c.layout.itemsize)]
+        return tuple(classes.values())
+
+    def group(self, name: str) -> RegisteredGroup:
+        info = self.groups.get(name)
+        if info is None:
+            raise ValueError(f"group {name!r} is not registered; registered groups: {sorted(self.groups)}")
+        return info
+
+    def describe(self) -> str:
+        """One line per launch class: group, geometry, dtype, mode, layers."""
+        lines = []
+        for c in self.classes:
+            lay = c.layout
+            lines.append(
+                f"{c.group}: {len(c.tensors)} tensor(s) x {lay.num_blocks} blocks x "
+                f"{lay.slots_per_block} slots x {lay.row_size} elems of {lay.itemsize} B "
+                f"[{c.vdtype or 'packed'}, {c.mode}]"
+            )
+        return "\n".join(lines)
