@@ -142,7 +142,8 @@ def main(argv=None):
     p.add_argument("--prompt-len", type=int, default=8000)
     p.add_argument("--output-len", type=int, default=2)
     p.add_argument("--fill-std", type=float, default=0.1)
-    p.add_argument("--kv-cache-gib", type=int, default=8, help="CPU only: VLLM_CPU_KVCACHE_SPACE")
+    p.add_argument("--kv-cache-gib", type=int, default=4,
+                   help="CPU only: VLLM_CPU_KVCACHE_SPACE (the default workload fills 2 GiB; vLLM CPU checks it against one NUMA node's free memory)")
     p.add_argument("--kv-cache-dtype", default="auto", help="vLLM's --kv-cache-dtype (auto, fp8, fp8_e5m2, ...)")
     p.add_argument("--model", default=None, help="model folder (created if missing; default out/tiny-llama or out/tiny-gemma3-hybrid)")
     p.add_argument("--hybrid", action="store_true", help="sliding-window + full attention model (two KV cache groups)")
