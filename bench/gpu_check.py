@@ -66,25 +66,65 @@ def correctness(device, log):
     return rows, failures
 
 
-def check_graph_capture(device):
-    """fill_blocks captured in a CUDA graph, replayed with new ids: same bytes as
-    the torch backend; an out-of-range id is skipped.  None where not CUDA."""
+def check_graph_capture(device, log):
+    """fill_blocks captured in a CUDA graph (kvfill.kernels.capture), replayed
+    with new ids after the engine cache was cleared and refilled: the same
+    bytes as the host path (repeated id: first position wins; ids past the
+    caches and past int32 skipped), and host ids refused under capture.
+    Returns the failed checks' names; None where not CUDA."""
     if torch.device(device).type != "cuda":
         return None
+    from kvfill.kernels import clear_engine_cache, release_captured_fills
+
+    failed = []
     cache = torch.zeros(16, 2, 8, 32, dtype=torch.bfloat16, device=device)
-    ids = torch.tensor([3, 7], device=device)
-    fill_blocks([cache], ids, mean=0.0, std=1.0, seed=5)  # warm-up: registers the engine
+    ids = torch.tensor([3, 7, 3, 9], device=device)
+    kw = dict(mean=0.0, std=1.0, seed=5)
+    fill_blocks([cache], ids, **kw)  # warm-up: registers the engine
     torch.cuda.synchronize()
     cache.zero_()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fill_blocks([cache], ids, mean=0.0, std=1.0, seed=5)
-    ids.copy_(torch.tensor([1, 99], device=device))  # 99 is out of range: skipped
+        fill_blocks([cache], ids, **kw)
+        try:
+            fill_blocks([cache], [3, 7], **kw)
+            failed.append("host ids accepted under capture")
+        except RuntimeError:
+            pass
+    # Evict every cached engine: the captured fill's must stay alive.
+    for i in range(10):
+        fill_blocks([torch.zeros(4, 1, 8, 32, device=device)], [i % 4], **kw)
+    clear_engine_cache()
+    torch.cuda.empty_cache()
+    ids.copy_(torch.tensor([1, 2**32 + 1, 1, 99], device=device))  # repeat, past int32, past the caches
     graph.replay()
     torch.cuda.synchronize()
     ref = torch.zeros(16, 2, 8, 32, dtype=torch.bfloat16)
-    fill_blocks([ref], [1], mean=0.0, std=1.0, seed=5, backend="torch")
-    return torch.equal(cache.cpu().view(torch.int16), ref.view(torch.int16))
+    fill_blocks([ref], [1], **kw, backend="torch")
+    if not torch.equal(cache.cpu().view(torch.int16), ref.view(torch.int16)):
+        failed.append("replayed bytes differ from the host path")
+    del graph
+    release_captured_fills()
+    for name in failed:
+        log(f"CUDA graph: {name}")
+    return failed
+
+
+def check_device_guard(device, log):
+    """With a second GPU current, a fill of caches on the first still lands
+    there, ordered after its plan upload.  None with fewer than two GPUs."""
+    if torch.device(device).type != "cuda" or torch.cuda.device_count() < 2:
+        return None
+    cache = torch.zeros(8, 2, 8, 32, dtype=torch.bfloat16, device="cuda:0")
+    eng = FillEngine({"g": CacheGroup({"l": cache})}, mean=0.0, std=1.0, seed=3)
+    plan = {"g": GroupFill(block_ids=[2, 5])}
+    with torch.cuda.device(1):
+        eng.fill(plan)
+    torch.cuda.synchronize(0)
+    ok = eng.verify(plan).ok
+    if not ok:
+        log("device guard: a fill issued with cuda:1 current missed cuda:0's caches")
+    return ok
 
 
 def main(argv=None):
@@ -101,8 +141,11 @@ def main(argv=None):
 
     rows, failures = correctness(device, log)
     log(f"correctness: {len(rows)} layout x dtype x mode cases, {failures} with mismatched bytes")
-    graph_ok = check_graph_capture(device)
+    graph_failed = check_graph_capture(device, log)
+    graph_ok = None if graph_failed is None else not graph_failed
     log(f"CUDA graph capture of fill_blocks: {'n/a' if graph_ok is None else graph_ok}")
+    guard_ok = check_device_guard(device, log)
+    log(f"device guard (fill with another GPU current): {'n/a (one GPU)' if guard_ok is None else guard_ok}")
 
     sizes = [1] if a.smoke else a.sizes
     layers = 2 if a.smoke else 32
@@ -121,20 +164,29 @@ def main(argv=None):
             heads=1, content=128, label=f"launch-bound R{n_req} L{n_layers}",
         )
     log("timed launch-bound step")
+    unverified = [r for r in perf if r["impl"] == "kvfill" and r["verified"] is not True]
+    for r in unverified:
+        log(f"UNVERIFIED perf row: {r['case']} {r['mode']}")
 
     os.makedirs(a.out, exist_ok=True)
     path = os.path.join(a.out, "gpu_check.json")
     C.write_json(path, {
         "machine": C.machine_info(device),
         "command": "python bench/gpu_check.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "correctness": {"cases": len(rows), "failures": failures, "graph_capture": graph_ok, "rows": rows},
+        "correctness": {"cases": len(rows), "failures": failures, "graph_capture": graph_ok,
+                        "graph_capture_failed": graph_failed, "device_guard": guard_ok,
+                        "unverified_perf_rows": len(unverified), "rows": rows},
         "perf": perf,
     })
     log(f"wrote {path}")
     print(f"\ncorrectness: {len(rows) - failures}/{len(rows)} cases byte-exact"
-          f"{'' if graph_ok is None else f'; CUDA graph capture ok: {graph_ok}'}")
+          f"{'' if graph_ok is None else f'; CUDA graph capture ok: {graph_ok}'}"
+          f"{'' if guard_ok is None else f'; device guard ok: {guard_ok}'}"
+          f"; perf rows verified: {sum(r['impl'] == 'kvfill' for r in perf) - len(unverified)}/"
+          f"{sum(r['impl'] == 'kvfill' for r in perf)}")
     print(C.table(perf, fill_bench.COLUMNS))
-    return failures + (graph_ok is False)
+    # Every failed check counts: a fast row whose bytes are wrong is a failure, not a figure.
+    return failures + (graph_ok is False) + (guard_ok is False) + len(unverified)
 
 
 if __name__ == "__main__":

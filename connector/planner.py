@@ -16,8 +16,8 @@ types to it), in two stages:
 Geometry (ARCHITECTURE.md): a request's external tokens are
 ``[num_local_computed, num_tokens - 1)``; the last prompt token is left for the
 model.  A group's block spans ``block_size * W`` global tokens where W is the
-group's DCP world size (DCP-sharded full attention, MLA included) or 1 (every
-other kind).  Token t lives on rank ``(t // I) % W`` at rank-local index
+group's DCP world size as vLLM resolves it per spec (``specs.py``; 1 without
+DCP or for unsharded specs).  Token t lives on rank ``(t // I) % W`` at rank-local index
 ``l = (t // (I * W)) * I + t % I``, in block ``l // block_size`` of the table,
 slot ``l % block_size``.  On rank r the external tokens are one contiguous
 range of local indices, so each planned block is one slot range.
@@ -55,8 +55,8 @@ class GroupGeometry:
     """One KV cache group as the planner sees it.
 
     ``block_size``: tokens per block per rank (the spec's block size);
-    ``dcp``: the group's DCP geometry (W > 1 only for DCP-sharded full
-    attention; the rank matters only to ``Planner.plan``);
+    ``dcp``: the group's DCP geometry (W as vLLM resolves it per spec:
+    ``specs.dcp_world_size_of``; the rank matters only to ``Planner.plan``);
     ``slots_per_block``: slots the group's caches hold per block, when that
     differs from ``block_size`` (several tokens per slot, e.g. compressed MLA):
     its planned blocks are then filled whole.
@@ -76,10 +76,9 @@ class GroupGeometry:
             raise ValueError(f"group {self.name!r}: block_size must be an int >= 1, got {self.block_size!r}")
         if not isinstance(self.dcp, DcpGeometry):
             raise TypeError(f"group {self.name!r}: dcp must be a DcpGeometry, got {type(self.dcp).__name__}")
-        if self.dcp.sharded and self.kind != GroupKind.FULL_ATTENTION:
+        if self.dcp.sharded and self.kind == GroupKind.MAMBA:
             raise ValueError(
-                f"group {self.name!r}: only full attention is DCP-sharded, got kind "
-                f"{self.kind.value} with DCP world size {self.dcp.world_size}"
+                f"group {self.name!r}: Mamba state is not sharded by DCP, got DCP world size {self.dcp.world_size}"
             )
         if self.block_size % self.dcp.interleave:
             raise ValueError(

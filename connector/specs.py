@@ -1,12 +1,11 @@
 """vLLM KV cache specs -> planner geometry.  The only planner-side module that imports vLLM.
 
-Rule for a group's DCP world size W (the fix of vLLM PR 54679, and what newer
-vLLM's ``dcp_world_size_for_kv_cache_spec`` computes): W = the DCP size for
-full attention (``FullAttentionSpec`` and subclasses, MLA included) unless the
-spec says it is not DCP-sharded; 1 for every other kind.  vLLM 0.32/0.33's
-``resolve_dcp_kv_block_size`` also scales other attention kinds, but those
-refuse DCP elsewhere (sliding window asserts), so the rule agrees with the
-allocator wherever vLLM runs.
+A group's DCP world size W (``dcp_world_size_of``) is resolved exactly as the
+installed vLLM's allocator resolves it: newer vLLM's per-spec helper
+``dcp_world_size_for_kv_cache_spec`` when it exists, else the spec's
+``dcp_sharded`` flag (vLLM 0.32/0.33: true for every attention spec, chunked
+local and sliding window included; false for Mamba), else - vLLM trees older
+than both - full attention (MLA included) is sharded and nothing else is.
 """
 from __future__ import annotations
 
@@ -64,16 +63,33 @@ def spec_kind(spec: KVCacheSpec) -> GroupKind:
 
 
 def dcp_world_size_of(spec: KVCacheSpec, dcp_world_size: int) -> int:
-    """W of a group: the DCP size for DCP-sharded full attention, else 1."""
-    sharded = getattr(spec, "dcp_sharded", False)
-    return dcp_world_size if spec_kind(spec) == GroupKind.FULL_ATTENTION and sharded else 1
+    """W of a group, as the installed vLLM resolves it (module docstring)."""
+    if dcp_world_size == 1:
+        return 1
+    from vllm.v1.core import kv_cache_utils
+
+    helper = getattr(kv_cache_utils, "dcp_world_size_for_kv_cache_spec", None)
+    if helper is not None:
+        return helper(spec, dcp_world_size)
+    sharded = getattr(spec, "dcp_sharded", None)
+    if sharded is None:
+        sharded = spec_kind(spec) == GroupKind.FULL_ATTENTION
+    return dcp_world_size if sharded else 1
+
+
+def platform_fp8_encoding() -> str:
+    """The encoding of vLLM's ``fp8``/``fp8_e4m3`` caches stored as uint8: its
+    kernels read them as the platform's fp8 type (e4m3fnuz on ROCm MI300)."""
+    from vllm.platforms import current_platform
+
+    return V.ENC_FP8_E4M3FNUZ if current_platform.fp8_dtype() == torch.float8_e4m3fnuz else V.ENC_FP8_E4M3
 
 
 def layer_encoding(spec: KVCacheSpec, cache_dtype: str | None = None) -> str:
     """How a layer's cache bytes encode values (kvfill.kernels.values encodings).
 
-    Float dtypes hold themselves; uint8 holding plain per-tensor fp8 is fp8
-    e4m3 or e5m2 by the cache dtype; every other uint8/int layout (nvfp4,
+    Float dtypes hold themselves; uint8 holding plain per-tensor fp8 is the
+    platform's fp8 e4m3 type or e5m2 by the cache dtype; every other uint8/int layout (nvfp4,
     fp8 with embedded scales, int metadata) is ``packed`` and zero-filled.
     """
     dtype = getattr(spec, "dtype", None)
@@ -92,7 +108,7 @@ def layer_encoding(spec: KVCacheSpec, cache_dtype: str | None = None) -> str:
     ):
         cd = getattr(spec, "cache_dtype_str", None) or cache_dtype
         if cd in ("fp8", "fp8_e4m3"):
-            return V.ENC_FP8_E4M3
+            return platform_fp8_encoding()
         if cd == "fp8_e5m2":
             return V.ENC_FP8_E5M2
     return V.ENC_PACKED

@@ -16,7 +16,14 @@ if __name__ != "kvfill.kernels":
     # torch custom op again and split the engine cache between two copies.
     __all__: list[str] = []
 else:
-    from .api import clear_engine_cache, fill_blocks, num_cached_engines, verify_blocks
+    from .api import (
+        captured_engines,
+        clear_engine_cache,
+        fill_blocks,
+        num_cached_engines,
+        release_captured_fills,
+        verify_blocks,
+    )
     from .dcp import NO_DCP, DcpGeometry
     from .engine import FillEngine, FillStats
     from .layout import Layout, layout_of
@@ -39,9 +46,11 @@ else:
         "RegisteredGroup",
         "ValueSpec",
         "VerifyReport",
+        "captured_engines",
         "clear_engine_cache",
         "fill_blocks",
         "layout_of",
         "num_cached_engines",
+        "release_captured_fills",
         "verify_blocks",
     ]

@@ -7,6 +7,7 @@ from typing import Mapping, Sequence
 import numpy as np
 import torch
 
+from .capture import check_capture_ids, stream_capturing, whole_block_entries
 from .engine import FillEngine
 from .layout import default_slot_dim
 from .plan import GroupFill
@@ -39,10 +40,14 @@ def _ids_array(block_ids) -> np.ndarray:
 # caches; clear_engine_cache() drops them.
 _ENGINES: OrderedDict = OrderedDict()
 _MAX_ENGINES = 8
+# Engines whose fills were captured into CUDA graphs (capture.py: lifetime).
+_CAPTURED: dict = {}
 
 
 def clear_engine_cache() -> None:
-    """Drop the engines (and cache references) kept for repeated calls."""
+    """Drop the engines (and cache references) kept for repeated calls.
+
+    Engines of captured fills stay until ``release_captured_fills()``."""
     _ENGINES.clear()
 
 
@@ -51,25 +56,43 @@ def num_cached_engines() -> int:
     return len(_ENGINES)
 
 
-def _engine(caches, block_dim, mean, std, seed, backend) -> FillEngine:
-    """One group per distinct block size (slots along the slot dim)."""
-    tensors = _flatten(caches)
-    for i, t in enumerate(tensors):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"caches[{i}]: expected a torch.Tensor, got {type(t).__name__}")
-    key = (
+def captured_engines() -> tuple[FillEngine, ...]:
+    """The engines pinned by fills captured into CUDA graphs."""
+    return tuple(_CAPTURED.values())
+
+
+def release_captured_fills() -> None:
+    """Unpin the engines of captured fills.  Call it only once no graph that
+    holds such a fill can replay: the graph addresses the engine's tables."""
+    _CAPTURED.clear()
+
+
+def _key(tensors, block_dim, mean, std, seed, backend) -> tuple:
+    return (
         tuple((t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, str(t.device)) for t in tensors),
         block_dim, float(mean), float(std), int(seed), backend,
     )
-    engine = _ENGINES.get(key)
-    if engine is not None:
-        _ENGINES.move_to_end(key)
+
+
+def _engine(tensors, block_dim, mean, std, seed, backend, *, capturing=False) -> FillEngine:
+    """One group per distinct block size (slots along the slot dim)."""
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"caches[{i}]: expected a torch.Tensor, got {type(t).__name__}")
+    key = _key(tensors, block_dim, mean, std, seed, backend)
+    engine = _ENGINES.get(key) or _CAPTURED.get(key)
+    if capturing:
+        if engine is None:
+            raise RuntimeError(
+                "fill_blocks under CUDA graph capture needs a warm-up call with the same caches "
+                "and arguments before capture (registration cannot be captured)"
+            )
+        _CAPTURED[key] = engine  # the graph addresses its tables: pinned
         return engine
-    if tensors and tensors[0].is_cuda and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(
-            "fill_blocks under CUDA graph capture needs a warm-up call with the same caches "
-            "and arguments before capture (registration cannot be captured)"
-        )
+    if engine is not None:
+        if key in _ENGINES:
+            _ENGINES.move_to_end(key)
+        return engine
     groups: dict[int, dict[str, torch.Tensor]] = {}
     ids: dict[str, int] = {}
     for i, t in enumerate(tensors):
@@ -93,20 +116,12 @@ def _engine(caches, block_dim, mean, std, seed, backend) -> FillEngine:
 
 
 def _fill_captured(engine: FillEngine, block_ids: torch.Tensor) -> None:
-    """Inside CUDA graph capture: build the plan with device ops, no host sync.
-
-    Ids cannot be checked on the host here; the kernel skips out-of-range ids
-    (writes nothing for them) and a repeated id is written once per occurrence.
-    """
-    if not block_ids.is_cuda:
-        raise RuntimeError("fill_blocks under CUDA graph capture needs block_ids as a CUDA tensor")
-    n = block_ids.numel()
-    ids = block_ids.to(torch.int32).reshape(n)
-    pos = torch.arange(n, dtype=torch.int32, device=ids.device)
+    """Inside CUDA graph capture: the plan is built on the device (capture.py)."""
+    check_capture_ids(block_ids, engine.device)
+    if block_ids.numel() == 0:
+        return
     for g, info in engine.groups.items():
-        bs = info.slots_per_block
-        entries = torch.stack([ids, torch.zeros_like(ids), torch.full_like(ids, bs), pos * bs], dim=1)
-        engine.fill_device_entries(g, entries)
+        engine.fill_device_entries(g, whole_block_entries(block_ids, info.num_blocks, info.slots_per_block))
 
 
 def _whole_blocks_plan(engine: FillEngine, ids: np.ndarray) -> dict[str, GroupFill]:
@@ -131,10 +146,10 @@ def _fill_blocks_op(
     seed: int,
     backend: str,
 ) -> None:
-    engine = _engine(caches, block_dim, mean, std, seed, backend)
-    if block_ids.is_cuda and torch.cuda.is_current_stream_capturing():
-        _fill_captured(engine, block_ids)
+    if stream_capturing():
+        _fill_captured(_engine(caches, block_dim, mean, std, seed, backend, capturing=True), block_ids)
         return
+    engine = _engine(caches, block_dim, mean, std, seed, backend)
     engine.fill(_whole_blocks_plan(engine, _ids_array(block_ids)))
 
 
@@ -185,11 +200,15 @@ def fill_blocks(
     Registered as the custom op ``torch.ops.kvfill.fill_blocks`` (mutating
     ``caches``), so it can be called inside ``torch.compile``d code.  Under
     CUDA graph capture, call it once before capture with the same caches and
-    arguments, and pass ``block_ids`` as a CUDA tensor: the captured fill
-    builds its plan on the device, skips out-of-range ids instead of raising
-    (the host cannot see them) and reads the ids at replay.
+    arguments, and pass ``block_ids`` as a tensor on the caches' device (host
+    ids are refused): the captured fill builds its plan on the device by the
+    same rules, skips out-of-range ids instead of raising (the host cannot see
+    them), reads the ids at replay and pins its engine until
+    ``release_captured_fills()`` (``kvfill.kernels.capture``).
     """
     tensors = _flatten(caches)
+    if tensors and stream_capturing():  # before any conversion: host ids are refused
+        check_capture_ids(block_ids, tensors[0].device)
     if isinstance(block_ids, torch.Tensor):
         ids = block_ids.to(torch.int64)  # validated inside the op (traceable here)
     else:
@@ -210,6 +229,6 @@ def verify_blocks(
     """Check that the given blocks hold what ``fill_blocks`` with the same
     arguments writes; returns a report with ``.ok``, ``.num_mismatched`` and
     the first offenders (layer, block, slot, element, expected, found)."""
-    engine = _engine(caches, block_dim, mean, std, seed, backend)
+    engine = _engine(_flatten(caches), block_dim, mean, std, seed, backend)
     return engine.verify(_whole_blocks_plan(engine, _ids_array(block_ids)))
 

@@ -9,6 +9,7 @@ The engine ties the pieces together, each in its own file:
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
@@ -86,6 +87,13 @@ class FillEngine:
         """One line per launch class: group, geometry, dtype, mode, layers."""
         return self._registry.describe()
 
+    def _on_device(self):
+        """Make the caches' device current: Triton launches on the current
+        device's current stream, where the plan upload must be ordered too."""
+        if self.device.type == "cuda":
+            return torch.cuda.device(self.device)
+        return contextlib.nullcontext()
+
     # ------------------------------------------------------------ plans
     def _checked(self, plan: FillPlan | Mapping[str, GroupFill]) -> dict[str, GroupFill]:
         """Normalize and validate every group's entries (nothing is written on
@@ -123,7 +131,8 @@ class FillEngine:
         checked = self._checked(plan)
         if not checked:
             return FillStats(0, 0, 0, 0)
-        launches = self._backend.fill(checked)
+        with self._on_device():
+            launches = self._backend.fill(checked)
         slots = nbytes = 0
         for c in self._registry.classes:
             if c.group in checked:
@@ -143,7 +152,8 @@ class FillEngine:
         Triton JIT compiles at registration instead of in the first step that
         fills.  Returns the number of launches (0 on the torch backend).
         """
-        return self._backend.warmup()
+        with self._on_device():
+            return self._backend.warmup()
 
     def fill_device_entries(self, group: str, entries: torch.Tensor) -> int:
         """Fill from a plan already on the device, without host validation or sync.
@@ -155,7 +165,8 @@ class FillEngine:
         block, so a bad entry writes nothing instead of raising.  Triton backend
         only.  Returns the number of launches issued.
         """
-        return self._backend.fill_device_entries(group, entries)
+        with self._on_device():
+            return self._backend.fill_device_entries(group, entries)
 
     # ------------------------------------------------------------ verify
     def verify(self, plan: FillPlan | Mapping[str, GroupFill], *, max_report: int = 8) -> VerifyReport:

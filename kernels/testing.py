@@ -65,6 +65,8 @@ DTYPES = [
     ("fp8e5m2", torch.float8_e5m2, "auto"),
     ("u8-fp8e4m3", torch.uint8, "fp8_e4m3"),
     ("u8-fp8e5m2", torch.uint8, "fp8_e5m2"),
+    ("fp8e4m3fnuz", torch.float8_e4m3fnuz, "auto"),
+    ("u8-fp8e4m3fnuz", torch.uint8, "fp8_e4m3fnuz"),
     ("u8-packed", torch.uint8, "packed"),
 ]
 

@@ -42,6 +42,7 @@ MODE_CODE = {V.ZERO: 0, V.CONSTANT: 1, V.NORMAL: 2}
 # the interpreter, whose cost is per tile, not per element.
 TILE_NUMEL = 16384 if INTERPRETED else 4096
 MAX_TILE_ELEMS = 1024  # widest tile along a token row
+MAX_LAYERS_PER_LAUNCH = 65535  # layers are the grid's y dimension: CUDA's limit
 
 
 @triton.jit
@@ -233,6 +234,11 @@ class TritonBackend(FillBackend):
         rows: list[tuple[int, int, int]] = []
         self._launches: list[_ClassLaunch] = []
         for c in registry.classes:
+            if len(c.tensors) > MAX_LAYERS_PER_LAUNCH:
+                raise ValueError(
+                    f"group {c.group!r}: {len(c.tensors)} layer tensors of one geometry exceed the "
+                    f"{MAX_LAYERS_PER_LAUNCH} one launch can address (the grid's y dimension)"
+                )
             ref, align, offsets = _addressing(c)
             self._launches.append(_ClassLaunch(c, slice(len(rows), len(rows) + len(offsets)), ref, align))
             rows.extend((o, t.key, t.elem_offset) for o, t in zip(offsets, c.tensors))

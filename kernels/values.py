@@ -58,8 +58,11 @@ ENC_AUTO = "auto"
 ENC_NATIVE = "native"      # the tensor's own float dtype
 ENC_FP8_E4M3 = "fp8_e4m3"  # fp8 e4m3fn stored in uint8 (or a native fp8 tensor)
 ENC_FP8_E5M2 = "fp8_e5m2"
+# fp8 e4m3fnuz in uint8: vLLM's fp8/fp8_e4m3 caches where the platform's fp8
+# type is fnuz (ROCm MI300).  In e4m3fn 0x80 is -0.0; in fnuz it is NaN.
+ENC_FP8_E4M3FNUZ = "fp8_e4m3fnuz"
 ENC_PACKED = "packed"      # nvfp4, fp8 with embedded scales, int metadata: zero-filled
-ENCODINGS = (ENC_AUTO, ENC_NATIVE, ENC_FP8_E4M3, ENC_FP8_E5M2, ENC_PACKED)
+ENCODINGS = (ENC_AUTO, ENC_NATIVE, ENC_FP8_E4M3, ENC_FP8_E5M2, ENC_FP8_E4M3FNUZ, ENC_PACKED)
 
 FLOAT_DTYPES = (
     torch.float32,
@@ -67,10 +70,13 @@ FLOAT_DTYPES = (
     torch.bfloat16,
     torch.float8_e4m3fn,
     torch.float8_e5m2,
+    torch.float8_e4m3fnuz,
+    torch.float8_e5m2fnuz,
 )
 _FP8_OF_ENCODING = {
     ENC_FP8_E4M3: torch.float8_e4m3fn,
     ENC_FP8_E5M2: torch.float8_e5m2,
+    ENC_FP8_E4M3FNUZ: torch.float8_e4m3fnuz,
 }
 # The integer dtype whose bits the kernels move for a given element size.
 BITS_DTYPE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

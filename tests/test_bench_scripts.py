@@ -11,8 +11,18 @@ def test_gpu_check_smoke_run_is_byte_exact(tmp_path, capsys):
     failures = gpu_check.main(["--smoke", "--out", str(tmp_path), "--device", "cpu"])
     assert failures == 0
     out = capsys.readouterr().out
-    assert "208/208 cases byte-exact" in out
+    assert "260/260 cases byte-exact" in out and "perf rows verified: 4/4" in out
     assert (tmp_path / "gpu_check.json").exists()
+
+
+def test_gpu_check_fails_when_a_perf_row_is_not_verified(tmp_path, monkeypatch, capsys):
+    """A fast row whose bytes are wrong is a failure, not a figure."""
+    from kvfill.kernels import FillEngine, VerifyReport
+
+    monkeypatch.setattr(FillEngine, "verify", lambda self, plan, **kw: VerifyReport(False, 1, 1, ()))
+    assert gpu_check.main(["--smoke", "--out", str(tmp_path), "--device", "cpu"]) == 4
+    out = capsys.readouterr().out
+    assert out.count("UNVERIFIED perf row") == 4 and "perf rows verified: 0/4" in out
 
 
 def test_fill_bench_rows_compare_three_implementations():

@@ -284,8 +284,10 @@ def test_circular_buffer_group_is_zeroed_whole(tmp_path):
 
 
 def test_dcp_spans_per_group_and_rank_local_slots(tmp_path):
-    """DCP = 2: full attention spans 32 tokens a block, sliding window 16 (the
-    fix of vLLM PR 54679); each rank writes the tokens it owns."""
+    """DCP = 2: full attention spans 32 tokens a block, a sliding-window group
+    vLLM does not shard (``dcp_sharded=False``, what newer vLLM's per-spec
+    helper says of every sliding window) 16 - the per-group span of vLLM PR
+    54679; each rank writes the tokens it owns."""
     from types import SimpleNamespace
 
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -298,7 +300,8 @@ def test_dcp_spans_per_group_and_rank_local_slots(tmp_path):
     sw = ["model.layers.1.self_attn.attn"]
     full_layers = ["model.layers.0.self_attn.attn"]
     h = make_harness(tmp_path, [(full_layers, FullAttentionSpec(**ATT)),
-                                (sw, SlidingWindowSpec(**ATT, sliding_window=4096))], extra=FILL, layout="BLNHC")
+                                (sw, SlidingWindowSpec(**ATT, sliding_window=4096, dcp_sharded=False))],
+                   extra=FILL, layout="BLNHC")
     par = SimpleNamespace(decode_context_parallel_size=2, tensor_parallel_size=2, prefill_context_parallel_size=1,
                           cp_kv_cache_interleave_size=1)
     cfg_ns = SimpleNamespace(parallel_config=par, cache_config=h.config.cache_config)
@@ -504,3 +507,42 @@ def test_the_worker_fills_exactly_what_planner_plan_returns(full, monkeypatch):
     assert len(planned) == 1 and filled == planned
     assert planned[0]["group0"].num_slots == 39
     assert_bytes(h.raw, expected_after(h, token_fills(h, "a", 0, 39)))
+
+
+def test_dcp_with_a_chunked_local_group_plans_vllms_own_span(tmp_path, monkeypatch):
+    """DCP 2, full attention + chunked local (64 tokens), prefix caching off:
+    vLLM 0.32 shards chunked local too (``dcp_sharded``), so its blocks span
+    16 x 2 tokens.  A real KVCacheManager allocates the tables; the scheduler
+    side must select within them instead of raising out of ``schedule()``."""
+    from types import SimpleNamespace
+
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.kv_cache_utils import resolve_dcp_kv_block_size
+    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec
+    from vllm.v1.request import Request
+
+    from kvfill.connector.options import FillOptions
+    from kvfill.connector.scheduler import KVFillScheduler
+
+    monkeypatch.setenv("VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE", "1")
+    chunked = ChunkedLocalAttentionSpec(**ATT, attention_chunk_size=64)
+    h = make_harness(tmp_path, [(["model.layers.0.self_attn.attn"], FullAttentionSpec(**ATT)),
+                                (["model.layers.1.self_attn.attn"], chunked)], extra=FILL, prefix_caching=False)
+    manager = KVCacheManager(h.kv_cache_config, max_model_len=2048, scheduler_block_size=BS, hash_block_size=BS,
+                             enable_caching=False, dcp_world_size=2)
+    req = Request("r", list(range(1, 101)), SamplingParams(max_tokens=4), None)
+    assert manager.allocate_slots(req, 1, num_external_computed_tokens=99) is not None
+    tables = manager.get_block_ids(req.request_id)
+    span = resolve_dcp_kv_block_size(chunked, 2)
+    assert span == 32 and len(tables[1]) == -(-100 // span) == 4  # vLLM's own table: 4 blocks
+
+    par = SimpleNamespace(decode_context_parallel_size=2, tensor_parallel_size=2, prefill_context_parallel_size=1,
+                          cp_kv_cache_interleave_size=1)
+    sched = KVFillScheduler(SimpleNamespace(parallel_config=par), h.kv_cache_config, FillOptions.from_extra_config(FILL))
+    assert [g.span for g in sched.planner.groups] == [32, 32]
+    assert sched.get_num_new_matched_tokens(req, 0) == (99, False)
+    sched.update_state_after_alloc(req, manager.get_blocks(req.request_id), 99)
+    sel = sched.build_connector_meta(None).selections["r"]
+    assert [list(g.block_ids) for g in sel.groups] == [tables[0][:4], tables[1][:4]]
+    assert [(g.token_lo, g.token_hi) for g in sel.groups] == [(0, 99), (0, 99)]

@@ -199,3 +199,47 @@ def test_warmup_launches_every_class_and_writes_nothing(count_launches):
     assert eng.warmup() == 2 == len(count_launches)
     assert torch.equal(buf, poison)
     assert FillEngine({"a": CacheGroup({"l0": t[0]})}, backend="torch").warmup() == 0
+
+
+def test_every_launch_runs_under_the_engines_device(monkeypatch):
+    """Triton launches on the *current* device's stream, the plan upload goes to
+    the engine's device: fill, fill_device_entries and warmup must make the
+    engine's device current.  Simulated: the engine reports cuda:1 and
+    ``torch.cuda.device`` records what is entered around each launch."""
+    from kvfill.kernels import FillEngine as Engine
+
+    current = []
+
+    class Guard:
+        def __init__(self, device):
+            self.device = torch.device(device)
+
+        def __enter__(self):
+            current.append(self.device)
+
+        def __exit__(self, *exc):
+            current.pop()
+
+    seen = []
+    kernel = triton_fill.scatter_fill_kernel
+    run = kernel.run
+    monkeypatch.setattr(kernel, "run", lambda *a, **k: (seen.append(list(current)), run(*a, **k))[1])
+    t = torch.zeros(4, 2, 4, 8)
+    eng = Engine({"g": CacheGroup({"l": t})}, mean=1.0, backend="triton")
+    monkeypatch.setattr(torch.cuda, "device", Guard)
+    monkeypatch.setattr(Engine, "device", property(lambda self: torch.device("cuda", 1)))
+    eng.warmup()
+    eng.fill({"g": GroupFill([1])})
+    eng.fill_device_entries("g", torch.tensor([[2, 0, 4, 0]], dtype=torch.int32))
+    assert len(seen) == 3 and all(s == [torch.device("cuda", 1)] for s in seen), seen
+    assert (t[1] == 1).all() and (t[2] == 1).all() and (t[[0, 3]] == 0).all()
+
+
+def test_a_launch_class_is_limited_to_the_grids_y_dimension(monkeypatch):
+    """Layers are the grid's y dimension: at most 65535 per launch on CUDA."""
+    assert triton_fill.MAX_LAYERS_PER_LAUNCH == 65535
+    monkeypatch.setattr(triton_fill, "MAX_LAYERS_PER_LAUNCH", 2)
+    base = torch.zeros(3, 4, 2, 4, 8)
+    with pytest.raises(ValueError, match=r"group 'g': 3 layer tensors of one geometry exceed the 2 one launch "
+                                         r"can address"):
+        FillEngine({"g": CacheGroup({f"l{i}": base[i] for i in range(3)})}, backend="triton")

@@ -151,3 +151,34 @@ def test_gpu_check_layouts_equal_vllm_views(case, dtype):
     for name in ours:
         a, b = ours[name], theirs[name]
         assert (a.shape, a.stride(), a.storage_offset(), a.dtype) == (b.shape, b.stride(), b.storage_offset(), b.dtype)
+
+
+@pytest.mark.parametrize("dcp", [(1, 0, 1), (2, 1, 4)], ids=["no-dcp", "dcp2-rank1-i4"])
+def test_gpu_sized_tiles_loop_over_long_rows_and_partial_slot_ranges(monkeypatch, dcp):
+    """On a GPU a program stores 4096 elements per tile (1024 along the row), so
+    a 2304-element row takes three column tiles (the last one masked) and a
+    16-slot block four slot tiles.  The interpreter's larger default tile never
+    loops: force the GPU's sizes and compare with the torch backend."""
+    from kvfill.kernels import DcpGeometry, triton_fill
+
+    monkeypatch.setattr(triton_fill, "TILE_NUMEL", 4096)
+    monkeypatch.setattr(triton_fill, "MAX_TILE_ELEMS", 1024)
+    shape = (5, 8, 16, 288)  # [B, H, N, C]: rows of 8 x 288 = 2304 elements
+    lay_probe = torch.empty(shape, dtype=torch.bfloat16)
+    from kvfill.kernels import layout_of
+
+    assert triton_fill.tile_shape(layout_of(lay_probe)) == (4, 1024)
+    nbytes = 2 * torch.empty(shape).numel() * 2
+    plan = {"g": GroupFill(block_ids=[3, 0, 4], slot_start=[3, 0, 1], slot_end=[14, 16, 6],
+                           local_base=[0, 16, 32])}
+    out = []
+    for backend in ("triton", "torch"):
+        buf = poisoned_buffer(nbytes, seed=21)
+        t = buf.view(torch.bfloat16).view(2, *shape)
+        eng = FillEngine({"g": CacheGroup({"l0": t[0], "l1": t[1]}, dcp=DcpGeometry(*dcp))},
+                         mean=0.0, std=1.0, seed=4, backend=backend)
+        eng.fill(plan)
+        assert eng.verify(plan).ok
+        out.append(buf)
+    assert torch.equal(out[0], out[1])
+    assert not torch.equal(out[0], poisoned_buffer(nbytes, seed=21))

@@ -25,6 +25,8 @@ DTYPES = [
     (torch.float8_e5m2, "auto"),
     (torch.uint8, "fp8_e4m3"),
     (torch.uint8, "fp8_e5m2"),
+    (torch.float8_e4m3fnuz, "auto"),
+    (torch.uint8, "fp8_e4m3fnuz"),
     (torch.uint8, "packed"),
 ]
 

@@ -41,37 +41,55 @@ def test_kind_of_every_spec(name):
 
 @pytest.mark.parametrize("name", list(SPECS))
 @pytest.mark.parametrize("dcp", [1, 2, 4])
-def test_span_agrees_with_vllm_where_vllm_runs_dcp(name, dcp):
-    spec, kind = SPECS[name]
+def test_span_of_every_spec_kind_equals_vllms_own(name, dcp):
+    """The span the planner uses is the block span vLLM's allocator gives the group."""
+    spec, _ = SPECS[name]
     geo = group_geometry(name, spec, dcp_world_size=dcp, interleave=1)
     helper = getattr(kv_cache_utils, "dcp_world_size_for_kv_cache_spec", None)
-    if helper is not None:  # newer vLLM: the allocator's own rule, for every kind
-        assert geo.dcp.world_size == helper(spec, dcp)
-    if kind in (GroupKind.FULL_ATTENTION, GroupKind.MAMBA) or dcp == 1:
-        assert geo.span == kv_cache_utils.resolve_dcp_kv_block_size(spec, dcp)
-    else:
-        # 0.32/0.33 scale every AttentionSpec, but these kinds do not run
-        # under DCP there; the planner keeps their span unscaled.
-        assert geo.span == spec.block_size
+    world = helper(spec, dcp) if helper is not None else dcp
+    assert geo.span == kv_cache_utils.resolve_dcp_kv_block_size(spec, world)
 
 
-def test_vllm_refuses_dcp_for_sliding_window():
-    """Why the sliding-window span may differ from resolve_dcp_kv_block_size."""
-    from types import SimpleNamespace
+def test_dcp_resolution_uses_vllms_helper_when_it_exists(monkeypatch):
+    calls = []
+    monkeypatch.setattr(kv_cache_utils, "dcp_world_size_for_kv_cache_spec",
+                        lambda spec, w: calls.append((spec, w)) or (1 if spec is SPECS["chunked"][0] else w),
+                        raising=False)
+    assert dcp_world_size_of(SPECS["chunked"][0], 4) == 1 and dcp_world_size_of(SPECS["full"][0], 4) == 4
+    assert [w for _, w in calls] == [4, 4]
 
-    spec = SPECS["sliding"][0]
-    cfg = SimpleNamespace(
-        parallel_config=SimpleNamespace(decode_context_parallel_size=2),
-        max_in_flight_tokens=64,
-        model_config=SimpleNamespace(max_model_len=1024),
-    )
-    with pytest.raises(AssertionError, match="DCP not support sliding window"):
-        spec.max_memory_usage_bytes(cfg)
+
+def test_dcp_resolution_reads_dcp_sharded_without_the_helper(monkeypatch):
+    monkeypatch.delattr(kv_cache_utils, "dcp_world_size_for_kv_cache_spec", raising=False)
+    assert dcp_world_size_of(SPECS["chunked"][0], 2) == 2       # vLLM 0.32: every AttentionSpec is sharded
+    assert dcp_world_size_of(SPECS["full-unsharded"][0], 2) == 1
+    assert dcp_world_size_of(SPECS["mamba"][0], 2) == 1
+
+
+def _without_dcp_sharded(cls, **kw):
+    """A spec of ``cls`` as a vLLM tree older than ``dcp_sharded`` builds it."""
+
+    class Old(cls):
+        def __getattribute__(self, name):
+            if name == "dcp_sharded":
+                raise AttributeError(name)
+            return super().__getattribute__(name)
+
+    return Old(**kw)
+
+
+def test_dcp_resolution_without_helper_or_flag_shards_full_attention_only(monkeypatch):
+    monkeypatch.delattr(kv_cache_utils, "dcp_world_size_for_kv_cache_spec", raising=False)
+    full = _without_dcp_sharded(FullAttentionSpec, **ATT)
+    mla = _without_dcp_sharded(MLAAttentionSpec, block_size=16, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
+    chunked = _without_dcp_sharded(ChunkedLocalAttentionSpec, **ATT, attention_chunk_size=64)
+    assert not hasattr(full, "dcp_sharded")
+    assert (dcp_world_size_of(full, 4), dcp_world_size_of(mla, 4), dcp_world_size_of(chunked, 4)) == (4, 4, 1)
 
 
 def test_interleave_applies_to_sharded_groups_only():
     assert group_geometry("full", SPECS["full"][0], dcp_world_size=2, interleave=8).dcp.interleave == 8
-    assert group_geometry("sw", SPECS["sliding"][0], dcp_world_size=2, interleave=8).dcp.interleave == 1
+    assert group_geometry("mamba", SPECS["mamba"][0], dcp_world_size=2, interleave=8).dcp.interleave == 1
     assert dcp_world_size_of(SPECS["full-unsharded"][0], 4) == 1
 
 
@@ -88,6 +106,22 @@ def test_interleave_applies_to_sharded_groups_only():
     ],
 )
 def test_layer_encoding(spec, cache_dtype, enc):
+    assert layer_encoding(spec, cache_dtype) == enc
+
+
+@pytest.mark.parametrize("platform_fp8,cache_dtype,enc", [
+    (torch.float8_e4m3fnuz, "fp8", "fp8_e4m3fnuz"),
+    (torch.float8_e4m3fnuz, "fp8_e4m3", "fp8_e4m3fnuz"),
+    (torch.float8_e4m3fnuz, "fp8_e5m2", "fp8_e5m2"),  # vLLM keeps e5m2 caches e5m2 on every platform
+    (torch.float8_e4m3fn, "fp8", "fp8_e4m3"),
+])
+def test_fp8_caches_are_encoded_with_the_platforms_fp8_type(monkeypatch, platform_fp8, cache_dtype, enc):
+    """vLLM's kernels read fp8/fp8_e4m3 uint8 caches as current_platform.fp8_dtype()
+    (e4m3fnuz on ROCm MI300): kvfill must encode with that type."""
+    from vllm.platforms import current_platform
+
+    monkeypatch.setattr(type(current_platform), "fp8_dtype", classmethod(lambda cls: platform_fp8))
+    spec = FullAttentionSpec(**{**ATT, "dtype": torch.uint8}, kv_quant_mode=KVQuantMode.FP8_PER_TENSOR)
     assert layer_encoding(spec, cache_dtype) == enc
 
 

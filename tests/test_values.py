@@ -127,3 +127,31 @@ def test_pool_is_standardised_and_reproducible():
     # The integer generator: these samples are part of the format.
     V.standard_normal_pool.cache_clear()
     assert np.array_equal(V.standard_normal_pool(), pool)
+
+
+def test_fp8_e4m3fnuz_bytes_are_finite_torch_rounding_of_the_value_function(backend):
+    """vLLM on ROCm MI300 reads fp8 caches as e4m3fnuz, where 0x80 is NaN: the
+    stored bytes, decoded as fnuz, equal torch's own fnuz rounding of the value
+    function (float64 -> float32 -> clamp -> RNE), in both backends."""
+    mean, std, seed, heads, slots, content = 0.015, 0.1, 2, 2, 8, 16
+    buf = fresh(3 * heads * slots * content, seed=8)
+    poison = buf.clone()
+    raw = buf.view(3, heads, slots, content)
+    eng = FillEngine({"g": CacheGroup({"l": raw}, encoding="fp8_e4m3fnuz")}, mean=mean, std=std, seed=seed,
+                     backend=backend)
+    eng.fill({"g": GroupFill(block_ids=[0, 2])})
+    assert torch.isfinite(raw[[0, 2]].view(torch.float8_e4m3fnuz).float()).all()
+    pool, key, row = V.standard_normal_pool(), V.layer_key(seed, 0), heads * content
+    fmax = torch.finfo(torch.float8_e4m3fnuz).max
+    for k, block in enumerate([0, 2]):
+        for s in range(slots):
+            start = int(V.row_offsets(key, np.array([k * slots + s]))[0])
+            z = pool[(start + np.arange(row)) % V.POOL_SIZE]
+            want = torch.tensor(mean + std * z, device="cpu").float().clamp(-fmax, fmax).to(torch.float8_e4m3fnuz)
+            assert torch.equal(raw[block, :, s].reshape(-1).cpu(), want.view(torch.uint8)), (block, s)
+    assert torch.equal(raw[1], poison.view(3, heads, slots, content)[1])
+
+
+def test_native_fnuz_caches_hold_themselves():
+    for dtype in (torch.float8_e4m3fnuz, torch.float8_e5m2fnuz):
+        assert V.value_dtype(dtype) == dtype

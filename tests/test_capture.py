@@ -1,0 +1,117 @@
+"""fill_blocks under CUDA graph capture, simulated on the CPU.
+
+A CPU machine cannot capture a graph, so these tests patch torch's public
+capture query (``torch.cuda.is_current_stream_capturing``, with
+``torch.cuda.is_available``) and drive the very path a captured fill takes:
+the plan is built on the device with fixed-size torch ops and filled by the
+Triton kernel (interpreter) without host checks.  ``bench/gpu_check.py``
+captures and replays a real graph on a GPU.
+"""
+import gc
+import weakref
+
+import pytest
+import torch
+from oracle import poisoned_buffer
+
+from kvfill.kernels import (
+    FillEngine,
+    captured_engines,
+    clear_engine_cache,
+    fill_blocks,
+    num_cached_engines,
+    release_captured_fills,
+    verify_blocks,
+)
+
+pytestmark = pytest.mark.cpu_only  # a GPU run captures real graphs in gpu_check instead
+
+
+@pytest.fixture
+def capture(monkeypatch):
+    """``capture.on = True``: torch reports the current stream as capturing."""
+
+    class State:
+        on = False
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: State.on)
+    clear_engine_cache()
+    release_captured_fills()
+    yield State
+    release_captured_fills()
+    clear_engine_cache()
+
+
+def cache(seed=1, blocks=6):
+    buf = poisoned_buffer(blocks * 2 * 4 * 8 * 2, seed)
+    return buf, buf.view(torch.bfloat16).view(blocks, 2, 4, 8)
+
+
+KW = dict(mean=0.0, std=1.0, seed=3, backend="triton")
+
+
+def test_captured_fill_keeps_its_engine_alive_past_eviction_and_clear(capture):
+    _, c = cache()
+    gc.collect()
+    before = {id(o) for o in gc.get_objects() if isinstance(o, FillEngine)}
+    fill_blocks([c], [1], **KW)  # warm-up: builds the engine outside capture
+    new = [o for o in gc.get_objects() if isinstance(o, FillEngine) and id(o) not in before]
+    assert len(new) == 1
+    ref = weakref.ref(new[0])
+    del new
+    capture.on = True
+    fill_blocks([c], torch.tensor([2, 4]), **KW)  # "recorded into the graph"
+    capture.on = False
+    assert captured_engines() == (ref(),)
+    for i in range(9):  # more cache sets than the engine cache keeps
+        _, other = cache(seed=10 + i)
+        fill_blocks([other], [0], **KW)
+    clear_engine_cache()
+    gc.collect()
+    assert num_cached_engines() == 0
+    assert ref() is not None, "the captured fill's engine (its layer table) was freed"
+    release_captured_fills()
+    gc.collect()
+    assert ref() is None and captured_engines() == ()
+
+
+@pytest.mark.parametrize("ids", [[3, 7], (1,), "numpy"])
+def test_host_block_ids_are_refused_under_capture_before_anything_else(capture, ids):
+    import numpy as np
+
+    buf, c = cache()
+    fill_blocks([c], [0], **KW)  # an engine exists: the refusal must not depend on that
+    poison = buf.clone()
+    capture.on = True
+    host_ids = np.array([3, 7]) if ids == "numpy" else ids
+    with pytest.raises(RuntimeError, match=r"under CUDA graph capture, block_ids must be a tensor on the "
+                                           r"caches' device \(cpu\); got (list|tuple|ndarray)"):
+        fill_blocks([c], host_ids, **KW)
+    assert torch.equal(buf, poison)
+
+
+def test_captured_plan_keeps_the_first_of_repeated_ids_and_skips_ids_past_int32(capture):
+    """Host rule: a repeated id keeps its first position; ids outside the
+    caches write nothing.  2**32 + 1 must not wrap to block 1."""
+    buf, c = cache(seed=5)
+    ref_buf, ref = cache(seed=5)
+    fill_blocks([c], [2], **KW)
+    fill_blocks([ref], [2], **KW)
+    capture.on = True
+    fill_blocks([c], torch.tensor([2, 5, 2, 2**32 + 1, -1, 2**31, 5]), **KW)
+    capture.on = False
+    fill_blocks([ref], [2, 5], **KW)  # the host path: what the captured fill must equal
+    assert torch.equal(buf, ref_buf)
+    assert verify_blocks([c], [2, 5], **KW).ok
+    assert torch.equal(c[1].view(torch.int16), poisoned_buffer(buf.numel(), 5).view(torch.bfloat16)
+                       .view(6, 2, 4, 8)[1].view(torch.int16))
+
+
+def test_capture_without_a_warm_up_is_refused(capture):
+    buf, c = cache()
+    poison = buf.clone()
+    capture.on = True
+    with pytest.raises(RuntimeError, match=r"warm-up call with the same caches and arguments before capture"):
+        fill_blocks([c], torch.tensor([1]), **KW)
+    assert torch.equal(buf, poison)
