@@ -14,15 +14,8 @@ import pytest
 import torch
 from oracle import poisoned_buffer
 
-from kvfill.kernels import (
-    FillEngine,
-    captured_engines,
-    clear_engine_cache,
-    fill_blocks,
-    num_cached_engines,
-    release_captured_fills,
-    verify_blocks,
-)
+from kvfill.kernels import FillEngine, fill_blocks, verify_blocks
+from kvfill.kernels.api import captured_engines, clear_engine_cache, num_cached_engines, release_captured_fills
 
 pytestmark = pytest.mark.cpu_only  # a GPU run captures real graphs in gpu_check instead
 
