@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+from vllm.v1.metrics.utils import create_metric_per_engine
 
 from .planner import NULL_BLOCK_ID, GroupSelection, RequestSelection
 
@@ -86,3 +87,32 @@ class KVFillStats(KVConnectorStats):
 
     def is_empty(self) -> bool:
         return self.data.get("fills", 0) == 0
+
+
+# Prometheus counters on the served /metrics: KVFillStats.data key -> (name, help).
+PROM_COUNTERS = {
+    "fills": ("vllm:kvfill_fills", "Engine fills issued by KVFillConnector (one per step with requests to fill)."),
+    "requests": ("vllm:kvfill_requests", "Requests whose prompt KV KVFillConnector filled."),
+    "bytes": ("vllm:kvfill_bytes", "Bytes of KV cache KVFillConnector wrote."),
+    "seconds": ("vllm:kvfill_seconds", "Host seconds KVFillConnector spent issuing fills."),
+}
+
+
+class KVFillPromMetrics(KVConnectorPromMetrics):
+    """kvfill's fill figures as Prometheus counters (``vllm:kvfill_*_total``)."""
+
+    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self.counters = {
+            key: create_metric_per_engine(
+                self._counter_cls(name=name, documentation=doc, labelnames=labelnames), per_engine_labelvalues
+            )
+            for key, (name, doc) in PROM_COUNTERS.items()
+        }
+
+    def observe(self, transfer_stats_data: dict, engine_idx: int = 0):
+        for key, per_engine in self.counters.items():
+            value = transfer_stats_data.get(key, 0)
+            if value:
+                per_engine[engine_idx].inc(value)
+

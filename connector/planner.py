@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Collection, Iterable, Sequence
 
 import numpy as np
 
@@ -173,6 +173,7 @@ class Planner:
         block_ids: Sequence[Sequence[Any]],
         ids_of: Callable[[Sequence[Any]], Sequence[int]] = tuple,
         num_external: int | None = None,
+        skip_groups: Collection[int] = (),
     ) -> RequestSelection:
         """Select the external blocks of one request in every group.
 
@@ -184,6 +185,8 @@ class Planner:
         short or the counts are inconsistent.  ``num_external``: fill only
         ``[num_local_computed, num_local_computed + num_external)`` (a grant the
         scheduler trimmed); default: up to the last prompt token.
+        ``skip_groups``: indices of groups not to fill (filled at startup):
+        they get an empty selection and their tables are not looked at.
         """
         if not (isinstance(num_tokens, int) and isinstance(num_local_computed, int)):
             raise ValueError(f"request {req_id!r}: token counts must be ints")
@@ -212,7 +215,10 @@ class Planner:
                 f"{len(self.groups)} ({[g.name for g in self.groups]})"
             )
         selections = []
-        for geo, table in zip(self.groups, block_ids):
+        for gi, (geo, table) in enumerate(zip(self.groups, block_ids)):
+            if gi in skip_groups:
+                selections.append(GroupSelection(0, (), lo, lo))
+                continue
             if geo.whole_blocks:
                 selections.append(GroupSelection(0, ids_of(table), 0, 0, whole=True))
                 continue

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from .metadata import KVFillConnectorMetadata
 from .options import FillOptions
-from .planner import GroupSelection, Planner, RequestSelection
+from .planner import Planner, RequestSelection
 from .specs import geometries_from_config, select_request, startup_fill_group_ids
 
 if TYPE_CHECKING:
@@ -46,21 +46,18 @@ class KVFillScheduler:
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         num_local = self.asked.pop(request.request_id, None)
+        # Handled from here on, even with nothing to fill (a 1-token prompt, a
+        # full local prefix hit): after a preemption its generated tokens are
+        # not a prompt to fill unless refill_on_preemption says so (vLLM #57419).
+        self.filled[request.request_id] = getattr(request, "num_preemptions", 0)
         if num_external_tokens == 0:
             return
         if num_local is not None and num_local + num_external_tokens > request.num_tokens - 1:
             num_local = None  # not the query this grant answers: fall back to the tail
-        sel = select_request(self.planner, request, blocks, num_external_tokens, num_local)
-        if self.startup_groups:
-            sel = RequestSelection(
-                sel.req_id,
-                sel.num_external_tokens,
-                tuple(
-                    GroupSelection(g.first_block, [], 0, 0) if i in self.startup_groups else g
-                    for i, g in enumerate(sel.groups)
-                ),
-            )
-        self.filled[request.request_id] = getattr(request, "num_preemptions", 0)
+        # Startup-filled groups are skipped before planning: their tables are
+        # never looked at, so a table shorter than the prompt cannot raise.
+        sel = select_request(self.planner, request, blocks, num_external_tokens, num_local,
+                             skip_groups=self.startup_groups)
         if any(len(g.block_ids) for g in sel.groups):
             self.pending[request.request_id] = sel
 

@@ -173,7 +173,8 @@ def _block_ids(blocks) -> list[int]:
 
 
 def select_request(
-    planner: Planner, request: Any, kv_blocks: Any, num_external_tokens: int, num_local: int | None = None
+    planner: Planner, request: Any, kv_blocks: Any, num_external_tokens: int, num_local: int | None = None,
+    skip_groups: Any = (),
 ) -> RequestSelection:
     """Planner selection from vLLM's scheduler objects.
 
@@ -181,10 +182,10 @@ def select_request(
     ``kv_blocks``: its ``KVCacheBlocks``; ``num_external_tokens``: what the
     scheduler granted; ``num_local``: the locally computed prefix the
     connector was asked about (default ``num_tokens - 1 - num_external_tokens``,
-    exact unless the scheduler trimmed the grant).  Only the selected blocks'
-    ids are read.
+    exact unless the scheduler trimmed the grant); ``skip_groups``: groups not
+    to fill.  Only the selected blocks' ids are read.
     """
     if num_local is None:
         num_local = request.num_tokens - 1 - num_external_tokens
     return planner.select(request.request_id, request.num_tokens, num_local, kv_blocks.blocks, _block_ids,
-                          num_external=num_external_tokens)
+                          num_external=num_external_tokens, skip_groups=skip_groups)

@@ -21,7 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from .metadata import KVFillConnectorMetadata, KVFillStats
+from .metadata import KVFillConnectorMetadata, KVFillPromMetrics, KVFillStats
 from .options import FillOptions
 from .scheduler import KVFillScheduler
 from .worker import KVFillWorker
@@ -79,6 +79,30 @@ class KVFillConnector(KVConnectorBase_V1, SupportsHMA):
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
         return KVFillStats(data=dict(data)) if data is not None else KVFillStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        """Fill bytes, seconds, requests and fills as counters on the served /metrics."""
+        return KVFillPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Blocks of a step whose fill was skipped (metadata that does not fit
+        the caches): vLLM applies its ``kv_load_failure_policy`` to them
+        instead of decoding over whatever the memory held."""
+        return self.worker.take_failed_block_ids() if self.worker is not None else set()
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """False: kvfill hands no KV off, so a preempted request keeps its
+        in-flight output (the default, true for kv_both, drops it for a
+        hand-off that never happens)."""
+        return False
+
+    def get_loaded_kv_cache_group_ids(self, request: "Request") -> tuple[int, ...]:
+        """Every group: kvfill writes the request's own blocks in each of them
+        (circular buffers and bounded-replay windows included), not only the
+        prefix-cacheable ones a hash-addressed store holds."""
+        return tuple(range(len(self._kv_cache_config.kv_cache_groups)))
 
     # ---------------------------------------------------------------- scheduler
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:

@@ -56,6 +56,7 @@ class KVFillWorker:
         self.engine: FillEngine | None = None
         self.stats = KVFillStats()
         self.last_stats = None  # FillStats of the latest fill
+        self.failed_block_ids: set[int] = set()  # blocks of skipped fills, until vLLM asks
 
     # ------------------------------------------------------------ registration
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
@@ -137,7 +138,11 @@ class KVFillWorker:
             plan = self.planner.plan(selections, groups=self.engine.groups)
             stats = self.last_stats = self.engine.fill(plan)
         except ValueError as exc:
-            logger.error("KVFillConnector: skipped this step's fill, its metadata does not fit the caches: %s", exc)
+            failed = {int(b) for sel in selections for g in sel.groups for b in g.block_ids}
+            failed.discard(self.planner.null_block_id)
+            self.failed_block_ids |= failed
+            logger.error("KVFillConnector: skipped this step's fill (%d blocks reported as load errors), its "
+                         "metadata does not fit the caches: %s", len(failed), exc)
             return
         elapsed = time.perf_counter() - t0
         self.stats.record(len(selections), stats.entries, stats.bytes, elapsed)
@@ -147,6 +152,11 @@ class KVFillWorker:
         )
         if self.options.verify:
             self._verify(plan)
+
+    def take_failed_block_ids(self) -> set[int]:
+        """The blocks of skipped fills since the last call (then forgotten)."""
+        failed, self.failed_block_ids = self.failed_block_ids, set()
+        return failed
 
     def _verify(self, plan: FillPlan) -> None:
         report = self.engine.verify(plan)

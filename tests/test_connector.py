@@ -546,3 +546,160 @@ def test_dcp_with_a_chunked_local_group_plans_vllms_own_span(tmp_path, monkeypat
     sel = sched.build_connector_meta(None).selections["r"]
     assert [list(g.block_ids) for g in sel.groups] == [tables[0][:4], tables[1][:4]]
     assert [(g.token_lo, g.token_hi) for g in sel.groups] == [(0, 99), (0, 99)]
+
+
+def test_startup_filled_groups_are_skipped_before_planning(tmp_path):
+    """startup_fill: a Mamba group (filled at registration) whose table is
+    shorter than the prompt's blocks must not make update_state_after_alloc
+    raise: its selection is skipped before it is planned, as the in-tree
+    connector does.  17 external tokens of an 18-token request need two
+    16-token blocks; the Mamba group holds one state block."""
+    from types import SimpleNamespace
+
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    page = FullAttentionSpec(**ATT).page_size_bytes
+    mamba = MambaSpec(block_size=BS, shapes=((4, 8),), dtypes=(torch.float32,), page_size_padded=page)
+    h = make_harness(tmp_path, [(["model.layers.0.self_attn.attn"], FullAttentionSpec(**ATT)),
+                                (["model.layers.1.mixer"], mamba)],
+                     extra={**FILL, "startup_fill": True}, layout="BLHNC")
+    sched = h.scheduler.connector.scheduler
+    assert 1 in sched.startup_groups
+    req = SimpleNamespace(request_id="m", num_tokens=18, num_preemptions=0)
+    assert sched.get_num_new_matched_tokens(req, 0) == (17, False)
+    blocks = KVCacheBlocks(([KVCacheBlock(3), KVCacheBlock(4)], [KVCacheBlock(9)]))
+    sched.update_state_after_alloc(req, blocks, 17)
+    sel = sched.build_connector_meta(None).selections["m"]
+    assert [list(g.block_ids) for g in sel.groups] == [[3, 4], []]
+    # And through vLLM's Scheduler: the step schedules only the last token.
+    h.add("a", list(range(1, 19)))
+    out, meta = h.step()
+    assert out.num_scheduled_tokens["a"] == 1 and meta.reqs_to_fill["a"][0][1] == []
+
+
+@pytest.mark.parametrize("prompt,shared", [([5], False), (list(range(1, 33)) + [99], True)],
+                         ids=["one-token-prompt", "full-local-prefix-hit"])
+def test_without_refill_a_request_with_nothing_to_fill_is_not_filled_after_preemption(tmp_path, prompt, shared):
+    """refill_on_preemption false: a request the connector had nothing to fill
+    for (a 1-token prompt; a prompt whose prefix is all locally cached) is
+    still handled; once preempted, its generated history is recomputed, not
+    offered as external KV (vLLM #57419 on the in-tree connector)."""
+    h = make_harness(tmp_path, [(LAYERS, FullAttentionSpec(**ATT))], extra={**FILL, "refill_on_preemption": False})
+    if shared:
+        h.add("warm", prompt, max_tokens=1)
+        h.step()  # "warm" fills [0, 32) and finishes: its two full blocks are cached
+    req = h.add("a", prompt, max_tokens=8)
+    out, meta = h.step()
+    assert "a" not in meta.reqs_to_fill  # nothing external: a full hit / one token
+    for _ in range(3):
+        h.step()
+    h.scheduler.running.remove(req)
+    h.scheduler._preempt_request(req, 0.0)
+    out, meta = h.step()
+    assert "a" not in meta.reqs_to_fill
+    assert out.num_scheduled_tokens["a"] > 1  # recomputed for real
+
+
+def test_a_preempted_request_keeps_its_in_flight_output(tmp_path):
+    """kvfill hands no KV off: requires_kv_delivery is False, so when vLLM's
+    scheduler preempts under memory pressure it does not drop in-flight
+    output (the base class says True for kv_both)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    h = make_harness(tmp_path, [(LAYERS, FullAttentionSpec(**ATT))], extra=FILL, num_blocks=8)
+    assert KVConnectorBase_V1.requires_kv_delivery.fget(h.scheduler.connector) is True  # the default
+    assert h.scheduler.requires_kv_delivery is False  # what vLLM's scheduler took from kvfill
+    reqs = [h.add(r, list(range(1 + 100 * i, 48 + 100 * i)), max_tokens=40) for i, r in enumerate("ab")]
+    for _ in range(40):
+        h.step()
+        if any(r.num_preemptions for r in reqs):
+            break
+    preempted = [r for r in reqs if r.num_preemptions]
+    assert preempted, "no preemption under a 7-block cache"
+    assert all(not r.drop_stale_output for r in preempted)
+
+
+def test_every_group_is_reported_loaded_so_vllm_keeps_replay_windows(tmp_path):
+    """kvfill fills each group of the request's own blocks, circular buffers
+    included: vLLM's scheduler asks whether a load restores its bounded-replay
+    groups, and with kvfill's answer it does (the default names only the
+    prefix-cacheable groups)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+    from vllm.v1.kv_cache_interface import CircularBufferSpec
+
+    h = make_harness(tmp_path, [(["model.layers.0.self_attn.attn"], FullAttentionSpec(**ATT)),
+                                (["model.layers.1.self_attn.attn"], CircularBufferSpec(**ATT))],
+                     extra=FILL, layout="BLNHC")
+    req = h.add("a", list(range(1, 41)))
+    conn = h.scheduler.connector
+    assert conn.get_loaded_kv_cache_group_ids(req) == (0, 1)
+    assert 1 not in KVConnectorBase_V1.get_loaded_kv_cache_group_ids(conn, req)
+    h.scheduler.prefix_replay_group_ids = (1,)  # as vLLM sets it for a bounded-replay group
+    assert h.scheduler._load_restores_replay_window(req)
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_a_skipped_fill_is_reported_and_vllm_applies_its_failure_policy(tmp_path, monkeypatch, policy):
+    """A step whose fill is skipped reports its blocks as load errors; vLLM
+    then recomputes the request (``recompute``) or fails it (``fail``) instead
+    of decoding over poisoned memory."""
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+    from vllm.v1.request import RequestStatus
+
+    from kvfill.kernels import FillEngine
+
+    h = make_harness(tmp_path, [(LAYERS, FullAttentionSpec(**ATT))], extra=FILL)
+    h.config.kv_transfer_config.kv_load_failure_policy = policy
+    h.scheduler.recompute_kv_load_failures = policy == "recompute"  # what vLLM reads at construction
+    before = h.raw.clone()
+    req = h.add("a", list(range(1, 41)))
+    out = h.scheduler.schedule()
+    assert out.num_scheduled_tokens["a"] == 1
+
+    def does_not_fit(self, plan):
+        raise ValueError("block 9999 is past the caches")
+
+    monkeypatch.setattr(FillEngine, "fill", does_not_fit)
+    h.worker.bind_connector_metadata(out.kv_connector_metadata)
+    h.worker.start_load_kv(None)
+    h.worker.clear_connector_metadata()
+    failed = h.worker.get_block_ids_with_load_errors()
+    assert failed == set(h.block_table("a")[0][:3]) and h.worker.get_block_ids_with_load_errors() == set()
+    assert torch.equal(h.raw, before)
+    runner_out = ModelRunnerOutput(req_ids=["a"], req_id_to_index={"a": 0}, sampled_token_ids=[[7]],
+                                   kv_connector_output=KVConnectorOutput(invalid_block_ids=failed))
+    h.scheduler.update_from_output(out, runner_out)
+    if policy == "recompute":
+        assert req.num_computed_tokens < 39
+        assert h.scheduler.schedule().num_scheduled_tokens["a"] > 1  # the prompt is computed for real
+    else:
+        assert req.status == RequestStatus.FINISHED_ERROR
+
+
+def test_fill_figures_reach_vllms_prometheus_metrics(full):
+    """build_prom_metrics: kvfill's bytes, seconds, requests and fills become
+    counters in vLLM's Prometheus registry (the served /metrics)."""
+    import prometheus_client
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
+
+    h = full
+    h.add("a", list(range(1, 41)))
+    h.step()
+    stats = h.worker.get_kv_connector_stats()
+    before = set(prometheus_client.REGISTRY._names_to_collectors)
+    prom = KVConnectorProm(h.config, ["engine"], {0: ["0"]})
+    try:
+        prom.observe(stats.data, 0)
+        value = lambda name: prometheus_client.REGISTRY.get_sample_value(name, {"engine": "0"})  # noqa: E731
+        assert value("vllm:kvfill_bytes_total") == 2 * 39 * 32 * 2
+        assert value("vllm:kvfill_requests_total") == 1 and value("vllm:kvfill_fills_total") == 1
+        assert value("vllm:kvfill_seconds_total") > 0
+    finally:
+        for name, collector in list(prometheus_client.REGISTRY._names_to_collectors.items()):
+            if name not in before:
+                try:
+                    prometheus_client.REGISTRY.unregister(collector)
+                except KeyError:
+                    pass
