@@ -169,6 +169,21 @@ def run_connector(a, connector: str, log) -> tuple[list[dict], dict, list[list[s
     return records, metrics, cmds
 
 
+def add_server_args(p: argparse.ArgumentParser, log_dir: str) -> None:
+    """Options shared by the serving scripts: the model, the server's start, where results go."""
+    p.add_argument("--fill-std", type=float, default=0.1)
+    p.add_argument("--model", default=os.path.join(ROOT, "out", "tiny-llama"))
+    p.add_argument("--start-timeout", type=float, default=600, help="seconds for a server to answer /health")
+    p.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
+    p.add_argument("--log-dir", default=os.path.join(ROOT, "out", log_dir))
+
+
+def start_log():
+    """(start time, a logger that prints the seconds since then)."""
+    t_start = time.time()
+    return t_start, lambda msg: print(f"[{time.time() - t_start:6.0f}s] {msg}", flush=True)
+
+
 def plot(records: list[dict], path: str, title: str) -> None:
     import matplotlib
 
@@ -215,17 +230,12 @@ def main(argv=None):
     p.add_argument("--prompts-per-level", type=int, default=None, help="default: max(8, 2 x concurrency)")
     p.add_argument("--none-max-prompts", type=int, default=32,
                    help="cap for the no-connector server (real prefill of every prompt is slow on CPU)")
-    p.add_argument("--fill-std", type=float, default=0.1)
     p.add_argument("--kv-cache-gib", type=int, default=4, help="CPU only: VLLM_CPU_KVCACHE_SPACE")
-    p.add_argument("--model", default=os.path.join(ROOT, "out", "tiny-llama"))
     p.add_argument("--no-enforce-eager", dest="enforce_eager", action="store_false")
-    p.add_argument("--start-timeout", type=float, default=600)
     p.add_argument("--run-timeout", type=float, default=1800, help="seconds per client run")
-    p.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
-    p.add_argument("--log-dir", default=os.path.join(ROOT, "out", "serve"))
+    add_server_args(p, "serve")
     a = p.parse_args(argv)
-    t_start = time.time()
-    log = lambda msg: print(f"[{time.time() - t_start:6.0f}s] {msg}", flush=True)  # noqa: E731
+    _, log = start_log()
     make_tokenizer(make_model(a.model))
     import torch
     import vllm

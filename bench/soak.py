@@ -23,7 +23,7 @@ import time
 
 from kvfill.bench import common as C
 from kvfill.bench.models import make_model, make_tokenizer
-from kvfill.bench.serve import ROOT, Server, free_port, vllm_command
+from kvfill.bench.serve import Server, add_server_args, free_port, start_log, vllm_command
 
 
 def main(argv=None):
@@ -35,14 +35,9 @@ def main(argv=None):
     p.add_argument("--input-len", type=int, default=1000)
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--kv-cache-gib", type=int, default=1, help="small: 256 x 1000 tokens do not fit, vLLM preempts")
-    p.add_argument("--fill-std", type=float, default=0.1)
-    p.add_argument("--model", default=os.path.join(ROOT, "out", "tiny-llama"))
-    p.add_argument("--start-timeout", type=float, default=600)
-    p.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
-    p.add_argument("--log-dir", default=os.path.join(ROOT, "out", "soak"))
+    add_server_args(p, "soak")
     a = p.parse_args(argv)
-    t_start = time.time()
-    log = lambda msg: print(f"[{time.time() - t_start:6.0f}s] {msg}", flush=True)  # noqa: E731
+    t_start, log = start_log()
     make_tokenizer(make_model(a.model))
     os.makedirs(a.log_dir, exist_ok=True)
     port = free_port()
