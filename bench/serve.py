@@ -113,7 +113,9 @@ def run_level(server: Server, a, connector: str, concurrency: int, result_dir: s
     cmd = vllm_command(
         "bench", "serve", "--backend", "vllm", "--base-url", server.url(), "--model", a.model,
         "--dataset-name", "random", "--random-input-len", str(a.input_len), "--random-output-len", str(a.output_len),
-        "--num-prompts", str(n), "--max-concurrency", str(concurrency), "--ignore-eos", "--seed", "0",
+        "--num-prompts", str(n), "--max-concurrency", str(concurrency), "--ignore-eos",
+        # Prompts of one level share no prefix with another's: no prefix-cache hits across levels.
+        "--seed", str(1000 + concurrency),
         "--percentile-metrics", ",".join(METRICS), "--metric-percentiles", "50,99",
         "--save-result", "--result-dir", result_dir, "--result-filename", name,
     )

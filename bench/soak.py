@@ -90,6 +90,8 @@ def main(argv=None):
         "fills_of_requests": metrics.get("vllm:kvfill_requests_total"),
         "refills": None if "vllm:kvfill_requests_total" not in metrics else
         metrics["vllm:kvfill_requests_total"] - completed,
+        "verified_fills": metrics.get("vllm:kvfill_verified_fills_total"),
+        "mismatched_elements": metrics.get("vllm:kvfill_mismatched_elements_total"),
         "verify_mismatch_lines": server_log.count("KVFillConnector: verify found"),
         "skipped_fills": server_log.count("skipped this step's fill"),
         "minutes": round((time.time() - t_start) / 60, 2),
@@ -106,7 +108,8 @@ def main(argv=None):
     for k, v in summary.items():
         print(f"{k:>22}: {v}")
     print(f"wrote {path}")
-    bad = summary["failed_requests"] or summary["verify_mismatch_lines"] or summary["skipped_fills"]
+    bad = (summary["failed_requests"] or summary["verify_mismatch_lines"] or summary["skipped_fills"]
+           or summary["mismatched_elements"] or not summary["verified_fills"])
     return 1 if bad or not rounds else 0
 
 

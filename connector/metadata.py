@@ -59,7 +59,8 @@ class KVFillStats(KVConnectorStats):
     """Fill statistics for vLLM's KV connector metrics (summed over steps)."""
 
     def reset(self):
-        self.data = {"fills": 0, "requests": 0, "entries": 0, "bytes": 0, "seconds": 0.0}
+        self.data = {"fills": 0, "requests": 0, "entries": 0, "bytes": 0, "seconds": 0.0, "verified": 0,
+                     "mismatched": 0}
 
     def __post_init__(self):
         if not self.data:
@@ -72,6 +73,11 @@ class KVFillStats(KVConnectorStats):
         self.data["bytes"] += nbytes
         self.data["seconds"] += seconds
 
+    def record_verify(self, mismatched_elements: int) -> None:
+        """One fill re-checked by the ``verify`` option."""
+        self.data["verified"] = self.data.get("verified", 0) + 1
+        self.data["mismatched"] = self.data.get("mismatched", 0) + mismatched_elements
+
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for k, v in other.data.items():
             self.data[k] = self.data.get(k, 0) + v
@@ -83,6 +89,8 @@ class KVFillStats(KVConnectorStats):
             "kvfill_requests": self.data["requests"],
             "kvfill_MiB": round(self.data["bytes"] / 2**20, 3),
             "kvfill_ms": round(self.data["seconds"] * 1e3, 3),
+            "kvfill_verified_fills": self.data.get("verified", 0),
+            "kvfill_mismatched_elements": self.data.get("mismatched", 0),
         }
 
     def is_empty(self) -> bool:
@@ -95,6 +103,8 @@ PROM_COUNTERS = {
     "requests": ("vllm:kvfill_requests", "Requests whose prompt KV KVFillConnector filled."),
     "bytes": ("vllm:kvfill_bytes", "Bytes of KV cache KVFillConnector wrote."),
     "seconds": ("vllm:kvfill_seconds", "Host seconds KVFillConnector spent issuing fills."),
+    "verified": ("vllm:kvfill_verified_fills", "Fills re-checked against the value function (verify option)."),
+    "mismatched": ("vllm:kvfill_mismatched_elements", "Elements a verified fill found wrong (goal: 0)."),
 }
 
 

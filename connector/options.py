@@ -83,5 +83,5 @@ class FillOptions:
         kind = "random" if self.fill_std > 0 else "constant"
         return (
             f"{kind} fill (mean={self.fill_mean:g}, std={self.fill_std:g}, seed={self.seed}, "
-            f"{self.granularity.value} granularity), startup_fill={self.startup_fill}"
+            f"{self.granularity.value} granularity), startup_fill={self.startup_fill}, verify={self.verify}"
         )

@@ -160,6 +160,7 @@ class KVFillWorker:
 
     def _verify(self, plan: FillPlan) -> None:
         report = self.engine.verify(plan)
+        self.stats.record_verify(report.num_mismatched)
         if report.ok:
             logger.debug("KVFillConnector: verified %d elements", report.num_checked)
             return

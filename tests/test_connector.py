@@ -703,3 +703,19 @@ def test_fill_figures_reach_vllms_prometheus_metrics(full):
                     prometheus_client.REGISTRY.unregister(collector)
                 except KeyError:
                     pass
+
+
+def test_verified_fills_and_mismatches_are_counted(tmp_path, monkeypatch):
+    """verify: "log" counts every re-checked fill and the elements found wrong,
+    so a soak can tell that verification ran and found nothing."""
+    from kvfill.kernels.torch_fill import TorchBackend
+
+    h = make_harness(tmp_path, [(LAYERS, FullAttentionSpec(**ATT))], extra={**FILL, "verify": "log"})
+    h.add("a", list(range(1, 41)))
+    h.step()
+    monkeypatch.setattr(TorchBackend, "fill", lambda self, plan: 0)  # a broken backend: writes nothing
+    h.add("b", list(range(100, 140)))
+    h.step()
+    data = h.worker.get_kv_connector_stats().data
+    assert data["verified"] == 2 and data["mismatched"] == 2 * 39 * 32  # b's rows, both layers
+    assert h.worker.get_kv_connector_stats() is None
