@@ -106,7 +106,7 @@ class Server:
 
 
 def run_level(server: Server, a, connector: str, concurrency: int, result_dir: str) -> tuple[dict, list[str]]:
-    n = a.prompts_per_level or max(8, 2 * concurrency)
+    n = a.prompts_per_level or max(32, 2 * concurrency)
     if connector == "none":
         n = min(n, a.none_max_prompts)
     name = f"{connector}-c{concurrency}.json"
@@ -229,7 +229,7 @@ def main(argv=None):
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 64, 256])
     p.add_argument("--input-len", type=int, default=4000)
     p.add_argument("--output-len", type=int, default=16)
-    p.add_argument("--prompts-per-level", type=int, default=None, help="default: max(8, 2 x concurrency)")
+    p.add_argument("--prompts-per-level", type=int, default=None, help="default: max(32, 2 x concurrency)")
     p.add_argument("--none-max-prompts", type=int, default=32,
                    help="cap for the no-connector server (real prefill of every prompt is slow on CPU)")
     p.add_argument("--kv-cache-gib", type=int, default=4, help="CPU only: VLLM_CPU_KVCACHE_SPACE")

@@ -12,6 +12,7 @@ import time
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+import torch
 from vllm.logger import init_logger
 
 from kvfill.kernels import CacheGroup, FillEngine, FillPlan
@@ -70,8 +71,9 @@ class KVFillWorker:
                                  layer_ids=_layer_ids(kv_caches))
         self.planner = self._with_cache_slots(self.planner, self.engine)
         self.engine.warmup()  # compile the kernels now, not in the first filling step
-        logger.info("KVFillConnector: %s, %s backend, DCP rank %d; caches:\n%s",
-                    self.options.summary(), self.engine.backend, self.dcp_rank, self.engine.describe())
+        logger.info("KVFillConnector: %s, %s backend, DCP rank %d, %d torch threads; caches:\n%s",
+                    self.options.summary(), self.engine.backend, self.dcp_rank, torch.get_num_threads(),
+                    self.engine.describe())
         if self.startup_groups:
             names = [g.name for i, g in enumerate(self.planner.groups) if i in self.startup_groups and g.name in groups]
             stats = self.engine.fill_all(names)
