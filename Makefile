@@ -1,5 +1,5 @@
 # Two commands do all the set-up on a fresh machine:
-#   make demo   - vLLM on CPU: kvfill vs the in-tree DecodeBenchConnector vs no connector
+#   make demo   - vLLM on CPU: the null reference vs kvfill vs the in-tree DecodeBenchConnector vs no connector
 #   make test   - the test suite (CPU; Triton kernels under TRITON_INTERPRET=1)
 PYTHON ?= python3
 VENV   := .venv
