@@ -95,13 +95,19 @@ class Server:
         return out
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
+        """SIGTERM, then SIGKILL, to the whole group: also when the leader has
+        exited and left its children (engine core, workers) running."""
+        for sig, wait in ((signal.SIGTERM, 60), (signal.SIGKILL, 30)):
             try:
-                self.proc.wait(timeout=60)
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                break  # nothing left in the group
+            try:
+                self.proc.wait(timeout=wait)
             except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=30)
+                continue
+            if sig == signal.SIGTERM:
+                time.sleep(2)  # children get a moment after the leader
         self.log.close()
 
 
@@ -163,9 +169,9 @@ def run_connector(a, connector: str, log) -> tuple[list[dict], dict, list[list[s
             log(f"{connector} c={c}: " + (rec.get("error") or f"{rec['request_throughput']:.2f} req/s, "
                                                               f"TTFT p50 {rec['p50_ttft_ms']:.0f} ms"))
         metrics = server.metrics()
-    except (RuntimeError, TimeoutError) as exc:
-        log(f"{connector}: {exc}")
-        records.append({"connector": connector, "concurrency": None, "error": str(exc)})
+    except Exception as exc:  # noqa: BLE001 - record it, stop this server, go on with the next
+        log(f"{connector}: {type(exc).__name__}: {exc}")
+        records.append({"connector": connector, "concurrency": None, "error": f"{type(exc).__name__}: {exc}"})
     finally:
         server.stop()
     return records, metrics, cmds

@@ -62,7 +62,12 @@ def main(argv=None):
                 "--max-concurrency", str(a.concurrency), "--ignore-eos", "--seed", str(len(rounds)),
                 "--save-result", "--result-dir", a.log_dir, "--result-filename", name)
             left = max(60.0, deadline - time.time() + 600)
-            out = subprocess.run(client, capture_output=True, text=True, timeout=left)
+            try:
+                out = subprocess.run(client, capture_output=True, text=True, timeout=left)
+            except subprocess.TimeoutExpired:
+                rounds.append({"round": len(rounds), "error": f"client still running after {left:.0f} s"})
+                log(f"round {len(rounds) - 1}: client timed out")
+                break
             path = os.path.join(a.log_dir, name)
             if out.returncode != 0 or not os.path.exists(path):
                 rounds.append({"round": len(rounds), "error": f"exit {out.returncode}: {out.stderr[-300:]}"})
@@ -76,6 +81,9 @@ def main(argv=None):
             log(f"round {len(rounds) - 1}: {res['completed']} completed, {res['failed']} failed, "
                 f"{res['request_throughput']:.1f} req/s")
         metrics = server.metrics()
+    except Exception as exc:  # noqa: BLE001 - the summary below still gets written
+        log(f"{type(exc).__name__}: {exc}")
+        rounds.append({"round": len(rounds), "error": f"{type(exc).__name__}: {exc}"})
     finally:
         server.stop()
     with open(server.log_path) as f:

@@ -58,6 +58,8 @@ class KVFillWorker:
         self.stats = KVFillStats()
         self.last_stats = None  # FillStats of the latest fill
         self.failed_block_ids: set[int] = set()  # blocks of skipped fills, until vLLM asks
+        kt = getattr(vllm_config, "kv_transfer_config", None)
+        self.load_failure_policy = getattr(kt, "kv_load_failure_policy", "fail")
 
     # ------------------------------------------------------------ registration
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
@@ -140,11 +142,7 @@ class KVFillWorker:
             plan = self.planner.plan(selections, groups=self.engine.groups)
             stats = self.last_stats = self.engine.fill(plan)
         except ValueError as exc:
-            failed = {int(b) for sel in selections for g in sel.groups for b in g.block_ids}
-            failed.discard(self.planner.null_block_id)
-            self.failed_block_ids |= failed
-            logger.error("KVFillConnector: skipped this step's fill (%d blocks reported as load errors), its "
-                         "metadata does not fit the caches: %s", len(failed), exc)
+            self._skipped(selections, exc)
             return
         elapsed = time.perf_counter() - t0
         self.stats.record(len(selections), stats.entries, stats.bytes, elapsed)
@@ -154,6 +152,27 @@ class KVFillWorker:
         )
         if self.options.verify:
             self._verify(plan)
+
+    def _skipped(self, selections, exc: ValueError) -> None:
+        """A step's fill was skipped: tell vLLM, which applies ``kv_load_failure_policy``.
+
+        vLLM 0.32 takes block-level load failures only with one KV cache group
+        (block ids are per group); with several, ``fail`` fails loudly here and
+        ``recompute`` can only log: the step decodes over unfilled blocks.
+        """
+        if len(self.planner.groups) == 1:
+            failed = {int(b) for sel in selections for g in sel.groups for b in g.block_ids}
+            failed.discard(self.planner.null_block_id)
+            self.failed_block_ids |= failed
+            logger.error("KVFillConnector: skipped this step's fill (%d blocks reported as load errors), its "
+                         "metadata does not fit the caches: %s", len(failed), exc)
+            return
+        msg = (f"KVFillConnector: this step's fill does not fit the caches ({exc}); with "
+               f"{len(self.planner.groups)} KV cache groups vLLM cannot take block-level load failures")
+        if self.load_failure_policy == "fail":
+            raise RuntimeError(msg + " (kv_load_failure_policy 'fail')") from exc
+        logger.error("%s; kv_load_failure_policy %r: the step decodes over unfilled blocks", msg,
+                     self.load_failure_policy)
 
     def take_failed_block_ids(self) -> set[int]:
         """The blocks of skipped fills since the last call (then forgotten)."""

@@ -109,6 +109,9 @@ def _engine(tensors, block_dim, mean, std, seed, backend, *, capturing=False) ->
         backend=backend,
         layer_ids=ids,
     )
+    # Compile now: a warm-up call before capture may fill nothing (no ids), and
+    # a first launch inside capture would load a module, which CUDA forbids.
+    engine.warmup()
     _ENGINES[key] = engine
     while len(_ENGINES) > _MAX_ENGINES:
         _ENGINES.popitem(last=False)
@@ -117,6 +120,11 @@ def _engine(tensors, block_dim, mean, std, seed, backend, *, capturing=False) ->
 
 def _fill_captured(engine: FillEngine, block_ids: torch.Tensor) -> None:
     """Inside CUDA graph capture: the plan is built on the device (capture.py)."""
+    if engine.device.type == "cuda" and torch.cuda.current_device() != engine.device.index:
+        raise RuntimeError(
+            f"under CUDA graph capture the caches' device ({engine.device}) must be the current device "
+            f"(cuda:{torch.cuda.current_device()}): the fill would run on an uncaptured stream"
+        )
     check_capture_ids(block_ids, engine.device)
     if block_ids.numel() == 0:
         return

@@ -143,7 +143,8 @@ def _page_gather(layout: Layout):
     loops = [d for d in dims if d not in region]
     # Rows of the region in memory order: their slot and element value offset.
     grids = torch.meshgrid(*[torch.arange(sz) for sz, _, _ in region], indexing="ij")
-    elem_off = sum((g * m for g, (_, _, m) in zip(grids, region) if m is not None), torch.zeros(()))
+    # Start from a grid-shaped zero: a region holding only the slot dim still has one row per slot.
+    elem_off = sum((g * m for g, (_, _, m) in zip(grids, region) if m is not None), torch.zeros_like(grids[0]))
     slot = next(g for g, (_, _, m) in zip(grids, region) if m is None)
     loop_grids = torch.meshgrid(*[torch.arange(sz) for sz, _, _ in loops], indexing="ij") if loops else []
     loop_mem = sum((g * st for g, (_, st, _) in zip(loop_grids, loops)), torch.zeros((), dtype=torch.int64))

@@ -166,3 +166,21 @@ def test_serving_benchmark_drives_a_real_server_with_vllms_client(tmp_path):
     assert payload["server_metrics"]["kvfill"]["vllm:kvfill_requests_total"] == 4
     assert payload["server_metrics"]["kvfill"]["vllm:kvfill_bytes_total"] > 0
     assert "--host" in payload["commands"]["kvfill"][0] and "127.0.0.1" in payload["commands"]["kvfill"][0]
+
+
+def test_stopping_a_server_stops_its_whole_process_group(tmp_path):
+    """A server whose leader exited (startup failure) may leave children: stop()
+    ends the group anyway."""
+    import os
+    import time
+
+    from kvfill.bench.serve import Server
+
+    server = Server(["bash", "-c", "sleep 300 & echo started; exit 1"], dict(os.environ), str(tmp_path / "s.log"),
+                    port=1)
+    server.proc.wait(timeout=30)
+    time.sleep(0.5)
+    os.killpg(server.proc.pid, 0)  # the child `sleep` still holds the group
+    server.stop()
+    with pytest.raises(ProcessLookupError):
+        os.killpg(server.proc.pid, 0)

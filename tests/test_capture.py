@@ -108,3 +108,18 @@ def test_capture_without_a_warm_up_is_refused(capture):
     with pytest.raises(RuntimeError, match=r"warm-up call with the same caches and arguments before capture"):
         fill_blocks([c], torch.tensor([1]), **KW)
     assert torch.equal(buf, poison)
+
+
+def test_capture_with_the_caches_on_another_device_is_refused(capture, monkeypatch):
+    """Capture records the current device's stream: a fill of caches on
+    another GPU would run eagerly, outside the graph.  Simulated: the engine
+    reports cuda:1 while cuda:0 is current."""
+    buf, c = cache()
+    fill_blocks([c], [0], **KW)
+    poison = buf.clone()
+    monkeypatch.setattr(FillEngine, "device", property(lambda self: torch.device("cuda", 1)))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    capture.on = True
+    with pytest.raises(RuntimeError, match=r"caches' device \(cuda:1\) must be the current device \(cuda:0\)"):
+        fill_blocks([c], torch.tensor([1]), **KW)
+    assert torch.equal(buf, poison)

@@ -719,3 +719,31 @@ def test_verified_fills_and_mismatches_are_counted(tmp_path, monkeypatch):
     data = h.worker.get_kv_connector_stats().data
     assert data["verified"] == 2 and data["mismatched"] == 2 * 39 * 32  # b's rows, both layers
     assert h.worker.get_kv_connector_stats() is None
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_a_skipped_fill_with_several_groups_follows_the_policy_without_crashing_vllm(tmp_path, monkeypatch, policy):
+    """vLLM 0.32 raises on block-level load failures when a model has several
+    KV cache groups (block ids are per group): kvfill does not report them
+    there; under "fail" it fails loudly itself, under "recompute" it logs."""
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+    from kvfill.kernels import FillEngine
+
+    h = make_harness(tmp_path, [(["model.layers.0.self_attn.attn"], FullAttentionSpec(**ATT)),
+                                (["model.layers.1.self_attn.attn"], SlidingWindowSpec(**ATT, sliding_window=32))],
+                     extra=FILL, layout="BLNHC")
+    h.worker.worker.load_failure_policy = policy  # what the worker read from kv_transfer_config
+    h.add("a", list(range(1, 41)))
+    out = h.scheduler.schedule()
+    monkeypatch.setattr(FillEngine, "fill", lambda self, plan: (_ for _ in ()).throw(ValueError("block 9999")))
+    h.worker.bind_connector_metadata(out.kv_connector_metadata)
+    if policy == "fail":
+        with pytest.raises(RuntimeError, match=r"2 KV cache groups.*kv_load_failure_policy 'fail'"):
+            h.worker.start_load_kv(None)
+        return
+    h.worker.start_load_kv(None)
+    assert h.worker.get_block_ids_with_load_errors() == set()
+    h.scheduler.update_from_output(out, ModelRunnerOutput(
+        req_ids=["a"], req_id_to_index={"a": 0}, sampled_token_ids=[[7]],
+        kv_connector_output=KVConnectorOutput(invalid_block_ids=h.worker.get_block_ids_with_load_errors())))

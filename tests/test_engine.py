@@ -243,3 +243,30 @@ def test_a_launch_class_is_limited_to_the_grids_y_dimension(monkeypatch):
     with pytest.raises(ValueError, match=r"group 'g': 3 layer tensors of one geometry exceed the 2 one launch "
                                          r"can address"):
         FillEngine({"g": CacheGroup({f"l{i}": base[i] for i in range(3)})}, backend="triton")
+
+
+def test_fill_blocks_compiles_when_its_engine_is_built_even_with_no_ids(count_launches):
+    """A warm-up call before CUDA graph capture may pass no ids; the kernel must
+    still be compiled then, not at its first launch inside capture."""
+    from kvfill.kernels import clear_engine_cache
+
+    clear_engine_cache()
+    t = torch.zeros(4, 2, 4, 8)
+    fill_blocks([t], [], mean=1.0, backend="triton")
+    assert len(count_launches) == 1 and (t == 0).all()
+    clear_engine_cache()
+
+
+def test_whole_pages_of_a_slot_only_region_write_without_resizing_warnings():
+    """MLA [B, N, D]: the page's contiguous region is the slot dim alone; the
+    one-pass gather must write [slots, D] rows, not rely on out= resizing."""
+    import warnings
+
+    from kvfill.kernels import torch_fill
+
+    t = torch.zeros(4, 256, 576, dtype=torch.bfloat16)  # 288 KiB pages: the per-page path
+    assert 256 * 576 * 2 >= torch_fill.PER_ENTRY_BYTES
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fill_blocks([t], [1, 3], mean=0.0, std=1.0, backend="torch")
+    assert verify_blocks([t], [1, 3], mean=0.0, std=1.0).ok and (t[[0, 2]] == 0).all()
