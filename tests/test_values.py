@@ -140,7 +140,7 @@ def test_fp8_e4m3fnuz_bytes_are_finite_torch_rounding_of_the_value_function(back
     eng = FillEngine({"g": CacheGroup({"l": raw}, encoding="fp8_e4m3fnuz")}, mean=mean, std=std, seed=seed,
                      backend=backend)
     eng.fill({"g": GroupFill(block_ids=[0, 2])})
-    assert torch.isfinite(raw[[0, 2]].view(torch.float8_e4m3fnuz).float()).all()
+    assert torch.isfinite(raw[[0, 2]].cpu().view(torch.float8_e4m3fnuz).float()).all()  # decoded on the host
     pool, key, row = V.standard_normal_pool(), V.layer_key(seed, 0), heads * content
     fmax = torch.finfo(torch.float8_e4m3fnuz).max
     for k, block in enumerate([0, 2]):
