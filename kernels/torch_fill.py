@@ -4,9 +4,12 @@ Used for CPU caches (vLLM's CPU platform) and as the reference in tests.  It
 expands the plan into one row per planned slot, builds the rows' bits from the
 same value table (a row is a window of the table starting at the row's hashed
 offset) and writes them through the canonical strided view ``[num_blocks, r,
-slots_per_kernel_block, *elem_shape]``: large entries (whole pages) one strided
-``copy_`` each, many small ones with chunked ``index_put_``.  The bytes are
-identical to the Triton path's by construction.
+slots_per_kernel_block, *elem_shape]``.  Large entries: whole pages whose rows
+form contiguous regions (vLLM CPU's ``(2, num_blocks, H, N, D)``) are gathered
+from the table straight into the cache, one ``index_select`` per region and
+run of consecutive blocks (one pass, no staging buffer); other large entries
+one strided ``copy_`` each; many small ones chunked ``index_put_``.  The bytes
+are identical to the Triton path's by construction.
 """
 from __future__ import annotations
 
@@ -162,16 +165,26 @@ def _fill_pages_direct(cache, layout: Layout, rows: SlotRows, table, start, gath
     run, elem_off, slot, loop_mem, loop_val = gather
     windows = table.unfold(0, run, 1)  # window k = table[k : k + run]
     page_start = start.view(-1, kbs)  # rows of an entry are consecutive: [first, first + kbs)
-    # Value index of every row of every region of every page: [pages, regions, rows].
-    idx = (page_start[:, slot][:, None, :] + elem_off[None, None, :] + loop_val[None, :, None]).contiguous()
+    # Value index of every row of every region of every page: [regions, pages, rows].
+    idx = (page_start[:, slot][None, :, :] + elem_off[None, None, :] + loop_val[:, None, None]).contiguous()
     bits = cache.view(V.BITS_DTYPE[layout.itemsize]) if cache.dim() else cache
     base = cache.storage_offset()
-    shape, strides = (elem_off.numel(), run), (run, 1)
-    for p, b in enumerate(blocks.tolist()):
-        page = base + b * layout.block_stride
+    num_rows = elem_off.numel()
+    # Where a region of block b + 1 directly follows block b's (vLLM CPU: K and
+    # V are [num_blocks, H, N, D] each), a run of consecutive block ids is one
+    # contiguous region: one index_select for the whole run.
+    adjacent = layout.block_stride == num_rows * run
+    ids = blocks.tolist()
+    p = 0
+    while p < len(ids):
+        q = p + 1
+        while adjacent and q < len(ids) and ids[q] == ids[q - 1] + 1:
+            q += 1
+        page = base + ids[p] * layout.block_stride
         for r, off in enumerate(loop_mem):
-            out = bits.as_strided(shape, strides, page + off)
-            torch.index_select(windows, 0, idx[p, r], out=out)
+            out = bits.as_strided(((q - p) * num_rows, run), (run, 1), page + off)
+            torch.index_select(windows, 0, idx[r, p:q].reshape(-1), out=out)
+        p = q
     return True
 
 
