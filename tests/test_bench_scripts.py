@@ -184,3 +184,11 @@ def test_stopping_a_server_stops_its_whole_process_group(tmp_path):
     server.stop()
     with pytest.raises(ProcessLookupError):
         os.killpg(server.proc.pid, 0)
+
+
+def test_page_bench_times_verified_fills_beside_a_memset():
+    from kvfill.bench import page_bench
+
+    rows = page_bench.main(["--num-blocks", "8", "--planned", "4", "--layers", "1", "--repeat", "1"])
+    assert [r["impl"] for r in rows] == ["kvfill normal", "kvfill constant", "memset"]
+    assert all(r["ms"] >= 0 and r["GB/s"] > 0 for r in rows)
