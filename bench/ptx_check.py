@@ -4,7 +4,7 @@
 
 Triton's NVIDIA backend (with its bundled ptxas) compiles without a driver, so
 this shows, for representative cache geometries, whether the kernel's global
-stores and table loads are vectorised (``st.global.v4`` = 16 bytes per thread)
+stores and table (or replayed bank) loads are vectorised (``st.global.v4`` = 16 bytes per thread)
 or scalar.  A scalar store of 1-2 bytes per thread would keep a fill far from
 memset bandwidth; this is the check available until a GPU run measures it.
 Must run without TRITON_INTERPRET=1.
@@ -33,8 +33,14 @@ def compile_ptx(layout, mode: str, arch: int = 90) -> str:
     sig = {
         "entries_ptr": "*i32", "layers_ptr": "*i64", "ref_ptr": f"*{bits}", "table_ptr": f"*{bits}",
         "dcp_world_size": "i32", "dcp_rank": "i32", "dcp_interleave": "i32", "num_blocks": "i32",
+        "bank_sequences": "i32", "bank_positions": "i32",
     }
-    consts = tf.kernel_constexprs(layout, mode, layer_align=16 // layout.itemsize)
+    align = 16 // layout.itemsize
+    if mode == "replay":  # a bank whose rows are the layer's rows, 16-byte aligned, sequences per entry
+        consts = tf.kernel_constexprs(layout, mode, align, entry_cols=5, bank_row=layout.row_size,
+                                      bank_align=tf._pow2_dividing([layout.row_size], align))
+    else:
+        consts = tf.kernel_constexprs(layout, mode, layer_align=align)
     names = list(sig) + list(consts)
     sig.update({k: "constexpr" for k in consts})
     # Pointer arguments are 16-byte aligned (Triton specialises on that at launch).
@@ -52,6 +58,7 @@ def memory_ops(ptx: str) -> dict[str, int]:
     return out
 
 
+MODES = ("constant", "normal", "replay")
 CASES = [
     # (name, dtype, layout, heads, content)
     ("LBNHC bf16 H8 C256", torch.bfloat16, "LBNHC", 8, 256),
@@ -72,7 +79,7 @@ def main(argv=None):
     for name, dtype, order, heads, content in CASES:
         _, views = C.standard_views(2, 64, heads, 16, content, dtype, order)
         lay = layout_of(views[0])
-        for mode in ("constant", "normal"):
+        for mode in MODES:
             ops = memory_ops(compile_ptx(lay, mode, a.arch))
             rows.append({"case": name, "mode": mode, **{k: ops[k] for k in sorted(ops)}})
     cols = ["case", "mode"] + sorted({k for r in rows for k in r} - {"case", "mode"})
@@ -87,7 +94,7 @@ if __name__ == "__main__":
 
 def compile_zoo(arch: int = 90) -> list[dict]:
     """Compile the kernel for every cache layout of kvfill.kernels.testing (bf16 and
-    fp8-in-uint8, constant and normal): the constexpr combinations the GPU
+    fp8-in-uint8, constant, normal and replay): the constexpr combinations the GPU
     will see, checked to compile without a GPU."""
     from kvfill.kernels import testing as LZ
 
@@ -103,7 +110,7 @@ def compile_zoo(arch: int = 90) -> list[dict]:
             for t in tensors:
                 lay = layout_of(t, block_dim=case.block_dim, slot_dim=case.slot_dim,
                                 num_blocks=LZ.NUM_BLOCKS if case.slot_dim is not None else None)
-                for mode in ("constant", "normal"):
+                for mode in MODES:
                     ops = memory_ops(compile_ptx(lay, mode, arch))
                     rows.append({"case": case.name, "dtype": str(dtype).split(".")[-1], "mode": mode, **ops})
     return rows

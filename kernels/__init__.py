@@ -6,6 +6,7 @@ Public API:
     FillPlan, GroupFill             the plan format (a list of entries per group)
     DcpGeometry                     which rank holds which token of a group
     ValueSpec                       what is written (mean, std, seed)
+    Bank, BankIndex                 recorded KV rows a replay fill writes
     layout_of, Layout               how a tensor is addressed
     kvfill.kernels.testing          the layout zoo and helpers for tests and checks
 """
@@ -24,6 +25,7 @@ else:
         release_captured_fills,
         verify_blocks,
     )
+    from .bank import Bank, BankError, BankIndex
     from .dcp import NO_DCP, DcpGeometry
     from .engine import FillEngine, FillStats
     from .layout import Layout, layout_of
@@ -33,6 +35,9 @@ else:
     from .verify import Mismatch, VerifyReport
 
     __all__ = [
+        "Bank",
+        "BankError",
+        "BankIndex",
         "CacheGroup",
         "DcpGeometry",
         "FillEngine",

@@ -18,6 +18,7 @@ import torch
 
 from . import values as V
 from .backend import make_backend
+from .bank import Bank
 from .plan import FillPlan, GroupFill
 from .registry import CacheGroup, RegisteredGroup, Registry
 from .verify import VerifyReport, verify_plan
@@ -45,9 +46,13 @@ class FillEngine:
         assert eng.verify(plan).ok
 
     ``values`` (a ``ValueSpec``) or ``mean``/``std``/``seed`` say what is
-    written; ``backend``: ``auto`` (Triton for GPU caches, torch for CPU
-    caches), ``triton`` or ``torch``; ``layer_ids``: layer name -> index for
-    the value function (default: registration order).
+    written; ``bank`` (a ``Bank``) makes every group not registered as
+    ``zero`` replay recorded rows instead: entry i's slots hold the bank rows
+    of sequence ``sequence[i]`` at their positions (``bank.py``), and the bank
+    is checked against the caches (layers, rows, dtypes) and copied to their
+    device once, here.  ``backend``: ``auto`` (Triton for GPU caches, torch
+    for CPU caches), ``triton`` or ``torch``; ``layer_ids``: layer name ->
+    index for the value function (default: registration order).
     """
 
     def __init__(
@@ -60,9 +65,10 @@ class FillEngine:
         seed: int = 0,
         backend: str = "auto",
         layer_ids: Mapping[str, int] | None = None,
+        bank: Bank | None = None,
     ):
         self.values = values if values is not None else V.ValueSpec(mean, std, seed)
-        self._registry = Registry(groups, self.values, layer_ids or {})
+        self._registry = Registry(groups, self.values, layer_ids or {}, bank)
         self._backend = make_backend(backend, self._registry)
 
     # ------------------------------------------------------------ questions
@@ -78,6 +84,11 @@ class FillEngine:
     @property
     def groups(self) -> dict[str, RegisteredGroup]:
         return dict(self._registry.groups)
+
+    @property
+    def num_sequences(self) -> int:
+        """The bank's recorded sequences a plan entry may name (1 without a bank)."""
+        return self._registry.num_sequences
 
     @property
     def num_launch_classes(self) -> int:
@@ -104,7 +115,8 @@ class FillEngine:
             if not isinstance(entries, GroupFill):
                 entries = GroupFill(block_ids=entries)
             entries = entries.normalized(info.slots_per_block)
-            entries.validate(gname, num_blocks=info.num_blocks, slots_per_block=info.slots_per_block)
+            entries.validate(gname, num_blocks=info.num_blocks, slots_per_block=info.slots_per_block,
+                             num_sequences=self._registry.num_sequences)
             keep = entries.slot_end > entries.slot_start
             if not keep.all():
                 entries = entries.select(keep)
@@ -159,7 +171,7 @@ class FillEngine:
         """Fill from a plan already on the device, without host validation or sync.
 
         ``entries``: int32 ``[n, 4]`` (block, slot_start, slot_end, local_base)
-        on the engine's device, e.g. built by torch ops inside CUDA graph
+        or ``[n, 5]`` (and the replay sequence, clamped to the bank's) on the engine's device, e.g. built by torch ops inside CUDA graph
         capture.  Nothing is checked on the host; the kernel skips entries whose
         block id is outside ``[0, num_blocks)`` and clamps slot ranges to the
         block, so a bad entry writes nothing instead of raising.  Triton backend

@@ -10,6 +10,9 @@ read after one upload of ``int32[num_entries, 4]`` (16 bytes per entry):
     local_base[i]  rank-local token index held by slot 0 of the block; slot
                    ``s`` holds local index ``l = local_base + s``, i.e. global
                    position ``DcpGeometry.global_positions(l)``.
+    sequence[i]    replay only: which recorded sequence of the bank the
+                   entry's rows come from (``bank.py``); 0 otherwise.  Uploaded
+                   as a fifth column only when some launch class replays.
 
 For a request whose block table is ``[b0, b1, ...]`` and whose rank-local
 external slots are ``[lo, hi)``, the entries are the blocks overlapping
@@ -43,13 +46,14 @@ class GroupFill:
 
     ``slot_start``/``slot_end``/``local_base`` default to whole blocks holding
     consecutive tokens: entry i covers every slot and the tokens
-    ``[i * slots_per_block, (i + 1) * slots_per_block)``.
+    ``[i * slots_per_block, (i + 1) * slots_per_block)``; ``sequence`` to 0.
     """
 
     block_ids: IntArray
     slot_start: IntArray | None = None
     slot_end: IntArray | None = None
     local_base: IntArray | None = None
+    sequence: IntArray | None = None
 
     def normalized(self, slots_per_block: int) -> "GroupFill":
         """The same entries as four int64 arrays of equal length, defaults filled in."""
@@ -62,14 +66,24 @@ class GroupFill:
             if self.local_base is None
             else _as_i64(self.local_base, "local_base")
         )
-        for name, a in (("slot_start", start), ("slot_end", end), ("local_base", base)):
+        seq = np.zeros(n, np.int64) if self.sequence is None else _as_i64(self.sequence, "sequence")
+        for name, a in (("slot_start", start), ("slot_end", end), ("local_base", base), ("sequence", seq)):
             if a.size != n:
                 raise ValueError(f"{name} has {a.size} entries, block_ids has {n}")
-        return GroupFill(blocks, start, end, base)
+        return GroupFill(blocks, start, end, base, seq)
 
     def select(self, keep: np.ndarray) -> "GroupFill":
         """The entries where ``keep`` is true (normalized entries only)."""
-        return GroupFill(self.block_ids[keep], self.slot_start[keep], self.slot_end[keep], self.local_base[keep])
+        return GroupFill(self.block_ids[keep], self.slot_start[keep], self.slot_end[keep], self.local_base[keep],
+                         self.sequence[keep])
+
+    def columns(self, with_sequence: bool = False) -> np.ndarray:
+        """The entries as one int64 ``[n, 4]`` array (``[n, 5]`` with the sequence),
+        the rows the kernels read (normalized entries only)."""
+        cols = [self.block_ids, self.slot_start, self.slot_end, self.local_base]
+        if with_sequence:
+            cols.append(self.sequence)
+        return np.stack(cols, axis=1)
 
     @property
     def num_entries(self) -> int:
@@ -80,9 +94,10 @@ class GroupFill:
         """Slots planned (normalized entries only)."""
         return int((np.asarray(self.slot_end) - np.asarray(self.slot_start)).sum())
 
-    def validate(self, group: str, *, num_blocks: int, slots_per_block: int) -> None:
+    def validate(self, group: str, *, num_blocks: int, slots_per_block: int, num_sequences: int = 1) -> None:
         """Raise ValueError naming the group, the first bad entry and the bound
-        (normalized entries only)."""
+        (normalized entries only).  ``num_sequences``: the bank's sequences
+        (1 without a bank: every sequence must then be 0)."""
         blocks, start, end, base = self.block_ids, self.slot_start, self.slot_end, self.local_base
 
         def first_bad(mask: np.ndarray, what: str, expected: str) -> None:
@@ -102,6 +117,13 @@ class GroupFill:
         )
         first_bad(base < 0, "negative local_base", "local_base >= 0")
         first_bad(base + end > np.iinfo(np.int32).max, "token index past 2**31", "local_base + slot_end < 2**31")
+        bad_seq = (self.sequence < 0) | (self.sequence >= num_sequences)
+        if bad_seq.any():
+            i = int(np.flatnonzero(bad_seq)[0])
+            raise ValueError(
+                f"group {group!r} entry {i} (block {int(blocks[i])}): sequence {int(self.sequence[i])} is out of "
+                f"range; expected 0 <= sequence < {num_sequences} (the bank's recorded sequences; 0 without a bank)"
+            )
 
 
 @dataclass(frozen=True)

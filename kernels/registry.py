@@ -7,12 +7,13 @@ them.  Nothing here depends on the backend that will do the writes.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Mapping, Sequence
 
 import torch
 
 from . import values as V
+from .bank import Bank, BankError, free_bytes
 from .dcp import NO_DCP, DcpGeometry
 from .layout import Layout, layout_of
 
@@ -30,8 +31,9 @@ class CacheGroup:
         slot dim whatever ``slot_dim`` says.
     encoding: ``auto`` / ``native`` / ``fp8_e4m3`` / ``fp8_e5m2`` / ``packed``
         for every tensor of the group, or a mapping layer name -> encoding.
-    mode: None (the engine's: normal if std > 0 else constant) or ``zero``
-        (circular buffers, int metadata).
+    mode: None (the engine's: ``replay`` with a bank, else normal if std > 0,
+        else constant) or ``zero`` (circular buffers, int metadata, recurrent
+        state under replay).
     dcp: this group's DCP geometry on this rank.
     """
 
@@ -67,25 +69,31 @@ class LayerTensor:
     mode: str
     key: int                  # the layer's 32-bit key of the value function
     elem_offset: int          # element index of this tensor's row 0 within the layer's row
+    bank: torch.Tensor | None = None  # replay: the layer's bank rows [S, N, layer row] as bits, on the device
 
 
 @dataclass
 class LaunchClass:
-    """Tensors of one group with one layout, dtype and mode: filled together."""
+    """Tensors of one group with one layout, dtype and mode (and, replaying,
+    bank row size): filled together."""
 
     group: str
     layout: Layout
     vdtype: torch.dtype | None
     mode: str
+    bank_row: int = 0         # replay: elements per bank row of its layers (0 otherwise)
     tensors: list[LayerTensor] = field(default_factory=list)
-    table: torch.Tensor | None = None  # value bits on the device (values.value_table)
+    table: torch.Tensor | None = None  # value bits on the device (values.value_table); None: replay
 
 
 class Registry:
     """The registered caches of an engine, grouped into launch classes."""
 
-    def __init__(self, groups: Mapping[str, CacheGroup], values: V.ValueSpec, layer_ids: Mapping[str, int]):
+    def __init__(self, groups: Mapping[str, CacheGroup], values: V.ValueSpec, layer_ids: Mapping[str, int],
+                 bank: Bank | None = None):
         self.values = values
+        self.bank = bank
+        self.num_sequences = bank.num_sequences if bank is not None else 1
         self.groups: dict[str, RegisteredGroup] = {}
         self.tensors: list[LayerTensor] = []
         next_id = 0
@@ -94,6 +102,8 @@ class Registry:
                 raise TypeError(f"group {gname!r}: expected a CacheGroup, got {type(g).__name__}")
             if g.mode is not None and g.mode not in V.MODES:
                 raise ValueError(f"group {gname!r}: mode {g.mode!r} is not one of {V.MODES}")
+            if g.mode == V.REPLAY and bank is None:
+                raise ValueError(f"group {gname!r}: mode 'replay' needs a bank (FillEngine(..., bank=...))")
             tensors, next_id = self._register_layers(gname, g, layer_ids, next_id)
             self.groups[gname] = self._group_info(gname, g, tensors)
             self.tensors.extend(tensors)
@@ -101,6 +111,8 @@ class Registry:
         if len(devices) > 1:
             raise ValueError(f"all caches must be on one device, got {sorted(map(str, devices))}")
         self.device = devices.pop() if devices else torch.device("cpu")
+        if bank is not None:
+            self.tensors = self._with_bank_rows(bank)
         self.classes = self._launch_classes()
 
     def _register_layers(self, gname, g: CacheGroup, layer_ids, next_id) -> tuple[list[LayerTensor], int]:
@@ -123,11 +135,38 @@ class Registry:
                     vdtype = V.value_dtype(t.dtype, enc)
                 except (ValueError, TypeError) as exc:
                     raise type(exc)(f"{where}: {exc}") from None
-                mode = V.ZERO if vdtype is None else (g.mode or self.values.mode)
+                mode = V.ZERO if vdtype is None else (g.mode or self.default_mode)
                 out.append(LayerTensor(gname, lname, sub if is_list else None, t, layout, vdtype, mode,
                                        V.layer_key(self.values.seed, lid), elem_offset))
                 elem_offset += layout.row_size
         return out, next_id
+
+    @property
+    def default_mode(self) -> str:
+        return V.REPLAY if self.bank is not None else self.values.mode
+
+    def _with_bank_rows(self, bank: Bank) -> list[LayerTensor]:
+        """Every replaying tensor given its layer's bank rows on the device,
+        after checking the bank matches (layers, row sizes, dtypes) and fits."""
+        row = {}  # layer -> its row: the rows of its tensors one after another
+        for t in self.tensors:
+            row[t.layer] = max(row.get(t.layer, 0), t.elem_offset + t.layout.row_size)
+        need = {}
+        for t in self.tensors:
+            if t.mode == V.REPLAY and t.layer not in need:
+                need[t.layer] = bank.check_layer(t.layer, t.tensor.dtype, row[t.layer], t.vdtype)
+        upload = sum(r.numel() * r.element_size() for r in need.values() if r.device != self.device)
+        free = free_bytes(self.device) if upload else None
+        if free is not None and upload > free:
+            raise BankError(
+                f"{bank.source}: the {len(need)} replayed layers' rows need {upload / 2**30:.2f} GiB on "
+                f"{self.device}, {free / 2**30:.2f} GiB is free (on a GPU: lower gpu_memory_utilization, or "
+                f"record fewer sequences or positions)"
+            )
+        on_device = {
+            name: r.to(self.device).contiguous().view(V.BITS_DTYPE[r.element_size()]) for name, r in need.items()
+        }
+        return [replace(t, bank=on_device[t.layer]) if t.mode == V.REPLAY else t for t in self.tensors]
 
     @staticmethod
     def _group_info(gname, g: CacheGroup, tensors: list[LayerTensor]) -> RegisteredGroup:
@@ -148,14 +187,17 @@ class Registry:
     def _launch_classes(self) -> tuple[LaunchClass, ...]:
         classes: dict[tuple, LaunchClass] = {}
         for t in self.tensors:
-            k = (t.group, t.layout, t.vdtype, t.mode)
+            bank_row = t.bank.shape[2] if t.bank is not None else 0
+            k = (t.group, t.layout, t.vdtype, t.mode, bank_row)
             if k not in classes:
-                classes[k] = LaunchClass(t.group, t.layout, t.vdtype, t.mode)
+                classes[k] = LaunchClass(t.group, t.layout, t.vdtype, t.mode, bank_row)
             classes[k].tensors.append(t)
         # One value table per (mode, dtype, item size), long enough for the
         # widest row that reads it.
         max_row: dict[tuple, int] = {}
         for c in classes.values():
+            if c.mode == V.REPLAY:  # rows come from each tensor's bank rows
+                continue
             k = (c.mode, c.vdtype, c.layout.itemsize)
             max_row[k] = max(max_row.get(k, 1), c.layout.row_size)
         v = self.values
@@ -163,7 +205,7 @@ class Registry:
             k: V.value_table(k[0], v.mean, v.std, k[1], k[2], self.device, max_row=row) for k, row in max_row.items()
         }
         for c in classes.values():
-            c.table = tables[(c.mode, c.vdtype, c.layout.itemsize)]
+            c.table = tables.get((c.mode, c.vdtype, c.layout.itemsize))
         return tuple(classes.values())
 
     def group(self, name: str) -> RegisteredGroup:

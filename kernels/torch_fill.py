@@ -24,6 +24,7 @@ from .backend import FillBackend
 from .dcp import DcpGeometry
 from .layout import Layout, canonical_view
 from .plan import GroupFill
+from .registry import LaunchClass, LayerTensor
 
 
 class SlotRows:
@@ -41,6 +42,7 @@ class SlotRows:
         self.block = blocks[entry]
         self.slot = slot
         self.position = dcp.global_positions(entries.local_base[entry] + slot)
+        self.sequence = entries.sequence[entry]
         self._device_index: dict = {}
 
     def index(self, layout: Layout, device: torch.device):
@@ -57,18 +59,31 @@ class SlotRows:
         return idx
 
 
-def expected_rows(
-    rows: SlotRows, layout: Layout, mode: str, table: torch.Tensor, key: int, elem_offset: int
-) -> torch.Tensor:
-    """Bits every planned slot must hold: ``[num_rows, row_size]`` or a scalar.
+def value_source(c: LaunchClass, t: LayerTensor, rows: SlotRows) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Where tensor ``t``'s planned rows come from: ``(source, start)``, row
+    ``i`` being ``source[start[i] : start[i] + row_size]``, or every element
+    ``source[0]`` when ``start`` is None (constant, zero).
 
-    ``table``: ``values.value_table`` with ``max_row >= layout.row_size``.
+    normal: the class's value table at the rows' hashed offsets; replay: the
+    layer's bank rows flattened, row ``(sequence, position mod N)``, from the
+    tensor's element offset within the layer's row.
     """
-    if mode != V.NORMAL:
-        return table[0]
-    start = V.row_offsets(key, rows.position, elem_offset)
-    windows = table.unfold(0, layout.row_size, 1)  # window k = table[k : k + row]
-    return windows[torch.from_numpy(start).to(table.device)]
+    if c.mode == V.REPLAY:
+        seqs, positions, layer_row = t.bank.shape
+        row = rows.sequence * positions + rows.position % positions
+        start = row * layer_row + t.elem_offset
+        return t.bank.reshape(-1), torch.from_numpy(start).to(t.bank.device)
+    if c.mode == V.NORMAL:
+        return c.table, torch.from_numpy(V.row_offsets(t.key, rows.position, t.elem_offset)).to(c.table.device)
+    return c.table, None
+
+
+def expected_rows(rows: SlotRows, layout: Layout, source: torch.Tensor, start: torch.Tensor | None) -> torch.Tensor:
+    """Bits every planned slot must hold (``value_source``): ``[num_rows, row_size]`` or a scalar."""
+    if start is None:
+        return source[0]
+    windows = source.unfold(0, layout.row_size, 1)  # window k = source[k : k + row]
+    return windows[start]
 
 
 CHUNK_BYTES = 4 << 20  # rows gathered per step: stays in cache, no big temporaries
@@ -78,29 +93,24 @@ def fill_rows(
     cache: torch.Tensor,
     layout: Layout,
     rows: SlotRows,
-    mode: str,
     table: torch.Tensor,
-    key: int,
-    elem_offset: int,
+    start: torch.Tensor | None,
 ) -> None:
-    """Write every planned row of one tensor.
+    """Write every planned row of one tensor from ``value_source``'s ``(table, start)``.
 
-    Normal mode gathers the rows' table windows chunk by chunk into one reused
-    buffer and index-puts each chunk: a temporary as large as the fill would
-    cost more in page faults than the copy itself.
+    Rows with a start (normal, replay) gather their windows chunk by chunk into
+    one reused buffer and index-put each chunk: a temporary as large as the
+    fill would cost more in page faults than the copy itself.
     """
     view = canonical_view(cache, layout)
-    start = None
-    if mode == V.NORMAL:
-        start = torch.from_numpy(V.row_offsets(key, rows.position, elem_offset)).to(cache.device)
     entry_bytes = rows.num_rows * layout.row_size * layout.itemsize / max(1, rows.entries[0].size)
     if entry_bytes >= PER_ENTRY_BYTES:
-        gather = _page_gather(layout) if mode == V.NORMAL else None
+        gather = _page_gather(layout) if start is not None else None
         if gather is None or not _fill_pages_direct(cache, layout, rows, table, start, gather):
-            _fill_per_entry(view, layout, rows, mode, table, start)
+            _fill_per_entry(view, layout, rows, table, start)
         return
     idx = rows.index(layout, cache.device)
-    if mode != V.NORMAL:
+    if start is None:
         view.index_put_(idx, table[0])
         return
     windows = table.unfold(0, layout.row_size, 1)
@@ -168,7 +178,7 @@ def _page_gather(layout: Layout) -> PageGather | None:
 
 
 def _fill_pages_direct(cache, layout: Layout, rows: SlotRows, table, start, gather: PageGather) -> bool:
-    """Normal-mode fill of whole pages in one pass (no staging buffer); False
+    """Fill (normal, replay) of whole pages in one pass (no staging buffer); False
     when some entry is not a whole page (then the caller fills per entry)."""
     blocks, s0, s1, first = rows.entries
     kbs = layout.slots_per_kernel_block
@@ -200,9 +210,9 @@ def _fill_pages_direct(cache, layout: Layout, rows: SlotRows, table, start, gath
     return True
 
 
-def _fill_per_entry(view, layout: Layout, rows: SlotRows, mode: str, table, start) -> None:
+def _fill_per_entry(view, layout: Layout, rows: SlotRows, table, start) -> None:
     kbs = layout.slots_per_kernel_block
-    windows = table.unfold(0, layout.row_size, 1) if mode == V.NORMAL else None
+    windows = table.unfold(0, layout.row_size, 1) if start is not None else None
     buf = None
     if windows is not None:
         buf = torch.empty(kbs, layout.row_size, dtype=table.dtype, device=view.device)
@@ -239,5 +249,5 @@ class TorchBackend(FillBackend):
             if r is None:
                 continue
             for t in c.tensors:
-                fill_rows(t.tensor, c.layout, r, c.mode, c.table, t.key, t.elem_offset)
+                fill_rows(t.tensor, c.layout, r, *value_source(c, t, r))
         return 0

@@ -4,11 +4,12 @@ Imported lazily: under ``TRITON_INTERPRET=1`` (CPU tests) the variable must be
 set before the ``@triton.jit`` definition below runs.
 
 Grid: ``(num_entries, num_layers_in_class)``.  Program (i, l) writes entry i's
-slot range of one block of layer l: it reads the 16-byte plan entry and the
-layer's row of the layer table, then stores 2-D tiles ``[TILE_SLOTS slots, TILE_ELEMS
-elements]`` of raw storage bits.  No float math runs here: values are gathered
-from a small table of pre-encoded bits (``values.py``), so every backend stores
-the same bytes.
+slot range of one block of layer l: it reads the 16-byte plan entry (20 with a
+replay sequence) and the layer's row of the layer table, then stores 2-D tiles
+``[TILE_SLOTS slots, TILE_ELEMS elements]`` of raw storage bits.  No float math
+runs here: values are gathered from a small table of pre-encoded bits
+(``values.py``) or, replaying, from the layer's bank rows (``bank.py``), so
+every backend stores the same bytes.
 
 Layers are addressed as element offsets from one typed reference pointer (the
 class's lowest-addressed tensor) rather than as raw integer addresses: Triton
@@ -37,7 +38,7 @@ from .plan import GroupFill
 from .registry import LaunchClass, Registry
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
-MODE_CODE = {V.ZERO: 0, V.CONSTANT: 1, V.NORMAL: 2}
+MODE_CODE = {V.ZERO: 0, V.CONSTANT: 1, V.NORMAL: 2, V.REPLAY: 3}
 # Elements stored per program per tile: enough in flight on a GPU; larger under
 # the interpreter, whose cost is per tile, not per element.
 TILE_NUMEL = 16384 if INTERPRETED else 4096
@@ -57,16 +58,23 @@ def _lowbias32(x):
 
 @triton.jit
 def scatter_fill_kernel(
-    entries_ptr,     # *int32 [num_entries, 4]: block, slot_start, slot_end, local_base
-    layers_ptr,      # *int64 [num_layers, 3]: offset from ref_ptr (elements), row key, element offset
+    entries_ptr,     # *int32 [num_entries, ENTRY_COLS]: block, slot_start, slot_end, local_base[, sequence]
+    layers_ptr,      # *int64 [num_layers, 3]: offset from ref_ptr (elements), row key (replay: bank
+                     #   rows' offset from table_ptr, elements), element offset in the layer's row
     ref_ptr,         # *bits: the class's reference tensor
-    table_ptr,       # *bits  [POOL_SIZE + ROW_ELEMS - 1] (normal) or [1] (constant / zero)
+    table_ptr,       # *bits  [POOL_SIZE + ROW_ELEMS - 1] (normal), [1] (constant / zero), or
+                     #   replay: the class's lowest-addressed bank rows [S, N, BANK_ROW]
     dcp_world_size,  # W of this group
     dcp_rank,        # r of this rank
     dcp_interleave,  # I of this group
     num_blocks,      # manager blocks; entries outside [0, num_blocks) write nothing
-    MODE: tl.constexpr,                    # 0 zero, 1 constant, 2 normal
+    bank_sequences,  # replay: S and N of the bank (1, 1 otherwise)
+    bank_positions,
+    MODE: tl.constexpr,                    # 0 zero, 1 constant, 2 normal, 3 replay
+    ENTRY_COLS: tl.constexpr,              # 4, or 5 with a replay sequence per entry
     LAYER_ALIGN: tl.constexpr,             # every layer offset is a multiple of this (elements)
+    BANK_ROW: tl.constexpr,                # replay: elements per bank row (the layer's row)
+    BANK_ALIGN: tl.constexpr,              # replay: bank offsets, BANK_ROW and element offsets are multiples
     BLOCK_STRIDE: tl.constexpr,            # elements between manager blocks
     SLOTS_PER_BLOCK: tl.constexpr,         # token slots per manager block
     SLOTS_PER_KERNEL_BLOCK: tl.constexpr,  # token slots per kernel block (< SLOTS_PER_BLOCK: split blocks)
@@ -84,17 +92,27 @@ def scatter_fill_kernel(
     entry = tl.program_id(0).to(tl.int64)
     layer = tl.program_id(1).to(tl.int64)
     # One plan entry; int64 before any multiplication by a stride.
-    block = tl.load(entries_ptr + entry * 4).to(tl.int64)
+    block = tl.load(entries_ptr + entry * ENTRY_COLS).to(tl.int64)
     # Host-built plans are validated before upload; device-built plans (CUDA
     # graph capture) are not, so bad entries are made empty here: never a
     # write outside the block.
     valid = (block >= 0) & (block < num_blocks)
-    s_lo = tl.maximum(tl.load(entries_ptr + entry * 4 + 1), 0)
-    s_hi = tl.where(valid, tl.minimum(tl.load(entries_ptr + entry * 4 + 2), SLOTS_PER_BLOCK), 0)
-    local_base = tl.load(entries_ptr + entry * 4 + 3)
+    s_lo = tl.maximum(tl.load(entries_ptr + entry * ENTRY_COLS + 1), 0)
+    s_hi = tl.where(valid, tl.minimum(tl.load(entries_ptr + entry * ENTRY_COLS + 2), SLOTS_PER_BLOCK), 0)
+    local_base = tl.load(entries_ptr + entry * ENTRY_COLS + 3)
     layer_off = tl.multiple_of(tl.load(layers_ptr + layer * 3), LAYER_ALIGN)
     key = tl.load(layers_ptr + layer * 3 + 1).to(tl.uint32)
     elem_off = tl.load(layers_ptr + layer * 3 + 2).to(tl.uint32)
+    if MODE == 3:
+        # This layer's bank rows, and the entry's sequence (clamped: device-built
+        # plans are not validated on the host).
+        bank_off = tl.multiple_of(tl.load(layers_ptr + layer * 3 + 1) + tl.load(layers_ptr + layer * 3 + 2),
+                                  BANK_ALIGN)
+        if ENTRY_COLS == 5:
+            seq = tl.load(entries_ptr + entry * ENTRY_COLS + 4)
+            seq = tl.minimum(tl.maximum(seq, 0), bank_sequences - 1).to(tl.int64)
+        else:
+            seq = tl.zeros([], dtype=tl.int64)
     bits_ty = ref_ptr.dtype.element_ty
     dst = ref_ptr + layer_off + block * BLOCK_STRIDE
 
@@ -128,6 +146,15 @@ def scatter_fill_kernel(
                 h = (_lowbias32(key + t.to(tl.uint32)) + elem_off) & POOL_MASK
                 start = (h // ROW_ALIGN).to(tl.int32) * ROW_ALIGN
                 vals = tl.load(table_ptr + (start[:, None] + e[None, :]), mask=mask)
+            elif MODE == 3:
+                # Bank row (sequence, t mod N): contiguous along the row, so the
+                # loads vectorise like the stores.
+                local = local_base + s
+                t = ((local // dcp_interleave) * (dcp_interleave * dcp_world_size)
+                     + dcp_rank * dcp_interleave + local % dcp_interleave)
+                row = seq * bank_positions + (t % bank_positions).to(tl.int64)
+                src = tl.multiple_of(bank_off + row * BANK_ROW, BANK_ALIGN)
+                vals = tl.load(table_ptr + (src[:, None] + e[None, :]), mask=mask)
             elif MODE == 1:
                 vals = tl.zeros([TILE_SLOTS, TILE_ELEMS], dtype=bits_ty) + tl.load(table_ptr)
             else:
@@ -142,13 +169,17 @@ def tile_shape(layout: Layout) -> tuple[int, int]:
     return tile_slots, tile_elems
 
 
-def kernel_constexprs(layout: Layout, mode: str, layer_align: int) -> dict[str, int]:
+def kernel_constexprs(layout: Layout, mode: str, layer_align: int, entry_cols: int = 4, bank_row: int = 0,
+                      bank_align: int = 1) -> dict[str, int]:
     """The compile-time arguments of ``scatter_fill_kernel`` for one launch class."""
     sizes, strides = layout.padded_elem_dims()
     tile_slots, tile_elems = tile_shape(layout)
     return dict(
         MODE=MODE_CODE[mode],
+        ENTRY_COLS=entry_cols,
         LAYER_ALIGN=layer_align,
+        BANK_ROW=bank_row,
+        BANK_ALIGN=bank_align,
         BLOCK_STRIDE=layout.block_stride,
         SLOTS_PER_BLOCK=layout.slots_per_block,
         SLOTS_PER_KERNEL_BLOCK=layout.slots_per_kernel_block,
@@ -173,54 +204,68 @@ def launch_fill(
     layout: Layout,
     mode: str,
     dcp: DcpGeometry,
+    bank_shape: tuple[int, int, int] = (1, 1, 0),
+    bank_align: int = 1,
 ) -> None:
     """One launch: every entry of ``entries`` x every layer row of ``layer_table``.
 
-    ``entries``: int32 ``[n, 4]`` on the device; ``layer_table``: int64
-    ``[L, 3]`` on the device (element offset from ``ref``, row key, element
-    offset in the row); ``ref``: the reference tensor viewed as its bits dtype;
-    ``layer_align``: a power of two dividing every offset; ``table``: the value
-    bits (values.value_table), same dtype as ``ref``.
+    ``entries``: int32 ``[n, 4]`` or ``[n, 5]`` (with sequences) on the device;
+    ``layer_table``: int64 ``[L, 3]`` on the device (element offset from
+    ``ref``, row key or bank offset, element offset in the row); ``ref``: the
+    reference tensor viewed as its bits dtype; ``layer_align``: a power of two
+    dividing every offset; ``table``: the value bits (values.value_table) or,
+    replaying, the reference bank rows, same dtype as ``ref``;
+    ``bank_shape``: the bank's (S, N, row); ``bank_align``: a power of two
+    dividing every bank offset and the row.
     """
     n, num_layers = entries.shape[0], layer_table.shape[0]
     if n == 0 or num_layers == 0:
         return
+    seqs, positions, bank_row = bank_shape
     scatter_fill_kernel[(n, num_layers)](
         entries, layer_table, ref, table,
-        dcp.world_size, dcp.rank, dcp.interleave, layout.num_blocks,
-        **kernel_constexprs(layout, mode, layer_align),
+        dcp.world_size, dcp.rank, dcp.interleave, layout.num_blocks, seqs, positions,
+        **kernel_constexprs(layout, mode, layer_align, entries.shape[1], bank_row, bank_align),
     )
 
 
 @dataclass(frozen=True)
 class _ClassLaunch:
     """How one launch class is addressed: its rows of the layer table, the
-    reference tensor the layer offsets count from, and their alignment."""
+    reference tensor the layer offsets count from, their alignment, and what
+    the values are read from (a value table, or the reference bank rows)."""
 
     cls: LaunchClass
     layer_rows: slice
     ref: torch.Tensor
     layer_align: int
+    table: torch.Tensor
+    bank_shape: tuple[int, int, int] = (1, 1, 0)
+    bank_align: int = 1
 
 
-def _addressing(c: LaunchClass) -> tuple[torch.Tensor, int, list[int]]:
-    """(reference tensor as bits, offset alignment, element offset of each tensor)."""
-    itemsize = c.layout.itemsize
-    ref = min(c.tensors, key=lambda t: t.tensor.data_ptr())
+def _addressing(tensors: list[torch.Tensor], names: list[str], itemsize: int) -> tuple[torch.Tensor, int, list[int]]:
+    """(reference tensor as bits, offset alignment, element offset of each tensor)
+    for tensors of one element size addressed from the lowest-addressed one."""
+    ref_i = min(range(len(tensors)), key=lambda i: tensors[i].data_ptr())
     offsets = []
-    for t in c.tensors:
-        delta = t.tensor.data_ptr() - ref.tensor.data_ptr()
+    for t, name in zip(tensors, names):
+        delta = t.data_ptr() - tensors[ref_i].data_ptr()
         if delta % itemsize:
             raise ValueError(
-                f"layer {t.layer!r} starts {delta} bytes after layer {ref.layer!r}, not a "
+                f"{name} starts {delta} bytes after {names[ref_i]}, not a "
                 f"multiple of its {itemsize}-byte elements; cannot address both in one launch"
             )
         offsets.append(delta // itemsize)
-    # Largest power of two (<= 16 bytes) dividing every offset.
-    align = 16 // itemsize
-    while align > 1 and any(o % align for o in offsets):
+    return tensors[ref_i].view(V.BITS_DTYPE[itemsize]), _pow2_dividing(offsets, 16 // itemsize), offsets
+
+
+def _pow2_dividing(values: list[int], limit: int) -> int:
+    """Largest power of two <= ``limit`` dividing every value."""
+    align = limit
+    while align > 1 and any(v % align for v in values):
         align //= 2
-    return ref.tensor.view(V.BITS_DTYPE[itemsize]), align, offsets
+    return align
 
 
 class TritonBackend(FillBackend):
@@ -239,23 +284,38 @@ class TritonBackend(FillBackend):
                     f"group {c.group!r}: {len(c.tensors)} layer tensors of one geometry exceed the "
                     f"{MAX_LAYERS_PER_LAUNCH} one launch can address (the grid's y dimension)"
                 )
-            ref, align, offsets = _addressing(c)
-            self._launches.append(_ClassLaunch(c, slice(len(rows), len(rows) + len(offsets)), ref, align))
-            rows.extend((o, t.key, t.elem_offset) for o, t in zip(offsets, c.tensors))
-        # Per layer tensor: (element offset from its class's reference, row key, element offset in the row).
+            itemsize = c.layout.itemsize
+            ref, align, offsets = _addressing([t.tensor for t in c.tensors],
+                                              [f"layer {t.layer!r}" for t in c.tensors], itemsize)
+            cl_rows = slice(len(rows), len(rows) + len(offsets))
+            if c.mode == V.REPLAY:
+                # Column 1 holds each layer's bank rows as an offset from the lowest-addressed ones.
+                bank, bank_align, bank_offsets = _addressing(
+                    [t.bank for t in c.tensors], [f"the bank rows of layer {t.layer!r}" for t in c.tensors], itemsize)
+                bank_align = _pow2_dividing([bank_align, c.bank_row, *(t.elem_offset for t in c.tensors)],
+                                            16 // itemsize)
+                seqs, positions, _ = c.tensors[0].bank.shape
+                self._launches.append(_ClassLaunch(c, cl_rows, ref, align, bank, (seqs, positions, c.bank_row),
+                                                   bank_align))
+                rows.extend((o, b, t.elem_offset) for o, b, t in zip(offsets, bank_offsets, c.tensors))
+            else:
+                self._launches.append(_ClassLaunch(c, cl_rows, ref, align, c.table))
+                rows.extend((o, t.key, t.elem_offset) for o, t in zip(offsets, c.tensors))
+        # Per layer tensor: (element offset from its class's reference, row key
+        # or bank offset, element offset in the row).
         self.layer_table = torch.tensor(rows, dtype=torch.int64).reshape(-1, 3).to(registry.device)
+        self.entry_cols = 5 if any(c.mode == V.REPLAY for c in registry.classes) else 4
 
     def _launch(self, cl: _ClassLaunch, entries: torch.Tensor) -> None:
         c = cl.cls
-        launch_fill(entries, self.layer_table[cl.layer_rows], cl.ref, cl.layer_align, c.table, c.layout, c.mode,
-                    self.registry.groups[c.group].dcp)
+        launch_fill(entries, self.layer_table[cl.layer_rows], cl.ref, cl.layer_align, cl.table, c.layout, c.mode,
+                    self.registry.groups[c.group].dcp, cl.bank_shape, cl.bank_align)
 
     def fill(self, plan: Mapping[str, GroupFill]) -> int:
-        # One upload of the whole plan: int32 [n, 4], pinned when the target is a GPU.
+        # One upload of the whole plan: int32 [n, 4] ([n, 5] with replay
+        # sequences), pinned when the target is a GPU.
         order = list(plan)
-        host = np.concatenate([
-            np.stack([g.block_ids, g.slot_start, g.slot_end, g.local_base], axis=1) for g in map(plan.get, order)
-        ]).astype(np.int32)
+        host = np.concatenate([plan[g].columns(self.entry_cols == 5) for g in order]).astype(np.int32)
         host_t = torch.from_numpy(host)
         if self.registry.device.type == "cuda":
             host_t = host_t.pin_memory()
@@ -273,15 +333,16 @@ class TritonBackend(FillBackend):
 
     def warmup(self) -> int:
         """Launch every class once with one empty entry (slots [0, 0))."""
-        empty = torch.zeros(1, 4, dtype=torch.int32, device=self.registry.device)
+        empty = torch.zeros(1, self.entry_cols, dtype=torch.int32, device=self.registry.device)
         for cl in self._launches:
             self._launch(cl, empty)
         return len(self._launches)
 
     def fill_device_entries(self, group: str, entries: torch.Tensor) -> int:
         self.registry.group(group)
-        if entries.dtype != torch.int32 or entries.dim() != 2 or entries.shape[1] != 4:
-            raise ValueError(f"entries must be int32 [n, 4], got {entries.dtype} {tuple(entries.shape)}")
+        if entries.dtype != torch.int32 or entries.dim() != 2 or entries.shape[1] not in (4, 5):
+            raise ValueError(f"entries must be int32 [n, 4] or [n, 5] (with replay sequences), got "
+                             f"{entries.dtype} {tuple(entries.shape)}")
         if not entries.is_contiguous():  # the kernel reads entry i at offset 4 * i
             raise ValueError(f"entries must be contiguous, got strides {entries.stride()}")
         if entries.device != self.registry.device:

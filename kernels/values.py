@@ -51,7 +51,8 @@ MASK32 = 0xFFFFFFFF
 ZERO = "zero"
 CONSTANT = "constant"
 NORMAL = "normal"
-MODES = (ZERO, CONSTANT, NORMAL)
+REPLAY = "replay"  # rows of a recorded bank (bank.py), not a value function
+MODES = (ZERO, CONSTANT, NORMAL, REPLAY)
 
 # How the bytes of a cache tensor encode values.
 ENC_AUTO = "auto"

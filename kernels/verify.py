@@ -1,7 +1,7 @@
 """Verify: recompute what every planned slot must hold and compare bits.
 
 Independent of the backend that wrote the caches: expected rows come from the
-value function (``torch_fill.expected_rows``), actual rows are read back
+value function or the bank (``torch_fill.expected_rows``), actual rows are read back
 through each tensor's layout.  Synchronises with the device.
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 
 from .plan import GroupFill
 from .registry import Registry
-from .torch_fill import SlotRows, expected_rows, read_rows
+from .torch_fill import SlotRows, expected_rows, read_rows, value_source
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ def verify_plan(registry: Registry, plan: Mapping[str, GroupFill], *, max_report
             continue
         for t in c.tensors:
             got = read_rows(t.tensor, c.layout, r)
-            want = expected_rows(r, c.layout, c.mode, c.table, t.key, t.elem_offset).expand_as(got)
+            want = expected_rows(r, c.layout, *value_source(c, t, r)).expand_as(got)
             bad = got != want
             checked += got.numel()
             mismatched += int(bad.sum())
