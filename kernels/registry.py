@@ -18,6 +18,13 @@ from .dcp import NO_DCP, DcpGeometry
 from .layout import Layout, layout_of
 
 
+def _size(nbytes: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes} B"
+
+
 @dataclass
 class CacheGroup:
     """One KV cache group: layers sharing a block table.
@@ -159,8 +166,8 @@ class Registry:
         free = free_bytes(self.device) if upload else None
         if free is not None and upload > free:
             raise BankError(
-                f"{bank.source}: the {len(need)} replayed layers' rows need {upload / 2**30:.2f} GiB on "
-                f"{self.device}, {free / 2**30:.2f} GiB is free (on a GPU: lower gpu_memory_utilization, or "
+                f"{bank.source}: the {len(need)} replayed layers' rows need {_size(upload)} on "
+                f"{self.device}, {_size(free)} are free (on a GPU: lower gpu_memory_utilization, or "
                 f"record fewer sequences or positions)"
             )
         on_device = {

@@ -1,0 +1,277 @@
+"""Replay: the planned slots hold the bank's recorded rows, every other byte is
+unchanged - every layout, both backends, DCP, wrap past the recorded
+positions; the bank file format; errors that write nothing."""
+import pytest
+import torch
+from cases import CASE_IDS, CASES, NUM_BLOCKS
+from oracle import poisoned_buffer, write_expected
+from test_dcp import BS, HEADS, LAYOUTS, LOCAL, NUM_TOKENS, TABLE, C, caches, owner_and_local, rank_entries, slot_bytes
+from test_fill_layouts import _row_size, assert_same_bytes
+
+from kvfill.kernels import Bank, BankError, BankIndex, CacheGroup, DcpGeometry, FillEngine, GroupFill
+from kvfill.kernels import values as V
+from kvfill.kernels.bank import sequence_key
+
+SEQS, POSITIONS = 3, 11  # entries below reach position 18: rows past 11 wrap
+# (block, slot_start, slot_end, local_base, sequence)
+SLOT_ENTRIES = [(4, 3, 8, 0, 2), (1, 0, 8, 8, 0), (5, 0, 2, 16, 1)]
+STATE_ENTRIES = [(4, 0, 1, 7, 1), (2, 0, 1, 9, 2)]
+DTYPES = [
+    ("fp32", torch.float32, "auto"),
+    ("bf16", torch.bfloat16, "auto"),
+    ("fp8e5m2", torch.float8_e5m2, "auto"),
+    ("u8-fp8e4m3", torch.uint8, "fp8_e4m3"),
+    ("u8-packed", torch.uint8, "packed"),
+]
+
+
+def random_bank(layers, case, dtype, seqs=SEQS, positions=POSITIONS, seed=5) -> Bank:
+    """Random bits per layer, ``[S, N, layer row]`` in ``dtype`` (any bit
+    pattern: replay moves bits, it never decodes them)."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, caches_ in layers.items():
+        tensors = caches_ if isinstance(caches_, list) else [caches_]
+        row = sum(_row_size(t, case.block_dim, case.slot_dim) for t in tensors)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        raw = torch.randint(0, 256, (seqs * positions * row * itemsize,), dtype=torch.uint8, generator=g)
+        out[name] = raw.view(dtype).view(seqs, positions, row)
+    return Bank(out)
+
+
+def expected_replay(layers, case, dtype, encoding, entries, bank, dcp=(1, 0, 1)):
+    """The oracle: row (sequence, position mod N) of each layer's bank rows,
+    written with plain indexing into views over the expected buffer."""
+    from oracle import dcp_position
+
+    zero = V.value_dtype(dtype, encoding) is None
+    for name, caches_ in layers.items():
+        tensors = caches_ if isinstance(caches_, list) else [caches_]
+        elem_offset = 0
+        for t in tensors:
+            row = _row_size(t, case.block_dim, case.slot_dim)
+            rows = bank.layers[name].view(V.BITS_DTYPE[t.element_size()])
+            for block, lo, hi, base, seq in entries:
+                for s in range(lo, hi):
+                    pos = dcp_position(base + s, *dcp) % POSITIONS
+                    bits = torch.zeros(row, dtype=rows.dtype) if zero else rows[seq, pos, elem_offset:elem_offset + row]
+                    write_expected(t, block_dim=case.block_dim, slot_dim=case.slot_dim,
+                                   kernel_split=case.kernel_split, block=block, slot=s, bits=bits)
+            elem_offset += row
+
+
+def plan_of(entries):
+    return {"g": GroupFill(*zip(*entries))}
+
+
+def replay_engine(layers, case, encoding, backend, bank, **group_kw):
+    group = CacheGroup(layers, num_blocks=NUM_BLOCKS, block_dim=case.block_dim, slot_dim=case.slot_dim,
+                       encoding=encoding, **group_kw)
+    return FillEngine({"g": group}, bank=bank, backend=backend)
+
+
+def check_replay(case, dtype_case, backend):
+    _, dtype, encoding = dtype_case
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    buf = poisoned_buffer(case.nbytes(itemsize))
+    poison, expected = buf.clone(), buf.clone()
+    layers = case.make(buf, dtype)
+    bank = random_bank(layers, case, dtype)
+    entries = STATE_ENTRIES if case.state_list else SLOT_ENTRIES
+
+    engine = replay_engine(layers, case, encoding, backend, bank)
+    stats = engine.fill(plan_of(entries))
+
+    expected_replay(case.make(expected, dtype), case, dtype, encoding, entries, bank)
+    assert_same_bytes(buf, expected)
+    assert (buf != poison).any(), "the fill wrote nothing"
+    assert stats.slots == sum(hi - lo for _, lo, hi, _, _ in entries) * sum(
+        len(c) if isinstance(c, list) else 1 for c in layers.values())
+    assert engine.verify(plan_of(entries)).ok
+
+
+@pytest.mark.parametrize("dtype_case", DTYPES, ids=[d[0] for d in DTYPES])
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_replay_writes_the_bank_rows_and_nothing_else(case, dtype_case, backend):
+    check_replay(case, dtype_case, backend)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.name in ("vllm-LBNHC", "vllm-HLBNC", "mla")],
+                         ids=lambda c: c.name)
+def test_torch_replay_per_entry_and_whole_page_paths_write_the_same(case, monkeypatch):
+    """Large entries take the per-entry copy or the one-pass page gather: force both."""
+    from kvfill.kernels import torch_fill
+
+    monkeypatch.setattr(torch_fill, "PER_ENTRY_BYTES", 0)
+    check_replay(case, DTYPES[1], "torch")
+
+
+def test_replay_of_whole_pages_in_one_pass_on_the_vllm_cpu_layout(monkeypatch):
+    """vLLM CPU's (2, B, H, N, D): consecutive whole blocks are gathered from
+    the bank straight into the cache, one index_select per run (torch_fill._fill_pages_direct)."""
+    from kvfill.kernels import torch_fill
+
+    B, H, N, D = 6, 2, 4, 8
+    buf = poisoned_buffer(2 * (2 * B * H * N * D) * 2)
+    poison = buf.clone()
+    caches_ = buf.view(torch.bfloat16).view(2, 2, B, H, N, D)
+    layers = {"a": caches_[0], "b": caches_[1]}
+    bank = Bank({n: torch.randn(2, 7, 2 * H * D).to(torch.bfloat16) for n in layers})
+    calls = []
+    real = torch_fill._fill_pages_direct
+    monkeypatch.setattr(torch_fill, "PER_ENTRY_BYTES", 0)
+    monkeypatch.setattr(torch_fill, "_fill_pages_direct", lambda *a: calls.append(1) or real(*a))
+    eng = FillEngine({"g": CacheGroup(layers, block_dim=1, slot_dim=3)}, bank=bank, backend="torch")
+    blocks, seq = [2, 3, 4, 0], [1, 1, 0, 1]
+    eng.fill({"g": GroupFill(blocks, local_base=[0, 4, 8, 12], sequence=seq)})
+    assert calls, "the one-pass page path did not run"
+    for name, t in layers.items():
+        for k, (b, s) in enumerate(zip(blocks, seq)):
+            for slot in range(N):
+                pos = (4 * k + slot) % 7
+                assert torch.equal(t[:, b, :, slot].reshape(-1), bank.layers[name][s, pos]), (name, b, slot)
+    bits = buf.view(torch.int16).view(2, 2, B, H, N, D)  # bits: poison holds NaNs
+    assert torch.equal(bits[:, :, [1, 5]], poison.view(torch.int16).view(2, 2, B, H, N, D)[:, :, [1, 5]])
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("interleave", [1, 4])
+def test_replay_ranks_reassembled_equal_single_rank_replay(world, interleave, backend, layout):
+    """Each rank replays the rows of its tokens' global positions: token t on
+    rank (t // I) % W equals token t of the W = 1 replay (positions past the
+    recorded N wrap the same way on every rank)."""
+    g = torch.Generator().manual_seed(3)
+    bank = Bank({f"layer.{i}": torch.randn(2, 40, HEADS * C, generator=g).to(torch.float16) for i in range(2)})
+
+    def run(w, rank, seed):
+        _, layers = caches(seed, layout)
+        eng = FillEngine({"full": CacheGroup(layers, block_dim=LAYOUTS[layout][1], slot_dim=2,
+                                             dcp=DcpGeometry(w, rank, interleave))}, bank=bank, backend=backend)
+        entries = rank_entries(w, rank, interleave)
+        if entries:
+            b, lo, hi, base = zip(*entries)
+            eng.fill({"full": GroupFill(b, lo, hi, base, [1] * len(b))})
+        return layers
+
+    ref = run(1, 0, 100)
+    ranks = [run(world, r, 200 + r) for r in range(world)]
+    for t in range(LOCAL, NUM_TOKENS - 1):
+        r, loc = owner_and_local(t, world, interleave)
+        got = slot_bytes(ranks[r], TABLE[loc // BS], loc % BS, layout)
+        want = slot_bytes(ref, TABLE[t // BS], t % BS, layout)
+        assert torch.equal(got, want), f"token {t} on rank {r} (local {loc})"
+        # and the W = 1 replay holds sequence 1's row at position t mod 40
+        assert torch.equal(want[0].reshape(-1), bank.layers["layer.0"][1, t % 40].view(torch.uint8)), f"token {t}"
+
+
+def test_verify_compares_replayed_slots_with_the_bank(backend):
+    cache = torch.zeros(4, 2, 8, 16, dtype=torch.bfloat16)  # [B, H, N, C]
+    bank = Bank({"l": torch.randn(2, 9, 32).to(torch.bfloat16)})
+    eng = FillEngine({"g": CacheGroup({"l": cache})}, bank=bank, backend=backend)
+    plan = {"g": GroupFill([1, 3], [0, 2], [8, 5], [0, 8], [1, 0])}
+    eng.fill(plan)
+    assert eng.verify(plan).ok
+    cache[3, 1, 4, 7] += 1  # block 3 slot 4: position 12, sequence 0
+    report = eng.verify(plan)
+    assert not report.ok and report.num_mismatched == 1
+    m = report.first[0]
+    assert (m.block, m.slot, m.element) == (3, 4, 16 + 7)
+    assert m.expected == float(bank.layers["l"][0, 12 % 9, 23])
+
+
+def _one_layer(dtype=torch.bfloat16):
+    buf = poisoned_buffer(4 * 2 * 8 * 16 * 2)
+    return buf, {"l": buf.view(dtype).view(4, 2, 8, 16)}
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"x": torch.zeros(1, 4, 32, dtype=torch.bfloat16)}, r"no rows for layer 'l'"),
+    ({"l": torch.zeros(1, 4, 32, dtype=torch.float16)}, r"recorded as torch.float16, the cache holds torch.bfloat16"),
+    ({"l": torch.zeros(1, 4, 16, dtype=torch.bfloat16)}, r"rows have 16 elements, the cache's have 32"),
+])
+def test_a_bank_that_does_not_match_the_caches_is_refused(bad, match):
+    buf, layers = _one_layer()
+    poison = buf.clone()
+    with pytest.raises(BankError, match=match):
+        FillEngine({"g": CacheGroup(layers)}, bank=Bank(bad))
+    assert torch.equal(buf, poison)
+
+
+def test_a_sequence_outside_the_bank_is_refused_before_any_write(backend):
+    buf, layers = _one_layer()
+    eng = FillEngine({"g": CacheGroup(layers)}, bank=Bank({"l": torch.zeros(2, 4, 32, dtype=torch.bfloat16)}),
+                     backend=backend)
+    poison = buf.clone()
+    with pytest.raises(ValueError, match=r"entry 1 \(block 2\): sequence 2 is out of range; expected 0 <= sequence < 2"):
+        eng.fill({"g": GroupFill([1, 2], sequence=[1, 2])})
+    assert torch.equal(buf, poison)
+    no_bank = FillEngine({"g": CacheGroup(layers)}, backend=backend)
+    with pytest.raises(ValueError, match=r"sequence 1 is out of range; expected 0 <= sequence < 1"):
+        no_bank.fill({"g": GroupFill([1], sequence=[1])})
+    assert torch.equal(buf, poison)
+
+
+def test_a_bank_larger_than_free_device_memory_is_refused(monkeypatch):
+    from kvfill.kernels import registry
+
+    buf, layers = _one_layer()
+    # rows on another device than the caches are uploaded (a host bank for GPU
+    # caches): here rows on the meta device, and 100 bytes free
+    bank = Bank({"l": torch.zeros(2, 4, 32, dtype=torch.bfloat16, device="meta")})
+    monkeypatch.setattr(registry, "free_bytes", lambda device: 100)
+    poison = buf.clone()
+    with pytest.raises(BankError, match=r"rows need 512 B on cpu, 100 B are free"):
+        FillEngine({"g": CacheGroup(layers)}, bank=bank)
+    assert torch.equal(buf, poison)
+
+
+def test_mode_replay_without_a_bank_is_refused():
+    _, layers = _one_layer()
+    with pytest.raises(ValueError, match="mode 'replay' needs a bank"):
+        FillEngine({"g": CacheGroup(layers, mode="replay")})
+
+
+def test_zero_mode_groups_are_not_replayed_and_need_no_bank_rows():
+    """Recurrent state (a group registered ``zero``) gets zeros under replay."""
+    _, layers = _one_layer()
+    state = torch.full((4, 64), 7, dtype=torch.bfloat16)
+    eng = FillEngine({"g": CacheGroup(layers), "m": CacheGroup({"s": [state]}, mode="zero")},
+                     bank=Bank({"l": torch.ones(1, 4, 32, dtype=torch.bfloat16)}), backend="torch")
+    eng.fill({"m": GroupFill([2], [0], [1], [5])})
+    assert (state[2] == 0).all() and (state[[0, 1, 3]] == 7).all()
+
+
+def test_bank_file_round_trip_keeps_rows_metadata_and_sequence_choice(tmp_path):
+    rows = {"a": torch.randn(2, 5, 8).to(torch.bfloat16), "b": torch.randint(0, 255, (2, 5, 4), dtype=torch.uint8)}
+    prompts = [list(range(10, 20)), list(range(30, 37))]
+    keys = [sequence_key(p[:5]) for p in prompts]
+    bank = Bank(rows, sequence_keys=keys, value_dtypes={"a": "bfloat16", "b": "float8_e4m3fn"},
+                metadata={"model": "m", "vllm_version": "0.32.0"})
+    path = tmp_path / "bank.safetensors"
+    bank.save(path)
+    back = Bank.load(path)
+    assert all(torch.equal(back.layers[n], rows[n]) for n in rows)
+    assert back.metadata == {"model": "m", "vllm_version": "0.32.0"}
+    assert back.bytes_per_token == 8 * 2 + 4 and back.nbytes == 2 * 5 * 20
+    index = BankIndex.read(path)
+    assert (index.num_sequences, index.num_positions) == (2, 5)
+    # a recorded prompt replays its own sequence; others a fixed hash of the prompt
+    assert [index.sequence_for(p) for p in prompts] == [0, 1]
+    other = list(range(100, 140))
+    assert index.sequence_for(other) == index.sequence_for(list(other)) in (0, 1)
+    picks = {index.sequence_for(list(range(i, i + 30))) for i in range(200, 240)}
+    assert picks == {0, 1}, "unrecorded prompts spread over the sequences"
+    with pytest.raises(BankError, match="holds float8_e4m3fn values, the cache encodes float8_e5m2"):
+        back.check_layer("b", torch.uint8, 4, torch.float8_e5m2)
+
+
+def test_a_file_that_is_not_a_bank_is_refused_with_its_name(tmp_path):
+    from safetensors.torch import save_file
+
+    path = tmp_path / "w.safetensors"
+    save_file({"w": torch.zeros(2)}, str(path))
+    with pytest.raises(BankError, match=r"w.safetensors: not a kvfill bank"):
+        Bank.load(path)
+    with pytest.raises(BankError, match=r"does not exist; record one with `python -m kvfill.record`"):
+        BankIndex.read(tmp_path / "missing.safetensors")
