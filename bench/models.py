@@ -12,10 +12,13 @@ import os
 MODEL_LAYERS, KV_HEADS, HEAD_DIM = 4, 8, 128
 
 
-def make_model(path: str, hybrid: bool = False) -> str:
+def make_model(path: str, hybrid: bool = False, init_std: float | None = None) -> str:
     """A random-weight model saved to ``path`` (created once): a Llama, or with
     ``hybrid`` a Gemma3 whose layers alternate sliding-window (256 tokens) and
-    full attention, so vLLM runs two KV cache groups."""
+    full attention, so vLLM runs two KV cache groups.  ``init_std``: the
+    weights' std (transformers' ``initializer_range``, default 0.02); a larger
+    one (e.g. 0.15) gives peaked next-token distributions, so greedy decoding
+    is not decided by rounding noise between near-equal logits."""
     if os.path.exists(os.path.join(path, "config.json")):
         return path
     import torch
@@ -43,6 +46,7 @@ def make_model(path: str, hybrid: bool = False) -> str:
         num_key_value_heads=KV_HEADS,
         head_dim=HEAD_DIM,
         max_position_embeddings=32768,
+        **({"initializer_range": init_std} if init_std else {}),
     )
     LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
     return path

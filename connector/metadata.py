@@ -11,6 +11,15 @@ from vllm.v1.metrics.utils import create_metric_per_engine
 from .planner import NULL_BLOCK_ID, GroupSelection, RequestSelection
 
 
+@dataclass(frozen=True)
+class RecordItem:
+    """Record role: read positions ``[0, N)`` of one prompt after this step's
+    forward; ``key``: ``sequence_key`` of its first N tokens (the bank's key)."""
+
+    key: str
+    selection: RequestSelection
+
+
 class KVFillConnectorMetadata(KVConnectorMetadata):
     """The step's fills.
 
@@ -31,6 +40,7 @@ class KVFillConnectorMetadata(KVConnectorMetadata):
         self._reqs_to_fill = reqs_to_fill
         self.selections = dict(selections or {})
         self.null_block_id = null_block_id
+        self.records: list[RecordItem] = []  # record role only
 
     @property
     def reqs_to_fill(self) -> dict[str, tuple[tuple[list[int], ...], int]]:

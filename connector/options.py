@@ -9,13 +9,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
-from kvfill.kernels import ValueSpec
+from kvfill.kernels import BankError, BankIndex, ValueSpec
 from kvfill.kernels.backend import BACKENDS
 from kvfill.kernels.values import ValueSpecError
 
 from .planner import Granularity
 
 VERIFY_MODES = ("log", "raise")
+FILL_MODES = ("constant", "normal", "replay")
 
 
 class OptionError(ValueError):
@@ -31,15 +32,20 @@ class OptionError(ValueError):
 class FillOptions:
     """Field names are the config keys; defaults are the in-tree connector's behaviour."""
 
+    fill_mode: str | None = None       # "constant" / "normal" / "replay"; None: normal if fill_std > 0 else constant
     fill_mean: float = 0.015           # as the in-tree connector
     fill_std: float = 0.0              # 0: constant fill_mean; > 0: normal(mean, std)
     seed: int = 0                      # values are a function of (seed, layer, token, element)
+    bank: str | None = None            # replay: a bank file recorded by `python -m kvfill.record`
     startup_fill: bool = False         # fill whole caches once at registration
     granularity: Granularity = Granularity.TOKEN  # "token": external slots only; "block": whole blocks
     refill_on_preemption: bool = True  # a preempted request is filled again, not prefilled for real
     backend: str = "auto"              # "auto" / "triton" / "torch"
     verify: str | None = None          # None / "log" / "raise": re-check every fill (debug aid; syncs)
+    record_dir: str | None = None      # record role (kvfill.record): save prompt KV rows here, fill nothing
+    record_positions: int = 0          # record role: the positions [0, N) saved per prompt
     values: ValueSpec = field(init=False, repr=False, compare=False)
+    bank_index: BankIndex | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         keys = {"mean": "fill_mean", "std": "fill_std", "seed": "seed"}
@@ -61,6 +67,48 @@ class FillOptions:
             raise OptionError("backend", self.backend, f"one of {list(BACKENDS)}")
         if self.verify not in (None, *VERIFY_MODES):
             raise OptionError("verify", self.verify, "false, true, 'log' or 'raise'")
+        self._check_mode()
+        if self.record_dir is not None:
+            if not isinstance(self.record_dir, str) or not self.record_dir:
+                raise OptionError("record_dir", self.record_dir, "a directory path")
+            if isinstance(self.record_positions, bool) or not isinstance(self.record_positions, int) \
+                    or self.record_positions < 1:
+                raise OptionError("record_positions", self.record_positions, "an int >= 1 with record_dir")
+
+    def _check_mode(self) -> None:
+        """``fill_mode`` against ``fill_std`` and ``bank``; the bank's index read once."""
+        mode = self.fill_mode
+        if mode is None:
+            mode = "replay" if self.bank is not None else ("normal" if self.fill_std > 0 else "constant")
+        if mode not in FILL_MODES:
+            raise OptionError("fill_mode", self.fill_mode, f"one of {list(FILL_MODES)}")
+        if mode == "normal" and self.fill_std <= 0:
+            raise OptionError("fill_std", self.fill_std, "a finite number > 0 with fill_mode 'normal'")
+        if mode == "constant" and self.fill_std > 0:
+            raise OptionError("fill_std", self.fill_std, "0 with fill_mode 'constant' (or fill_mode 'normal')")
+        if mode == "replay" and self.bank is None:
+            raise OptionError("bank", None, "the path of a bank file with fill_mode 'replay' "
+                                            "(record one with `python -m kvfill.record`)")
+        if mode != "replay" and self.bank is not None:
+            raise OptionError("fill_mode", self.fill_mode, "'replay' (or unset) with a bank")
+        index = None
+        if self.bank is not None:
+            if not isinstance(self.bank, str):
+                raise OptionError("bank", self.bank, "the path of a bank file")
+            try:
+                index = BankIndex.read(self.bank)
+            except BankError as exc:
+                raise OptionError("bank", self.bank, f"a readable kvfill bank ({exc})") from None
+        object.__setattr__(self, "fill_mode", mode)
+        object.__setattr__(self, "bank_index", index)
+
+    @property
+    def replay(self) -> bool:
+        return self.fill_mode == "replay"
+
+    @property
+    def recording(self) -> bool:
+        return self.record_dir is not None
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> "FillOptions":
@@ -80,8 +128,12 @@ class FillOptions:
         return cls(**extra)
 
     def summary(self) -> str:
-        kind = "random" if self.fill_std > 0 else "constant"
-        return (
-            f"{kind} fill (mean={self.fill_mean:g}, std={self.fill_std:g}, seed={self.seed}, "
-            f"{self.granularity.value} granularity), startup_fill={self.startup_fill}, verify={self.verify}"
-        )
+        if self.recording:
+            return f"recording positions [0, {self.record_positions}) of each prompt to {self.record_dir}"
+        if self.replay:
+            idx = self.bank_index
+            what = f"replay fill from {self.bank} ({idx.num_sequences} sequences x {idx.num_positions} positions"
+        else:
+            kind = "random" if self.fill_std > 0 else "constant"
+            what = f"{kind} fill (mean={self.fill_mean:g}, std={self.fill_std:g}, seed={self.seed}"
+        return f"{what}, {self.granularity.value} granularity), startup_fill={self.startup_fill}, verify={self.verify}"

@@ -125,9 +125,12 @@ class GroupSelection:
 
 @dataclass(slots=True)
 class RequestSelection:
+    """One request's selections; ``sequence``: the bank sequence it replays (0 otherwise)."""
+
     req_id: str
     num_external_tokens: int
     groups: tuple[GroupSelection, ...]
+    sequence: int = 0
 
     def intree_view(self, null_block_id: int = NULL_BLOCK_ID) -> tuple[tuple[list[int], ...], int]:
         """``(block_ids_per_group, num_external_tokens)`` as the in-tree metadata has it."""
@@ -174,6 +177,7 @@ class Planner:
         ids_of: Callable[[Sequence[Any]], Sequence[int]] = tuple,
         num_external: int | None = None,
         skip_groups: Collection[int] = (),
+        sequence: int = 0,
     ) -> RequestSelection:
         """Select the external blocks of one request in every group.
 
@@ -187,6 +191,7 @@ class Planner:
         scheduler trimmed); default: up to the last prompt token.
         ``skip_groups``: indices of groups not to fill (filled at startup):
         they get an empty selection and their tables are not looked at.
+        ``sequence``: the bank sequence a replay fill writes for this request.
         """
         if not (isinstance(num_tokens, int) and isinstance(num_local_computed, int)):
             raise ValueError(f"request {req_id!r}: token counts must be ints")
@@ -239,7 +244,7 @@ class Planner:
                     whole=self.granularity == Granularity.BLOCK,
                 )
             )
-        return RequestSelection(req_id, hi - lo, tuple(selections))
+        return RequestSelection(req_id, hi - lo, tuple(selections), sequence)
 
     def for_rank(self, rank: int) -> "Planner":
         """This planner with every DCP-sharded group seen from ``rank``."""
@@ -269,7 +274,8 @@ class Planner:
         for gi, geo in enumerate(self.groups):
             if wanted is not None and geo.name not in wanted:
                 continue
-            entries = _rank_entries(geo, [sel.groups[gi] for sel in selections], self.null_block_id)
+            entries = _rank_entries(geo, [sel.groups[gi] for sel in selections],
+                                    [sel.sequence for sel in selections], self.null_block_id)
             if geo.remaps_to_whole_blocks:
                 entries = _whole_blocks(entries, geo.block_size, geo.slots_per_block)
             entries = _unique(entries)
@@ -278,8 +284,10 @@ class Planner:
         return FillPlan(out)
 
 
-def _rank_entries(geo: GroupGeometry, sels: Sequence[GroupSelection], null_block_id: int) -> GroupFill:
-    """One group's entries on ``geo.dcp.rank``, request after request.
+def _rank_entries(geo: GroupGeometry, sels: Sequence[GroupSelection], sequences: Sequence[int],
+                  null_block_id: int) -> GroupFill:
+    """One group's entries on ``geo.dcp.rank``, request after request (each
+    entry carrying its request's bank sequence).
 
     Vectorised over all requests of the step: one numpy conversion of the
     selected block ids, then array arithmetic.
@@ -306,7 +314,8 @@ def _rank_entries(geo: GroupGeometry, sels: Sequence[GroupSelection], null_block
         start = np.where(whole, 0, np.clip(llo - base, 0, bs))
         end = np.where(whole, bs, np.clip(lhi - base, 0, bs))
     keep = (ids != null_block_id) & (end > start)
-    return GroupFill(ids[keep], start[keep], end[keep], base[keep])
+    seq = np.asarray(sequences, np.int64).reshape(num_req)[req]
+    return GroupFill(ids[keep], start[keep], end[keep], base[keep], seq[keep])
 
 
 def _whole_blocks(entries: GroupFill, tokens_per_block: int, slots_per_block: int) -> GroupFill:
@@ -317,6 +326,7 @@ def _whole_blocks(entries: GroupFill, tokens_per_block: int, slots_per_block: in
         np.zeros_like(entries.slot_start),
         np.full_like(entries.slot_end, slots_per_block),
         entries.local_base // tokens_per_block * slots_per_block,
+        entries.sequence,
     )
 
 
@@ -330,6 +340,9 @@ def _unique(entries: GroupFill) -> GroupFill:
     ids = np.sort(entries.block_ids)
     if ids.size < 2 or not (ids[1:] == ids[:-1]).any():
         return entries
-    cols = np.stack([entries.block_ids, entries.slot_start, entries.slot_end, entries.local_base], axis=1)
-    uniq = np.unique(cols, axis=0)
-    return GroupFill(uniq[:, 0], uniq[:, 1], uniq[:, 2], uniq[:, 3])
+    # Every entry of a shared block replays the sequence of the block's first
+    # entry: slots two entries overlap then get the same bytes from both.
+    _, first, inverse = np.unique(entries.block_ids, return_index=True, return_inverse=True)
+    sequence = entries.sequence[first][inverse.reshape(-1)]
+    uniq, keep = np.unique(entries.columns(), axis=0, return_index=True)
+    return GroupFill(uniq[:, 0], uniq[:, 1], uniq[:, 2], uniq[:, 3], sequence[keep])

@@ -3,17 +3,29 @@
 Every new request's prompt minus its last token is reported as external; once
 vLLM has allocated its blocks, the planner selects the external blocks of
 every group (again after a preemption, unless ``refill_on_preemption`` is
-off, so a preempted request is not prefilled for real).  The step's
-selections travel to the workers as ``KVFillConnectorMetadata``.
+off, so a preempted request is not prefilled for real).  Replaying, each
+request is given its bank sequence (``BankIndex.sequence_for`` its prompt).
+The step's selections travel to the workers as ``KVFillConnectorMetadata``.
+
+Record role (``record_dir``, used by ``kvfill.record``): nothing is granted;
+the block tables of scheduled requests are followed, and in the step whose
+forward computes a prompt's position ``N - 1`` the request's blocks of
+positions ``[0, N)`` are sent to the workers, which read them after the
+forward (``wait_for_save``).
 """
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .metadata import KVFillConnectorMetadata
+from kvfill.kernels.bank import sequence_key
+
+from .metadata import KVFillConnectorMetadata, RecordItem
 from .options import FillOptions
-from .planner import Planner, RequestSelection
+from .planner import GroupKind, Planner, RequestSelection
 from .specs import geometries_from_config, select_request, startup_fill_group_ids
+
+# Groups whose slots hold one token position each, readable after a prefill.
+RECORDED_KINDS = (GroupKind.FULL_ATTENTION, GroupKind.SLIDING_WINDOW)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -35,8 +47,11 @@ class KVFillScheduler:
         # grant starts there even when the scheduler trims its end
         self.asked: dict[str, int] = {}
         self.pending: dict[str, RequestSelection] = {}
+        self.recorder = _RecordTracker(self.planner, options.record_positions) if options.recording else None
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+        if self.recorder is not None:
+            return 0, False  # recording: every prompt is prefilled for real
         preemptions = getattr(request, "num_preemptions", 0)
         seen = self.filled.get(request.request_id)
         if seen is not None and not (self.options.refill_on_preemption and preemptions > seen):
@@ -56,17 +71,67 @@ class KVFillScheduler:
             num_local = None  # not the query this grant answers: fall back to the tail
         # Startup-filled groups are skipped before planning: their tables are
         # never looked at, so a table shorter than the prompt cannot raise.
+        index = self.options.bank_index
         sel = select_request(self.planner, request, blocks, num_external_tokens, num_local,
-                             skip_groups=self.startup_groups)
+                             skip_groups=self.startup_groups,
+                             sequence=index.sequence_for(request.prompt_token_ids) if index else 0)
         if any(len(g.block_ids) for g in sel.groups):
             self.pending[request.request_id] = sel
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVFillConnectorMetadata:
         meta = KVFillConnectorMetadata(selections=self.pending, null_block_id=self.planner.null_block_id)
         self.pending = {}
+        if self.recorder is not None:
+            meta.records = self.recorder.step(scheduler_output)
         return meta
 
     def request_finished(self, request: "Request") -> None:
         self.filled.pop(request.request_id, None)
         self.asked.pop(request.request_id, None)
         self.pending.pop(request.request_id, None)
+        if self.recorder is not None:
+            self.recorder.forget(request.request_id)
+
+
+class _RecordTracker:
+    """Follows the block tables of scheduled requests; emits a ``RecordItem``
+    in the step whose forward completes a prompt's positions ``[0, N)``."""
+
+    def __init__(self, planner: Planner, positions: int):
+        self.planner, self.positions = planner, positions
+        self.skip = {i for i, g in enumerate(planner.groups) if g.kind not in RECORDED_KINDS}
+        self.tables: dict[str, list[list[int]]] = {}
+        self.prompts: dict[str, list[int]] = {}
+        self.done: set[str] = set()
+
+    def step(self, so: "SchedulerOutput") -> list[RecordItem]:
+        computed = {}
+        for new in so.scheduled_new_reqs:
+            self.tables[new.req_id] = [list(ids) for ids in new.block_ids]
+            self.prompts[new.req_id] = list(new.prompt_token_ids or ())
+            computed[new.req_id] = new.num_computed_tokens
+        cached = so.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            new_ids = cached.new_block_ids[i]
+            if rid in cached.resumed_req_ids and new_ids is not None:
+                self.tables[rid] = [list(ids) for ids in new_ids]
+            elif new_ids is not None and rid in self.tables:
+                for table, ids in zip(self.tables[rid], new_ids):
+                    table.extend(ids)
+            computed[rid] = cached.num_computed_tokens[i]
+        items = []
+        n = self.positions
+        for rid, before in computed.items():
+            prompt = self.prompts.get(rid, ())
+            after = before + so.num_scheduled_tokens.get(rid, 0)
+            if rid in self.done or len(prompt) < n or after < n:
+                continue
+            self.done.add(rid)
+            sel = self.planner.select(rid, n + 1, 0, self.tables[rid], skip_groups=self.skip)
+            items.append(RecordItem(sequence_key(prompt[:n]), sel))
+        return items
+
+    def forget(self, req_id: str) -> None:
+        self.tables.pop(req_id, None)
+        self.prompts.pop(req_id, None)
+        self.done.discard(req_id)

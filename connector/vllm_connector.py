@@ -68,7 +68,12 @@ class KVFillConnector(KVConnectorBase_V1, SupportsHMA):
         return None
 
     def wait_for_save(self):
-        return None
+        """Record role only (``kvfill.record``): the step's forward has written
+        the prompts' KV; read the completed ones."""
+        if self.worker is not None and self.options.recording:
+            meta = self._get_connector_metadata()
+            assert isinstance(meta, KVFillConnectorMetadata), type(meta)
+            self.worker.record(meta)
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self.worker is None or self.worker.stats.is_empty():

@@ -4,10 +4,15 @@
 registers (again after re-registration, e.g. sleep mode) and this rank's
 planner; ``start_fill`` turns a step's metadata into one ``Planner.plan`` and
 one ``FillEngine.fill`` for every request, group and layer, stream-ordered,
-without a host sync.
+without a host sync.  Replaying, the bank is loaded once, at registration,
+onto the caches' device (``FillEngine(bank=...)`` checks it against them).
+Recording (``record_dir``), ``record`` reads the step's recorded prompts
+after the forward and saves one file of rows per prompt.
 """
 from __future__ import annotations
 
+import json
+import os
 import time
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -15,11 +20,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from vllm.logger import init_logger
 
-from kvfill.kernels import CacheGroup, FillEngine, FillPlan
+from kvfill.kernels import Bank, CacheGroup, FillEngine, FillPlan
+from kvfill.kernels.bank import dtype_name
 
+from .cpu_layout import attention_isa, cpu_kv_parts, layout_matches
 from .metadata import KVFillConnectorMetadata, KVFillStats
 from .options import FillOptions
-from .planner import Planner
+from .planner import GroupKind, Planner
 from .specs import geometries_from_config, layer_encoding, layer_specs_by_name, startup_fill_group_ids
 
 if TYPE_CHECKING:
@@ -51,6 +58,10 @@ class KVFillWorker:
         self.startup_groups = startup_fill_group_ids(kv_cache_config) if options.startup_fill else set()
         cache_dtype = vllm_config.cache_config.cache_dtype
         specs = layer_specs_by_name(kv_cache_config)
+        self.specs = specs
+        self.cache_dtype = cache_dtype
+        self.on_cpu = _platform_is_cpu()
+        self.cpu_layout_warned = False
         self.encodings = {name: layer_encoding(spec, cache_dtype) for name, spec in specs.items()}
         # Raw backing buffers laid out by the layer itself (HiSparse): no block dim to address.
         self.unaddressable = {name for name, spec in specs.items() if not getattr(spec, "has_layer_views", True)}
@@ -60,6 +71,12 @@ class KVFillWorker:
         self.failed_block_ids: set[int] = set()  # blocks of skipped fills, until vLLM asks
         kt = getattr(vllm_config, "kv_transfer_config", None)
         self.load_failure_policy = getattr(kt, "kv_load_failure_policy", "fail")
+        if options.recording:
+            tp = vllm_config.parallel_config.tensor_parallel_size
+            dcp = vllm_config.parallel_config.decode_context_parallel_size
+            if tp > 1 or dcp > 1:
+                raise ValueError(f"KVFillConnector: recording needs whole layers on one worker; got tensor "
+                                 f"parallel size {tp}, decode context parallel size {dcp} (record with 1 and 1)")
 
     # ------------------------------------------------------------ registration
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
@@ -69,8 +86,11 @@ class KVFillWorker:
                 "KVFillConnector: %d layers keep raw caches with no block views (%s...); they are not filled",
                 len(self.unaddressable), sorted(self.unaddressable)[0],
             )
+        bank = Bank.load(self.options.bank) if self.options.replay and not self.options.recording else None
         self.engine = FillEngine(groups, values=self.options.values, backend=self.options.backend,
-                                 layer_ids=_layer_ids(kv_caches))
+                                 layer_ids=_layer_ids(kv_caches), bank=bank)
+        if bank is not None:
+            logger.info("KVFillConnector: replaying %s", bank.describe())
         self.planner = self._with_cache_slots(self.planner, self.engine)
         self.engine.warmup()  # compile the kernels now, not in the first filling step
         logger.info("KVFillConnector: %s, %s backend, DCP rank %d, %d torch threads; caches:\n%s",
@@ -98,16 +118,38 @@ class KVFillWorker:
                 key = tuple((t.data_ptr(), tuple(t.shape), t.stride(), t.dtype) for t in tensors)
                 if key not in seen:
                     seen.add(key)
-                    layers[name] = cache
+                    layers[name] = self._cpu_kv_parts(name, cache) if self.on_cpu else cache
             if layers:
                 groups[geo.name] = CacheGroup(
                     layers,
                     num_blocks=self.kv_cache_config.num_blocks,
                     encoding={n: self.encodings.get(n, "auto") for n in layers},
-                    mode="zero" if geo.zero else None,
+                    # Recurrent state has no token positions to replay: the empty (zero) state.
+                    mode="zero" if geo.zero or (self.options.replay and geo.kind == GroupKind.MAMBA) else None,
                     dcp=geo.dcp,
                 )
         return groups
+
+    def _cpu_kv_parts(self, name: str, cache: Any) -> Any:
+        """vLLM CPU attention caches as their K and V views (``cpu_layout.py``),
+        when vLLM's own write kernel confirms them; else the cache as
+        registered, with one warning that slots are then not token positions."""
+        spec = self.specs.get(name)
+        head_size = getattr(spec, "head_size", None)
+        if not isinstance(cache, torch.Tensor) or head_size is None or cache.dim() != 4:
+            return cache
+        parts = cpu_kv_parts(cache, head_size)
+        isa = attention_isa(cache.dtype, cache.shape[2], head_size, self.cache_dtype)
+        ok = (parts is not None and isa is not None and self.cache_dtype == "auto"
+              and layout_matches(isa, cache.dtype, cache.shape[1], cache.shape[2], head_size))
+        if ok:
+            return parts
+        if not self.cpu_layout_warned:
+            self.cpu_layout_warned = True
+            logger.warning("KVFillConnector: the CPU attention cache of %s (ISA %s, kv cache dtype %s) is not the "
+                           "K-transposed layout kvfill knows; it is filled as registered, so token-granular and "
+                           "replay fills do not put each token's K and V at its slot", name, isa, self.cache_dtype)
+        return cache
 
     @staticmethod
     def _with_cache_slots(planner: Planner, engine: FillEngine) -> Planner:
@@ -153,6 +195,29 @@ class KVFillWorker:
         if self.options.verify:
             self._verify(plan)
 
+    def record(self, meta: KVFillConnectorMetadata) -> None:
+        """Record role: after the forward, save positions ``[0, N)`` of each
+        prompt the step completed to ``record_dir/<key>.safetensors`` (one
+        ``[N, row]`` tensor per layer, the caches' dtype; written whole or not at all)."""
+        if not meta.records:
+            return
+        from safetensors.torch import save_file
+
+        n = self.options.record_positions
+        vdtypes = {name: dtype_name(d) for name, d in self.engine.value_dtypes().items()}
+        os.makedirs(self.options.record_dir, exist_ok=True)
+        for item in meta.records:
+            rows = self.engine.read(self.planner.plan([item.selection], groups=self.engine.groups))
+            short = {name: r.shape[0] for name, r in rows.items() if r.shape[0] != n}
+            if short or not rows:
+                raise RuntimeError(f"KVFillConnector: recording {item.selection.req_id!r} read {short or 'no'} rows "
+                                   f"of layers where {n} positions were expected (blocks freed before the read?)")
+            path = os.path.join(self.options.record_dir, f"{item.key}.safetensors")
+            save_file({name: r.cpu().contiguous() for name, r in rows.items()}, path + ".part",
+                      metadata={"key": item.key, "positions": str(n), "value_dtypes": json.dumps(vdtypes)})
+            os.replace(path + ".part", path)
+        logger.info("KVFillConnector: recorded %d prompts to %s", len(meta.records), self.options.record_dir)
+
     def _skipped(self, selections, exc: ValueError) -> None:
         """A step's fill was skipped: tell vLLM, which applies ``kv_load_failure_policy``.
 
@@ -190,6 +255,12 @@ class KVFillWorker:
         if self.options.verify == "raise":
             raise RuntimeError(msg)
         logger.error(msg)
+
+
+def _platform_is_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
 
 
 def _layer_ids(kv_caches: dict[str, Any]) -> dict[str, int]:

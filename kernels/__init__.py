@@ -30,7 +30,7 @@ else:
     from .engine import FillEngine, FillStats
     from .layout import Layout, layout_of
     from .plan import FillPlan, GroupFill
-    from .registry import CacheGroup, RegisteredGroup
+    from .registry import CacheGroup, RegisteredGroup, RowParts
     from .values import POOL_SIZE, ValueSpec
     from .verify import Mismatch, VerifyReport
 
@@ -49,6 +49,7 @@ else:
         "NO_DCP",
         "POOL_SIZE",
         "RegisteredGroup",
+        "RowParts",
         "ValueSpec",
         "VerifyReport",
         "captured_engines",

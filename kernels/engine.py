@@ -21,7 +21,7 @@ from .backend import make_backend
 from .bank import Bank
 from .plan import FillPlan, GroupFill
 from .registry import CacheGroup, RegisteredGroup, Registry
-from .verify import VerifyReport, verify_plan
+from .verify import VerifyReport, read_plan, verify_plan
 
 
 @dataclass(frozen=True)
@@ -179,6 +179,17 @@ class FillEngine:
         """
         with self._on_device():
             return self._backend.fill_device_entries(group, entries)
+
+    # ------------------------------------------------------------ read
+    def read(self, plan: FillPlan | Mapping[str, GroupFill]) -> dict[str, torch.Tensor]:
+        """What the planned slots hold now, per layer ``[num_rows, layer row]``
+        in the caches' dtype (``verify.read_plan``): how a bank is recorded.
+        Synchronises with the device."""
+        return read_plan(self._registry, self._checked(plan))
+
+    def value_dtypes(self) -> dict[str, torch.dtype]:
+        """Layer -> the float dtype its bytes encode (layers that hold values)."""
+        return {t.layer: t.vdtype for t in self._registry.tensors if t.vdtype is not None}
 
     # ------------------------------------------------------------ verify
     def verify(self, plan: FillPlan | Mapping[str, GroupFill], *, max_report: int = 8) -> VerifyReport:

@@ -18,6 +18,14 @@ from .dcp import NO_DCP, DcpGeometry
 from .layout import Layout, layout_of
 
 
+class RowParts(tuple):
+    """Tensors that hold one layer's token row between them, each with a slot
+    dim addressed by the group's ``block_dim`` / ``slot_dim`` - e.g. vLLM
+    CPU's K and V, which one buffer interleaves in different orders.  The
+    layer's row is the parts' rows one after another.  (A plain list or tuple
+    of tensors is recurrent state: no slot dim.)"""
+
+
 def _size(nbytes: int) -> str:
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if nbytes >= scale:
@@ -29,8 +37,9 @@ def _size(nbytes: int) -> str:
 class CacheGroup:
     """One KV cache group: layers sharing a block table.
 
-    layers: layer name -> cache tensor, or a list/tuple of state tensors
-        (Mamba/KDA: each block-indexed on ``block_dim``, no slot dim).
+    layers: layer name -> cache tensor, a list/tuple of state tensors
+        (Mamba/KDA: each block-indexed on ``block_dim``, no slot dim), or
+        ``RowParts`` (tensors with slot dims sharing the layer's row).
     num_blocks: the manager's block count; a tensor with ``num_blocks * r``
         entries on ``block_dim`` is kernel-block granular.  None: taken from
         the tensors (the smallest block count).
@@ -133,11 +142,12 @@ class Registry:
             next_id = max(next_id, lid + 1)
             enc = g.encoding.get(lname, V.ENC_AUTO) if isinstance(g.encoding, Mapping) else g.encoding
             is_list = isinstance(caches, (list, tuple))
+            state = is_list and not isinstance(caches, RowParts)
             elem_offset = 0
             for sub, t in enumerate(list(caches) if is_list else [caches]):
-                where = f"group {gname!r} layer {lname!r}" + (f" state tensor {sub}" if is_list else "")
+                where = f"group {gname!r} layer {lname!r}" + (f" tensor {sub}" if is_list else "")
                 try:
-                    layout = layout_of(t, block_dim=g.block_dim, slot_dim=None if is_list else g.slot_dim,
+                    layout = layout_of(t, block_dim=g.block_dim, slot_dim=None if state else g.slot_dim,
                                        num_blocks=g.num_blocks)
                     vdtype = V.value_dtype(t.dtype, enc)
                 except (ValueError, TypeError) as exc:

@@ -11,6 +11,7 @@ from typing import Mapping
 
 import torch
 
+from . import values as V
 from .plan import GroupFill
 from .registry import Registry
 from .torch_fill import SlotRows, expected_rows, read_rows, value_source
@@ -59,6 +60,23 @@ def verify_plan(registry: Registry, plan: Mapping[str, GroupFill], *, max_report
                     expected=_decode(want[ri, e], c.vdtype), found=_decode(got[ri, e], c.vdtype),
                 ))
     return VerifyReport(mismatched == 0, checked, mismatched, tuple(first))
+
+
+def read_plan(registry: Registry, plan: Mapping[str, GroupFill]) -> dict[str, torch.Tensor]:
+    """What the planned slots hold, per layer: ``[num_rows, layer row]`` in the
+    caches' dtype, rows in plan order (entry by entry, slots ascending),
+    elements in the layout-independent order (a layer's tensors one after
+    another).  Zero-mode tensors (packed, recurrent state) are left out."""
+    rows = {g: SlotRows(entries, registry.groups[g].dcp) for g, entries in plan.items()}
+    parts: dict[str, list[tuple[int, torch.Tensor]]] = {}
+    for c in registry.classes:
+        r = rows.get(c.group)
+        if r is None or c.mode == V.ZERO:
+            continue
+        for t in c.tensors:
+            got = read_rows(t.tensor, c.layout, r).view(t.tensor.dtype)
+            parts.setdefault(t.layer, []).append((t.elem_offset, got))
+    return {layer: torch.cat([p for _, p in sorted(ps, key=lambda x: x[0])], dim=1) for layer, ps in parts.items()}
 
 
 def _decode(bits: torch.Tensor, vdtype: torch.dtype | None) -> float:

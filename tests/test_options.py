@@ -54,6 +54,36 @@ def test_a_bad_value_names_the_key_the_value_and_what_was_expected(key, value, e
 
 def test_an_unknown_key_lists_the_valid_ones():
     with pytest.raises(ValueError, match=r"unknown kv_connector_extra_config key\(s\) \['fill_sdt'\]; "
-                                         r"valid keys: \['backend', 'fill_mean', 'fill_std', 'granularity', "
-                                         r"'refill_on_preemption', 'seed', 'startup_fill', 'verify'\]"):
+                                         r"valid keys: \['backend', 'bank', 'fill_mean', 'fill_mode', 'fill_std', "
+                                         r"'granularity', 'record_dir', 'record_positions', 'refill_on_preemption', "
+                                         r"'seed', 'startup_fill', 'verify'\]"):
         FillOptions.from_extra_config({"fill_sdt": 0.1})
+
+
+@pytest.mark.parametrize("extra, key, expected", [
+    ({"fill_mode": "normal"}, "fill_std", "a finite number > 0 with fill_mode 'normal'"),
+    ({"fill_mode": "constant", "fill_std": 0.2}, "fill_std", "0 with fill_mode 'constant'"),
+    ({"fill_mode": "replay"}, "bank", "the path of a bank file with fill_mode 'replay'"),
+    ({"fill_mode": "uniform"}, "fill_mode", "one of ['constant', 'normal', 'replay']"),
+    ({"fill_mode": "normal", "fill_std": 0.1, "bank": "b.safetensors"}, "fill_mode", "'replay' (or unset) with a bank"),
+    ({"bank": "/nonexistent/b.safetensors"}, "bank", "a readable kvfill bank (bank '/nonexistent/b.safetensors' does not exist"),
+    ({"record_dir": "/tmp/x"}, "record_positions", "an int >= 1 with record_dir"),
+])
+def test_fill_mode_bank_and_record_options_are_checked_against_each_other(extra, key, expected):
+    with pytest.raises(OptionError) as err:
+        FillOptions.from_extra_config(extra)
+    assert f"kv_connector_extra_config[{key!r}]" in str(err.value) and expected in str(err.value), str(err.value)
+
+
+def test_fill_mode_defaults_keep_the_fill_std_meaning_and_a_bank_means_replay(tmp_path):
+    import torch
+
+    from kvfill.kernels import Bank
+
+    assert FillOptions.from_extra_config({}).fill_mode == "constant"
+    assert FillOptions.from_extra_config({"fill_std": 0.1}).fill_mode == "normal"
+    path = tmp_path / "b.safetensors"
+    Bank({"l": torch.zeros(3, 4, 8, dtype=torch.bfloat16)}).save(path)
+    opts = FillOptions.from_extra_config({"bank": str(path)})
+    assert opts.replay and (opts.bank_index.num_sequences, opts.bank_index.num_positions) == (3, 4)
+    assert "replay fill from" in opts.summary()
