@@ -202,9 +202,15 @@ def run_one(a) -> dict:
     t0 = time.perf_counter()
     outs = llm.generate([TokensPrompt(prompt_token_ids=t) for t in ids], params, use_tqdm=False)
     generate_s = time.perf_counter() - t0
-    counts = llm.collective_rpc(read_expert_counts)[0]
+    # The engine's request ids are the outputs' with a random suffix ("3-1f2e...").
+    counts = {rid.rsplit("-", 1)[0]: c for rid, c in llm.collective_rpc(read_expert_counts)[0].items()}
     zeros = {str(layer): [0] * EXPERTS for layer in range(LAYERS)}
     per_prompt = [counts.get(o.request_id, zeros) for o in outs]  # outputs come in prompt order
+    routed = sum(sum(c[str(layer)]) for c in per_prompt for layer in range(LAYERS))
+    expected = len(ids) * (a.output_len - 1) * LAYERS * TOP_K  # the last sampled token is never an input
+    if routed != expected:
+        raise RuntimeError(f"counted {routed} expert selections over decode-step tokens; expected prompts x "
+                           f"(output_len - 1) x layers x top-k = {expected}")
     return {"run": a.only, "startup_s": round(startup_s, 1), "generate_s": round(generate_s, 2),
             "tokens": [list(o.outputs[0].token_ids) for o in outs],
             "counts": [[c[str(layer)] for layer in range(LAYERS)] for c in per_prompt]}
@@ -273,8 +279,7 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--init-std", type=float, default=0.1,
-                   help="the model's initializer_range when it is made (transformers' default 0.02 routes every "
-                        "context alike; see the README of this script's results)")
+                   help="the model's initializer_range when it is made (XXX)")
     p.add_argument("--model", default=None, help="model folder (default out/tiny-mixtral, made if missing)")
     p.add_argument("--dtype", default="float32", help="model and KV dtype, for the recording and every run")
     p.add_argument("--timeout", type=float, default=600, help="seconds per subprocess")

@@ -56,9 +56,12 @@ def layout_matches(isa: str, dtype: torch.dtype, heads: int, slots: int, head_si
     key = torch.randn(2, heads, head_size, generator=g).to(dtype)
     value = torch.randn(2, heads, head_size, generator=g).to(dtype)
     where = [1, slots - 1]  # block 1: its second and last slot
-    ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache,
-                                   torch.tensor([slots + s for s in where], dtype=torch.int64), isa,
-                                   k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+    try:
+        ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache,
+                                       torch.tensor([slots + s for s in where], dtype=torch.int64), isa,
+                                       k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+    except RuntimeError:  # a shape vLLM's CPU attention does not run (e.g. a test's tiny heads)
+        return False
     k, v = cpu_kv_parts(scratch, head_size)
     return all(torch.equal(k[1, :, s], key[i]) and torch.equal(v[1, :, s], value[i]) for i, s in enumerate(where))
 
