@@ -42,6 +42,21 @@ def build(device, *, fill_bytes, num_layers, num_requests, heads=8, block_size=1
     return layers, requests, plan, nbytes
 
 
+BANK_POSITIONS = 4096  # positions past it wrap (bank.py), as a shorter recording would
+
+
+def replay_bank(layers, device):
+    """A bank on the device for replay rows: one sequence of BANK_POSITIONS
+    random rows per layer (bits are what the kernel moves; values don't matter)."""
+    from kvfill.kernels import Bank, layout_of
+
+    g = torch.Generator(device=device).manual_seed(0)
+    return Bank({
+        f"layer.{i}": torch.randn(1, BANK_POSITIONS, layout_of(v).row_size, generator=g, device=device).to(v.dtype)
+        for i, v in enumerate(layers)
+    })
+
+
 def run_case(device, *, fill_bytes, num_layers, num_requests, mode, layout="LBNHC", repeat=5, label=None,
              heads=8, content=256, include_intree=True):
     mean, std = (0.015, 0.0) if mode == "constant" else (0.0, 1.0)
@@ -49,7 +64,9 @@ def run_case(device, *, fill_bytes, num_layers, num_requests, mode, layout="LBNH
         device, fill_bytes=fill_bytes, num_layers=num_layers, num_requests=num_requests, layout=layout,
         heads=heads, content=content,
     )
-    engine = FillEngine({"g": CacheGroup({f"layer.{i}": v for i, v in enumerate(layers)})}, mean=mean, std=std)
+    bank = replay_bank(layers, device) if mode == "replay" else None
+    engine = FillEngine({"g": CacheGroup({f"layer.{i}": v for i, v in enumerate(layers)})}, mean=mean, std=std,
+                        bank=bank)
     stats = engine.fill(plan)
     ok = engine.verify(plan).ok
     t_kv = C.median_time(lambda: engine.fill(plan), device, repeat=repeat)

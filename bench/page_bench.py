@@ -1,12 +1,16 @@
-"""The torch backend on vLLM CPU's cache layout: whole 128-slot pages, normal vs constant vs memset.
+"""The torch backend on vLLM CPU's cache layout: whole 128-slot pages, normal vs replay vs constant vs memset.
 
-    python bench/page_bench.py                 # 8 requests x 32 blocks x 4 layers, 512 MiB
+    python bench/page_bench.py                 # 256 blocks x 4 layers, 512 MiB per step
     python bench/page_bench.py --blocks random
 
-vLLM's CPU attention keeps each layer as ``(2, num_blocks, H, N, D)``: whole
-pages are gathered from the value table straight into each of K and V, one
-``index_select`` per region and run of consecutive block ids.  The fill is
-timed beside a memset of the same bytes and a constant fill, in one run.
+vLLM 0.32's CPU attention keeps each layer as ``[num_blocks, H, N, 2 * D]``
+whose (block, head) pages hold K transposed ``[D, N]`` then V ``[N, D]``
+(``connector/cpu_layout.py``); kvfill registers the K and V views, as the
+connector does.  V pages are gathered straight into the cache (one
+``index_select`` per run of consecutive block ids); K's transposed pages take
+the strided per-entry copy.  Normal and replay (a bank of recorded rows, one
+sequence covering the positions) are timed beside a constant fill and a memset
+of the same bytes, in one run.
 """
 from __future__ import annotations
 
@@ -16,7 +20,8 @@ import numpy as np
 import torch
 
 from kvfill.bench import common as C
-from kvfill.kernels import CacheGroup, FillEngine, GroupFill
+from kvfill.connector.cpu_layout import cpu_kv_parts
+from kvfill.kernels import Bank, CacheGroup, FillEngine, GroupFill
 
 
 def main(argv=None):
@@ -29,15 +34,19 @@ def main(argv=None):
     p.add_argument("--repeat", type=int, default=5)
     a = p.parse_args(argv)
     heads, slots, dim = 8, 128, 128
-    caches = [torch.zeros(2, a.num_blocks, heads, slots, dim, dtype=torch.bfloat16) for _ in range(a.layers)]
+    caches = [torch.zeros(a.num_blocks, heads, slots, 2 * dim, dtype=torch.bfloat16) for _ in range(a.layers)]
     ids = np.arange(a.planned) if a.blocks == "consecutive" else \
         np.random.default_rng(0).permutation(a.num_blocks)[: a.planned]
     plan = {"g": GroupFill(ids, local_base=np.arange(ids.size) * slots)}
+    layers = {f"model.layers.{i}.attn": cpu_kv_parts(c, dim) for i, c in enumerate(caches)}
+    g = torch.Generator().manual_seed(0)
+    bank = Bank({n: torch.randn(1, a.planned * slots, 2 * heads * dim, generator=g).to(torch.bfloat16)
+                 for n in layers})
     rows = []
     nbytes = 0
-    for mode, std in (("normal", 0.1), ("constant", 0.0)):
-        layers = {f"model.layers.{i}.attn": c for i, c in enumerate(caches)}
-        eng = FillEngine({"g": CacheGroup(layers, block_dim=1, slot_dim=3)}, mean=0.015, std=std, backend="torch")
+    for mode, std in (("normal", 0.1), ("replay", 0.0), ("constant", 0.0)):
+        eng = FillEngine({"g": CacheGroup(layers, slot_dim=2)}, mean=0.015, std=std, backend="torch",
+                         bank=bank if mode == "replay" else None)
         nbytes = eng.fill(plan).bytes
         assert eng.verify(plan).ok
         t = C.median_time(lambda: eng.fill(plan), "cpu", repeat=a.repeat)
@@ -46,7 +55,8 @@ def main(argv=None):
     t = C.median_time(lambda: scratch.zero_(), "cpu", repeat=a.repeat)
     rows.append({"impl": "memset", "ms": round(t * 1e3, 1), "GB/s": round(C.gbps(nbytes, t), 1)})
     print(f"{nbytes / 2**20:.0f} MiB per step: {a.planned} {a.blocks} blocks x {a.layers} layers of "
-          f"(2, {a.num_blocks}, {heads}, {slots}, {dim}) bf16, torch threads {torch.get_num_threads()}")
+          f"[{a.num_blocks}, {heads}, {slots}, 2 x {dim}] bf16 (K transposed, V), torch threads "
+          f"{torch.get_num_threads()}; replay / normal time {rows[1]['ms'] / rows[0]['ms']:.2f}")
     print(C.table(rows, ["impl", "ms", "GB/s"]))
     return rows
 
