@@ -4,28 +4,41 @@ filled KV as it does over real prefill?
     python bench/moe_fidelity.py               # 64 held-out prompts x 256 tokens, 32 greedy tokens each
     python bench/moe_fidelity.py --held-out 128 --output-len 64 --json out/moe-fidelity.json
 
-A tiny random-weight Mixtral (made once in ``out/tiny-mixtral``: 4 layers, 8
-experts top-2) decodes the same held-out prompts in four runs, each in its own
-process:
+A tiny random-weight Mixtral (made once in ``out/tiny-mixtral``, see "Model")
+decodes the same held-out prompts in four runs, each in its own process:
   * ``prefill``  - no connector: vLLM computes the prompts' KV
   * ``replay``   - kvfill, ``fill_mode: replay`` from a bank recorded with real
                    prefill over *other* prompts of the same distribution (a
                    held-out prompt matches no recorded key, so it replays the
                    sequence a hash of its prompt picks; N = the prompt length,
                    so no position wraps)
-  * ``normal``   - kvfill, normal(fill_mean, std) with the std of the bank's
-                   real KV (measured, reported)
-  * ``constant`` - kvfill, the constant ``fill_mean``
+  * ``normal``   - kvfill, normal(mean, std) with the mean and std of the
+                   bank's real KV (measured over all its values; reported)
+  * ``constant`` - kvfill, the constant 0.015 (the in-tree connector's default)
 A forward hook on every MoE layer's router (``enforce_eager``: hooks do not
 fire in a compiled graph) counts the top-k experts it selects for each
 decode-step token (position >= the prompt length; the prompt's last token,
 computed for real in every run, is not counted).  Reported per run and layer:
 the normalised expert-load histogram and its total variation distance to
 ``prefill``'s, ``TV(p, q) = 1/2 sum_e |p_e - q_e|`` (0: the same load, 1:
-disjoint); as a noise floor, the TV between ``prefill``'s histograms over two
-disjoint halves of the held-out prompts, and as a scale, ``prefill``'s TV to
-the uniform load.  Writes ``bench/results/moe-fidelity-<device>.json`` and
-``.png`` (grouped bars of TV per layer per run; expert loads per layer).
+disjoint); as a noise floor, the TV between ``prefill``'s loads over two
+disjoint halves of the held-out prompts (half the sample each, so it is
+about sqrt(2) above the sampling noise of a full-size comparison), and as a
+scale, ``prefill``'s TV to the uniform load.  Writes
+``bench/results/moe-fidelity-cpu.json`` and ``.png`` (TV per layer per run;
+the expert loads per layer).
+
+Model: 4 layers, hidden 256, 8 experts top-2, 4 KV heads x 64, vocabulary
+1024 (the word-level tokenizer of ``kvfill.bench.models``), float32, weights
+normal(0, 0.1), and one random vector of that scale added to every token
+embedding.  That shared direction stands in for the common direction of a
+trained model's hidden states (they are anisotropic); without it a random
+router sees isotropic inputs and spreads the decode tokens of any context
+evenly over the experts, and the load cannot tell one KV from another
+(measured, 32 prompts x 16 tokens: prefill's TV to uniform 0.05, below the
+noise floor 0.07-0.09, for weight std 0.1 and 0.2; every fill within the floor).
+With it (``--shared-embedding 1``) the load is uneven and the greedy outputs
+still depend on the context.
 
 Prompts: each is a phrase of 4-16 words from a topic of 32 words, repeated to
 the prompt length with a fifth of the words swapped for other words of the
@@ -53,9 +66,21 @@ TOPIC_WORDS, FILL_MEAN = 32, 0.015
 RECORD_SEED, HELD_OUT_SEED = 1, 2
 
 
-def make_moe_model(path: str, init_std: float) -> str:
-    """A random-weight Mixtral saved to ``path`` (float32, created once)."""
+def make_moe_model(path: str, init_std: float, shared: float) -> str:
+    """A random-weight Mixtral saved to ``path`` (float32, created once): weights
+    normal(0, ``init_std``), and one random vector of the same scale, times
+    ``shared``, added to every token embedding (module docstring: "Model").
+    The two values are kept in ``path/moe_fidelity.json``; a folder made with
+    other values is an error."""
+    recipe = {"init_std": init_std, "shared_embedding": shared}
+    recipe_file = os.path.join(path, "moe_fidelity.json")
     if os.path.exists(os.path.join(path, "config.json")):
+        if os.path.exists(recipe_file):
+            with open(recipe_file) as f:
+                made = json.load(f)
+            if made != recipe:
+                raise SystemExit(f"{path} was made with {made}, not the requested {recipe}; remove it, pass "
+                                 f"those values, or give another --model")
         return path
     import torch
     from transformers import MixtralConfig, MixtralForCausalLM
@@ -67,7 +92,12 @@ def make_moe_model(path: str, init_std: float) -> str:
         num_local_experts=EXPERTS, num_experts_per_tok=TOP_K, max_position_embeddings=4096,
         initializer_range=init_std,
     )
-    MixtralForCausalLM(cfg).to(torch.float32).save_pretrained(path)
+    model = MixtralForCausalLM(cfg).to(torch.float32)
+    with torch.no_grad():
+        model.model.embed_tokens.weight += shared * init_std * torch.randn(HIDDEN)
+    model.save_pretrained(path)
+    with open(recipe_file, "w") as f:
+        json.dump(recipe, f)
     return path
 
 
@@ -184,7 +214,7 @@ def run_one(a) -> dict:
     with open(a.prompts_file) as f:
         ids = [list(tok(line.rstrip("\n")).input_ids) for line in f if line.strip()]
     extra = {"prefill": None, "replay": {"fill_mode": "replay", "bank": a.bank},
-             "normal": {"fill_mean": FILL_MEAN, "fill_std": a.fill_std},
+             "normal": {"fill_mean": a.fill_mean, "fill_std": a.fill_std},
              "constant": {"fill_mean": FILL_MEAN, "fill_std": 0.0}}[a.only]
     kw = {}
     if extra is not None:
@@ -279,7 +309,10 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--init-std", type=float, default=0.1,
-                   help="the model's initializer_range when it is made (XXX)")
+                   help="the model's weight std (initializer_range), when it is made")
+    p.add_argument("--shared-embedding", type=float, default=1.0,
+                   help="scale of the direction shared by every token embedding, when the model is made "
+                        "(module docstring: 0 makes the load uniform whatever the KV)")
     p.add_argument("--model", default=None, help="model folder (default out/tiny-mixtral, made if missing)")
     p.add_argument("--dtype", default="float32", help="model and KV dtype, for the recording and every run")
     p.add_argument("--timeout", type=float, default=600, help="seconds per subprocess")
@@ -287,6 +320,7 @@ def main(argv=None) -> int:
     p.add_argument("--only", default=None, help=argparse.SUPPRESS)
     p.add_argument("--bank", default=None, help=argparse.SUPPRESS)
     p.add_argument("--prompts-file", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--fill-mean", type=float, default=None, help=argparse.SUPPRESS)
     p.add_argument("--fill-std", type=float, default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     here = os.path.dirname(os.path.abspath(__file__))
@@ -297,7 +331,7 @@ def main(argv=None) -> int:
         return 0
     t_start = time.perf_counter()
     os.makedirs(out_dir, exist_ok=True)
-    make_tokenizer(make_moe_model(a.model, a.init_std))
+    make_tokenizer(make_moe_model(a.model, a.init_std, a.shared_embedding))
     record_prompts = make_prompts(a.record, a.prompt_len, RECORD_SEED)
     held_out = make_prompts(a.held_out, a.prompt_len, HELD_OUT_SEED)
     if set(record_prompts) & set(held_out):
@@ -317,7 +351,7 @@ def main(argv=None) -> int:
         raise SystemExit(f"recording failed (exit {rec.returncode})")
     print(next(line for line in rec.stdout.splitlines() if line.startswith("wrote")), flush=True)
     stats = bank_stats(bank)
-    a.fill_std = stats["std"]
+    a.fill_mean, a.fill_std = stats["mean"], stats["std"]
     from transformers import AutoTokenizer
 
     from kvfill.kernels.bank import BankIndex
@@ -326,14 +360,14 @@ def main(argv=None) -> int:
     index = BankIndex.read(bank)
     replayed = [index.sequence_for(tok(line).input_ids) for line in held_out]
     print(f"real KV in the bank: mean {stats['mean']:.4f}, std {stats['std']:.4f} (K std {stats['k_std']:.4f}, "
-          f"V std {stats['v_std']:.4f}); normal fill: mean {FILL_MEAN}, std {a.fill_std:.4f}; the held-out prompts "
+          f"V std {stats['v_std']:.4f}); normal fill: the same mean and std; the held-out prompts "
           f"replay {len(set(replayed))} of the {index.num_sequences} recorded sequences", flush=True)
 
     results, commands = {}, {}
     for run in RUNS:
         cmd = [sys.executable, os.path.abspath(__file__), "--only", run, "--bank", bank, "--prompts-file",
                held_out_file, "--model", a.model, "--dtype", a.dtype, "--prompt-len", str(a.prompt_len),
-               "--output-len", str(a.output_len), "--fill-std", repr(a.fill_std)]
+               "--output-len", str(a.output_len), "--fill-mean", repr(a.fill_mean), "--fill-std", repr(a.fill_std)]
         commands[run] = cmd
         print(f"running {run} ...", flush=True)
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout, env=env)
@@ -390,7 +424,7 @@ def main(argv=None) -> int:
                     "held_out_seed": HELD_OUT_SEED, "decode_tokens_per_layer": decode_tokens,
                     "recorded_sequences_replayed": len(set(replayed))},
         "bank_kv_stats": stats,
-        "fills": {"normal": {"fill_mean": FILL_MEAN, "fill_std": a.fill_std},
+        "fills": {"normal": {"fill_mean": a.fill_mean, "fill_std": a.fill_std},
                   "constant": {"fill_mean": FILL_MEAN, "fill_std": 0.0}},
         "rows": rows, "references": references, "expert_load": loads,
         "timings": {run: {"startup_s": results[run]["startup_s"], "generate_s": results[run]["generate_s"]}

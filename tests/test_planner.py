@@ -252,3 +252,18 @@ def test_plan_dedups_shared_blocks_and_remaps_multi_token_slots_as_the_connector
     other = Planner([planner.groups[0]]).select("q", 5, 0, [[1]])
     with pytest.raises(ValueError, match=r"request 'q' has block ids for 1 groups, the planner has 2"):
         planner.plan([x, other])
+
+
+def test_each_entry_carries_its_requests_bank_sequence_and_a_shared_block_one_sequence():
+    """Replay: every entry of a request names the request's bank sequence; a
+    block two requests of a step share (even with other slot ranges) replays
+    the first request's, so no slot gets two writers with different bytes."""
+    planner = Planner([GroupGeometry("full", GroupKind.FULL_ATTENTION, 16)])
+    x = planner.select("x", 40, 0, [[5, 6, 7]], sequence=3)           # tokens [0, 39): block 7 slots [0, 7)
+    y = planner.select("y", 44, 0, [[5, 6, 7]], sequence=1)           # block 7 slots [0, 11)
+    z = planner.select("z", 20, 0, [[8, 9]], sequence=2)
+    g = planner.plan([x, y, z])["full"]
+    seq = dict(zip(zip(g.block_ids.tolist(), g.slot_end.tolist()), g.sequence.tolist()))
+    assert seq == {(5, 16): 3, (6, 16): 3, (7, 7): 3, (7, 11): 3, (8, 16): 2, (9, 3): 2}
+    # without repeats the planner keeps request order and sequences untouched
+    assert planner.plan([z])["full"].sequence.tolist() == [2, 2]
