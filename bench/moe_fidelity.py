@@ -1,8 +1,8 @@
 """Routing fidelity: does a mixture-of-experts model route decode tokens over
 filled KV as it does over real prefill?
 
-    python bench/moe_fidelity.py               # 64 held-out prompts x 256 tokens, 32 greedy tokens each
-    python bench/moe_fidelity.py --held-out 128 --output-len 64 --json out/moe-fidelity.json
+    python bench/moe_fidelity.py      # 256 held-out prompts x 256 tokens, 64 greedy tokens; bank over 128 others
+    python bench/moe_fidelity.py --held-out 64 --record 16 --output-len 32 --json out/moe-fidelity-small.json
 
 A tiny random-weight Mixtral (made once in ``out/tiny-mixtral``, see "Model")
 decodes the same held-out prompts in four runs, each in its own process:
@@ -54,6 +54,7 @@ import json
 import os
 import platform
 import random
+import re
 import subprocess
 import sys
 import time
@@ -61,6 +62,7 @@ import time
 from kvfill.bench.models import make_tokenizer
 
 RUNS = ("prefill", "replay", "normal", "constant")
+COLORS = {"prefill": "tab:blue", "replay": "tab:orange", "normal": "tab:green", "constant": "tab:red"}
 LAYERS, HIDDEN, EXPERTS, TOP_K, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 4, 256, 8, 2, 4, 4, 64, 1024
 TOPIC_WORDS, FILL_MEAN = 32, 0.015
 RECORD_SEED, HELD_OUT_SEED = 1, 2
@@ -278,18 +280,19 @@ def plot(rows: list[dict], loads: dict, floor: list[float], path: str, title: st
     width = 0.8 / len(others)
     for i, run in enumerate(others):
         ax.bar([layer + (i - (len(others) - 1) / 2) * width for layer in range(LAYERS)],
-               next(r for r in rows if r["run"] == run)["tv_per_layer"], width, label=run)
+               next(r for r in rows if r["run"] == run)["tv_per_layer"], width, label=run, color=COLORS[run])
     ax.plot(range(LAYERS), floor, "k_", markersize=22, mew=2, label="noise floor (halves)")
     ax.set_xticks(range(LAYERS))
     ax.set_xlabel("layer")
     ax.set_ylabel("TV distance to prefill")
     ax.set_title("expert load vs real prefill")
-    ax.legend(fontsize=7)
+    ax.set_ylim(0, 1.3 * max(max(r["tv_per_layer"]) for r in rows))
+    ax.legend(fontsize=7, loc="upper left", ncol=2)
     width = 0.8 / len(loads)
     for layer, ax in enumerate(axes[1:]):
         for i, (run, per_layer) in enumerate(loads.items()):
             ax.bar([e + (i - (len(loads) - 1) / 2) * width for e in range(EXPERTS)], per_layer[layer], width,
-                   label=run)
+                   label=run, color=COLORS[run])
         ax.axhline(1 / EXPERTS, color="k", lw=0.7, ls=":")
         ax.set_xticks(range(EXPERTS))
         ax.set_xlabel("expert")
@@ -304,10 +307,12 @@ def plot(rows: list[dict], loads: dict, floor: list[float], path: str, title: st
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--held-out", type=int, default=64, help="prompts decoded in every run")
-    p.add_argument("--record", type=int, default=16, help="other prompts the replay bank is recorded over")
+    p.add_argument("--held-out", type=int, default=256, help="prompts decoded in every run")
+    p.add_argument("--record", type=int, default=128,
+                   help="other prompts the replay bank is recorded over (replay's load averages over this many "
+                        "contexts: fewer add their own sampling noise)")
     p.add_argument("--prompt-len", type=int, default=256)
-    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--init-std", type=float, default=0.1,
                    help="the model's weight std (initializer_range), when it is made")
     p.add_argument("--shared-embedding", type=float, default=1.0,
@@ -395,7 +400,8 @@ def main(argv=None) -> int:
     from kvfill.bench.common import table
 
     def show(r: dict) -> dict:
-        shown = {"run": r["run"], "mean": f"{r['tv_mean']:.3f}", "tokens_equal_to_prefill": r.get("tokens_equal_to_prefill", "")}
+        shown = {"run": r["run"], "mean": f"{r['tv_mean']:.3f}",
+                 "tokens_equal_to_prefill": r.get("tokens_equal_to_prefill", "")}
         shown.update({f"layer {layer}": f"{x:.3f}" for layer, x in enumerate(r["tv_per_layer"])})
         return shown
 
@@ -426,14 +432,18 @@ def main(argv=None) -> int:
         "bank_kv_stats": stats,
         "fills": {"normal": {"fill_mean": a.fill_mean, "fill_std": a.fill_std},
                   "constant": {"fill_mean": FILL_MEAN, "fill_std": 0.0}},
-        "rows": rows, "references": references, "expert_load": loads,
+        "rows": rows, "references": references,
+        "expert_load": {run: [[round(x, 5) for x in row] for row in per_layer] for run, per_layer in loads.items()},
         "timings": {run: {"startup_s": results[run]["startup_s"], "generate_s": results[run]["generate_s"]}
                     for run in RUNS},
-        "runs": results,
+        "counts_per_prompt": {run: results[run]["counts"] for run in RUNS},  # [prompt][layer][expert]
         "wall_s": round(time.perf_counter() - t_start, 1),
     }
+    text = json.dumps(payload, indent=1)
+    # Lists of numbers on one line each: the counts are [prompt][layer][expert].
+    text = re.sub(r"\[\s*([-+0-9.e,\s]+?)\s*\]", lambda m: "[" + " ".join(m.group(1).split()) + "]", text)
     with open(path, "w") as f:
-        json.dump(payload, f, indent=1)
+        f.write(text + "\n")
     png = path.removesuffix(".json") + ".png"
     try:
         plot(rows, loads, floor, png, f"tiny Mixtral ({LAYERS} layers, {EXPERTS} experts top-{TOP_K}): "

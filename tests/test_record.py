@@ -73,3 +73,23 @@ def test_replay_through_vllm_equals_real_prefill_and_synthetic_fills_do_not(tmp_
     assert rc == 0, rows
     assert rows["replay"]["tokens_equal_to_prefill"] == "8/8" and rows["replay"]["max_abs_logprob_diff"] <= 1e-4
     assert not rows["normal"]["identical"] and not rows["constant"]["identical"]
+
+
+def test_routing_fidelity_bench_runs_small_and_reports_a_distance_per_layer_and_run(tmp_path):
+    """bench/moe_fidelity.py on a tiny Mixtral, small: every run counted
+    prompts x decode steps x top-k expert picks per layer, and each fill's
+    distance to real prefill is a total variation in [0, 1]."""
+    import json
+
+    from kvfill.bench import moe_fidelity
+
+    out = tmp_path / "moe.json"
+    assert moe_fidelity.main(["--held-out", "6", "--record", "3", "--prompt-len", "48", "--output-len", "5",
+                              "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert [r["run"] for r in data["rows"]] == ["replay", "normal", "constant"]
+    for r in data["rows"] + data["references"]:
+        assert len(r["tv_per_layer"]) == 4 and all(0.0 <= x <= 1.0 for x in r["tv_per_layer"])
+    for run, counts in data["counts_per_prompt"].items():
+        for prompt in counts:
+            assert [sum(layer) for layer in prompt] == [(5 - 1) * 2] * 4, run
