@@ -14,6 +14,7 @@ are identical to the Triton path's by construction.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Mapping, NamedTuple
 
 import numpy as np
@@ -106,8 +107,12 @@ def fill_rows(
     entry_bytes = rows.num_rows * layout.row_size * layout.itemsize / max(1, rows.entries[0].size)
     if entry_bytes >= PER_ENTRY_BYTES:
         gather = _page_gather(layout) if start is not None else None
-        if gather is None or not _fill_pages_direct(cache, layout, rows, table, start, gather):
-            _fill_per_entry(view, layout, rows, table, start)
+        if gather is not None and gather.adjacent:
+            if _fill_pages_direct(cache, layout, rows, table, start, gather):
+                return
+        elif start is not None and _fill_pages_staged(view, layout, rows, table, start):
+            return
+        _fill_per_entry(view, layout, rows, table, start)
         return
     idx = rows.index(layout, cache.device)
     if start is None:
@@ -136,6 +141,7 @@ class PageGather(NamedTuple):
     slot: torch.Tensor        # [rows] slot of each row of a region
     loop_mem: list[int]       # per region of a page: its element offset from the page
     loop_val: torch.Tensor    # [regions] per region: its value-index offset
+    adjacent: bool            # a region of block b + 1 directly follows block b's: a run of blocks is one call
 
 
 @functools.lru_cache(maxsize=64)
@@ -173,8 +179,9 @@ def _page_gather(layout: Layout) -> PageGather | None:
     loop_grids = torch.meshgrid(*[torch.arange(sz) for sz, _, _ in loops], indexing="ij") if loops else []
     loop_mem = sum((g * st for g, (_, st, _) in zip(loop_grids, loops)), torch.zeros((), dtype=torch.int64))
     loop_val = sum((g * m for g, (_, _, m) in zip(loop_grids, loops)), torch.zeros((), dtype=torch.int64))
+    num_rows = elem_off.numel()
     return PageGather(run, elem_off.reshape(-1).long(), slot.reshape(-1), loop_mem.reshape(-1).tolist(),
-                      loop_val.reshape(-1))
+                      loop_val.reshape(-1), layout.block_stride == num_rows * run)
 
 
 def _fill_pages_direct(cache, layout: Layout, rows: SlotRows, table, start, gather: PageGather) -> bool:
@@ -184,7 +191,7 @@ def _fill_pages_direct(cache, layout: Layout, rows: SlotRows, table, start, gath
     kbs = layout.slots_per_kernel_block
     if not ((s0 == 0).all() and (s1 == kbs).all()):
         return False
-    run, elem_off, slot, loop_mem, loop_val = gather
+    run, elem_off, slot, loop_mem, loop_val, adjacent = gather
     windows = table.unfold(0, run, 1)  # window k = table[k : k + run]
     page_start = start.view(-1, kbs)  # rows of an entry are consecutive: [first, first + kbs)
     # Value index of every row of every region of every page: [regions, pages, rows].
@@ -192,10 +199,9 @@ def _fill_pages_direct(cache, layout: Layout, rows: SlotRows, table, start, gath
     bits = cache.view(V.BITS_DTYPE[layout.itemsize]) if cache.dim() else cache
     base = cache.storage_offset()
     num_rows = elem_off.numel()
-    # Where a region of block b + 1 directly follows block b's (vLLM CPU: K and
-    # V are [num_blocks, H, N, D] each), a run of consecutive block ids is one
+    # Where a region of block b + 1 directly follows block b's (K and V
+    # [num_blocks, H, N, D] each), a run of consecutive block ids is one
     # contiguous region: one index_select for the whole run.
-    adjacent = layout.block_stride == num_rows * run
     ids = blocks.tolist()
     p = 0
     while p < len(ids):
@@ -206,6 +212,45 @@ def _fill_pages_direct(cache, layout: Layout, rows: SlotRows, table, start, gath
         for r, off in enumerate(loop_mem):
             out = bits.as_strided(((q - p) * num_rows, run), (run, 1), page + off)
             torch.index_select(windows, 0, idx[r, p:q].reshape(-1), out=out)
+        p = q
+    return True
+
+
+def _fill_pages_staged(view, layout: Layout, rows: SlotRows, table, start) -> bool:
+    """Fill of whole pages through a small staging buffer, for layouts whose
+    pages are not one row-contiguous region (vLLM CPU: K pages transposed, V
+    pages between them), where a direct gather takes a call per head.
+
+    Up to CHUNK_BYTES of consecutive pages at a time: one ``index_select``
+    gathers them as ``[pages, *outer element dims, slots, last element dim]``
+    (windows of the last dim), then one strided copy writes them - with the
+    slot dim next to the last element dim, a transposed destination reads
+    the staging at a short stride.  False when some entry is not a whole page.
+    """
+    blocks, s0, s1, first = rows.entries
+    kbs = layout.slots_per_kernel_block
+    if layout.kernel_split != 1 or not layout.elem_shape or not ((s0 == 0).all() and (s1 == kbs).all()):
+        return False
+    *outer, last = layout.elem_shape
+    num_outer = math.prod(outer)
+    windows = table.unfold(0, last, 1)
+    outer_off = torch.arange(num_outer, device=start.device).view(1, num_outer, 1) * last
+    # the canonical view [pages, kbs, *outer, last] seen as [pages, *outer, kbs, last]
+    perm = (0, *range(2, 2 + len(outer)), 1, 1 + len(layout.elem_shape))
+    per_chunk = max(1, CHUNK_BYTES // (kbs * layout.row_size * layout.itemsize))
+    buf = torch.empty(min(per_chunk, blocks.size) * layout.row_size * kbs // last, last, dtype=table.dtype,
+                      device=view.device)
+    ids, base = blocks.tolist(), first.tolist()
+    p = 0
+    while p < len(ids):
+        q = p + 1
+        while q < len(ids) and q - p < per_chunk and ids[q] == ids[q - 1] + 1:
+            q += 1
+        n = (q - p) * kbs  # the rows of entries p..q-1 are consecutive: [first[p], first[p] + n)
+        idx = (start[base[p]: base[p] + n].view(q - p, 1, kbs) + outer_off).reshape(-1)
+        vals = torch.index_select(windows, 0, idx, out=buf[: idx.numel()])
+        dst = view[ids[p]: ids[q - 1] + 1, 0].permute(perm)
+        dst.copy_(vals.view(dst.shape))
         p = q
     return True
 

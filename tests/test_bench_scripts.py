@@ -11,8 +11,11 @@ def test_gpu_check_smoke_run_is_byte_exact(tmp_path, capsys):
     failures = gpu_check.main(["--smoke", "--out", str(tmp_path), "--device", "cpu"])
     assert failures == 0
     out = capsys.readouterr().out
-    assert "260/260 cases byte-exact" in out and "perf rows verified: 4/4" in out
-    assert (tmp_path / "gpu_check.json").exists()
+    assert "260/260 cases byte-exact" in out and "perf rows verified: 5/5" in out
+    assert "replay / normal bandwidth (goal >= 0.9): {'1MiB L2 R16': " in out
+    import json
+
+    assert list(json.loads((tmp_path / "gpu_check.json").read_text())["replay_over_normal_bandwidth"]) == ["1MiB L2 R16"]
 
 
 def test_gpu_check_fails_when_a_perf_row_is_not_verified(tmp_path, monkeypatch, capsys):
@@ -20,9 +23,9 @@ def test_gpu_check_fails_when_a_perf_row_is_not_verified(tmp_path, monkeypatch, 
     from kvfill.kernels import FillEngine, VerifyReport
 
     monkeypatch.setattr(FillEngine, "verify", lambda self, plan, **kw: VerifyReport(False, 1, 1, ()))
-    assert gpu_check.main(["--smoke", "--out", str(tmp_path), "--device", "cpu"]) == 4
+    assert gpu_check.main(["--smoke", "--out", str(tmp_path), "--device", "cpu"]) == 5
     out = capsys.readouterr().out
-    assert out.count("UNVERIFIED perf row") == 4 and "perf rows verified: 0/4" in out
+    assert out.count("UNVERIFIED perf row") == 5 and "perf rows verified: 0/5" in out
 
 
 def test_fill_bench_rows_compare_three_implementations():
@@ -193,5 +196,5 @@ def test_page_bench_times_verified_fills_beside_a_memset():
     from kvfill.bench import page_bench
 
     rows = page_bench.main(["--num-blocks", "8", "--planned", "4", "--layers", "1", "--repeat", "1"])
-    assert [r["impl"] for r in rows] == ["kvfill normal", "kvfill constant", "memset"]
+    assert [r["impl"] for r in rows] == ["kvfill normal", "kvfill replay", "kvfill constant", "memset"]
     assert all(r["ms"] >= 0 and r["GB/s"] > 0 for r in rows)

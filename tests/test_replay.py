@@ -275,3 +275,38 @@ def test_a_file_that_is_not_a_bank_is_refused_with_its_name(tmp_path):
         Bank.load(path)
     with pytest.raises(BankError, match=r"does not exist; record one with `python -m kvfill.record`"):
         BankIndex.read(tmp_path / "missing.safetensors")
+
+
+@pytest.mark.parametrize("mode", ["normal", "replay"])
+def test_whole_pages_of_vllm_cpus_k_and_v_views_staged_equal_the_triton_bytes(monkeypatch, mode):
+    """vLLM CPU's real layout (K transposed, V after it in each (block, head)
+    page; connector/cpu_layout.py): whole pages go through the staging buffer
+    (torch_fill._fill_pages_staged), runs of consecutive blocks and single
+    blocks; the bytes equal the Triton kernel's (itself checked against the
+    oracle above) and nothing else changes."""
+    from kvfill.connector.cpu_layout import cpu_kv_parts
+    from kvfill.kernels import torch_fill
+
+    nb, heads, slots, dim = 7, 2, 8, 4
+    bank = Bank({f"l{i}": torch.randn(2, 30, 2 * heads * dim).to(torch.bfloat16) for i in range(2)})
+    plan = {"g": GroupFill([2, 3, 4, 0, 6], local_base=[0, 8, 16, 24, 32],
+                           sequence=[1, 1, 0, 1, 0] if mode == "replay" else None)}
+    out = {}
+    calls = []
+    real = torch_fill._fill_pages_staged
+    monkeypatch.setattr(torch_fill, "PER_ENTRY_BYTES", 0)
+    monkeypatch.setattr(torch_fill, "CHUNK_BYTES", 2 * slots * 2 * heads * dim * 2)  # two pages per chunk
+    monkeypatch.setattr(torch_fill, "_fill_pages_staged", lambda *a: calls.append(1) or real(*a))
+    for backend in ("torch", "triton"):
+        buf = poisoned_buffer(2 * nb * heads * slots * 2 * dim * 2, seed=8)
+        caches_ = buf.view(torch.bfloat16).view(2, nb, heads, slots, 2 * dim)
+        layers = {f"l{i}": cpu_kv_parts(caches_[i], dim) for i in range(2)}
+        eng = FillEngine({"g": CacheGroup(layers, slot_dim=2)}, std=0.5, seed=3, backend=backend,
+                         bank=bank if mode == "replay" else None)
+        eng.fill(plan)
+        assert eng.verify(plan).ok
+        out[backend] = buf
+    assert calls, "the staged page path did not run"
+    assert_same_bytes(out["torch"], out["triton"])
+    untouched = poisoned_buffer(out["torch"].numel(), seed=8).view(2, nb, -1)[:, [1, 5]]
+    assert torch.equal(out["torch"].view(2, nb, -1)[:, [1, 5]], untouched)
