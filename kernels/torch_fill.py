@@ -106,13 +106,25 @@ def fill_rows(
     view = canonical_view(cache, layout)
     entry_bytes = rows.num_rows * layout.row_size * layout.itemsize / max(1, rows.entries[0].size)
     if entry_bytes >= PER_ENTRY_BYTES:
-        gather = _page_gather(layout) if start is not None else None
-        if gather is not None and gather.adjacent:
-            if _fill_pages_direct(cache, layout, rows, table, start, gather):
-                return
-        elif start is not None and _fill_pages_staged(view, layout, rows, table, start):
-            return
-        _fill_per_entry(view, layout, rows, table, start)
+        # Whole pages (a request's every block but its last) in few calls; the
+        # rest (partial first / last blocks) one copy per entry.
+        blocks, s0, s1, first = rows.entries
+        kbs = layout.slots_per_kernel_block
+        whole = (s0 == 0) & (s1 == kbs) & (layout.kernel_split == 1)
+        if start is not None and whole.any() and layout.elem_shape:
+            w = np.flatnonzero(whole)
+            ids = blocks[w].tolist()
+            page_start = start[torch.from_numpy(first[w][:, None] + np.arange(kbs)).to(start.device)]
+            gather = _page_gather(layout)
+            if gather is not None and gather.adjacent:
+                _fill_pages_direct(cache, layout, ids, page_start, table, gather)
+            else:
+                _fill_pages_staged(view, layout, ids, page_start, table)
+            whole = ~whole
+        else:
+            whole = np.ones_like(whole)
+        if whole.any():
+            _fill_per_entry(view, layout, rows, table, start, whole)
         return
     idx = rows.index(layout, cache.device)
     if start is None:
@@ -184,16 +196,11 @@ def _page_gather(layout: Layout) -> PageGather | None:
                       loop_val.reshape(-1), layout.block_stride == num_rows * run)
 
 
-def _fill_pages_direct(cache, layout: Layout, rows: SlotRows, table, start, gather: PageGather) -> bool:
-    """Fill (normal, replay) of whole pages in one pass (no staging buffer); False
-    when some entry is not a whole page (then the caller fills per entry)."""
-    blocks, s0, s1, first = rows.entries
-    kbs = layout.slots_per_kernel_block
-    if not ((s0 == 0).all() and (s1 == kbs).all()):
-        return False
+def _fill_pages_direct(cache, layout: Layout, ids: list[int], page_start, table, gather: PageGather) -> None:
+    """Fill (normal, replay) of whole pages ``ids`` in one pass (no staging
+    buffer); ``page_start[i, s]``: the value-source start of page i's slot s."""
     run, elem_off, slot, loop_mem, loop_val, adjacent = gather
     windows = table.unfold(0, run, 1)  # window k = table[k : k + run]
-    page_start = start.view(-1, kbs)  # rows of an entry are consecutive: [first, first + kbs)
     # Value index of every row of every region of every page: [regions, pages, rows].
     idx = (page_start[:, slot][None, :, :] + elem_off[None, None, :] + loop_val[:, None, None]).contiguous()
     bits = cache.view(V.BITS_DTYPE[layout.itemsize]) if cache.dim() else cache
@@ -202,7 +209,6 @@ def _fill_pages_direct(cache, layout: Layout, rows: SlotRows, table, start, gath
     # Where a region of block b + 1 directly follows block b's (K and V
     # [num_blocks, H, N, D] each), a run of consecutive block ids is one
     # contiguous region: one index_select for the whole run.
-    ids = blocks.tolist()
     p = 0
     while p < len(ids):
         q = p + 1
@@ -213,10 +219,9 @@ def _fill_pages_direct(cache, layout: Layout, rows: SlotRows, table, start, gath
             out = bits.as_strided(((q - p) * num_rows, run), (run, 1), page + off)
             torch.index_select(windows, 0, idx[r, p:q].reshape(-1), out=out)
         p = q
-    return True
 
 
-def _fill_pages_staged(view, layout: Layout, rows: SlotRows, table, start) -> bool:
+def _fill_pages_staged(view, layout: Layout, ids: list[int], page_start, table) -> None:
     """Fill of whole pages through a small staging buffer, for layouts whose
     pages are not one row-contiguous region (vLLM CPU: K pages transposed, V
     pages between them), where a direct gather takes a call per head.
@@ -225,43 +230,39 @@ def _fill_pages_staged(view, layout: Layout, rows: SlotRows, table, start) -> bo
     gathers them as ``[pages, *outer element dims, slots, last element dim]``
     (windows of the last dim), then one strided copy writes them - with the
     slot dim next to the last element dim, a transposed destination reads
-    the staging at a short stride.  False when some entry is not a whole page.
+    the staging at a short stride.  ``page_start[i, s]``: the value-source
+    start of page i's slot s.
     """
-    blocks, s0, s1, first = rows.entries
     kbs = layout.slots_per_kernel_block
-    if layout.kernel_split != 1 or not layout.elem_shape or not ((s0 == 0).all() and (s1 == kbs).all()):
-        return False
     *outer, last = layout.elem_shape
     num_outer = math.prod(outer)
     windows = table.unfold(0, last, 1)
-    outer_off = torch.arange(num_outer, device=start.device).view(1, num_outer, 1) * last
+    outer_off = torch.arange(num_outer, device=page_start.device).view(1, num_outer, 1) * last
     # the canonical view [pages, kbs, *outer, last] seen as [pages, *outer, kbs, last]
     perm = (0, *range(2, 2 + len(outer)), 1, 1 + len(layout.elem_shape))
     per_chunk = max(1, CHUNK_BYTES // (kbs * layout.row_size * layout.itemsize))
-    buf = torch.empty(min(per_chunk, blocks.size) * layout.row_size * kbs // last, last, dtype=table.dtype,
+    buf = torch.empty(min(per_chunk, len(ids)) * layout.row_size * kbs // last, last, dtype=table.dtype,
                       device=view.device)
-    ids, base = blocks.tolist(), first.tolist()
     p = 0
     while p < len(ids):
         q = p + 1
         while q < len(ids) and q - p < per_chunk and ids[q] == ids[q - 1] + 1:
             q += 1
-        n = (q - p) * kbs  # the rows of entries p..q-1 are consecutive: [first[p], first[p] + n)
-        idx = (start[base[p]: base[p] + n].view(q - p, 1, kbs) + outer_off).reshape(-1)
+        idx = (page_start[p:q].view(q - p, 1, kbs) + outer_off).reshape(-1)
         vals = torch.index_select(windows, 0, idx, out=buf[: idx.numel()])
         dst = view[ids[p]: ids[q - 1] + 1, 0].permute(perm)
         dst.copy_(vals.view(dst.shape))
         p = q
-    return True
 
 
-def _fill_per_entry(view, layout: Layout, rows: SlotRows, table, start) -> None:
+def _fill_per_entry(view, layout: Layout, rows: SlotRows, table, start, only: np.ndarray) -> None:
+    """One copy (or fill) per entry where ``only`` is true, split at kernel blocks."""
     kbs = layout.slots_per_kernel_block
     windows = table.unfold(0, layout.row_size, 1) if start is not None else None
     buf = None
     if windows is not None:
         buf = torch.empty(kbs, layout.row_size, dtype=table.dtype, device=view.device)
-    for b, s0, s1, a in zip(*(x.tolist() for x in rows.entries)):
+    for b, s0, s1, a in zip(*(x[only].tolist() for x in rows.entries)):
         s = s0
         while s < s1:  # one piece per kernel block the slot range crosses
             j, lo = divmod(s, kbs)
