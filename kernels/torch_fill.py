@@ -99,19 +99,21 @@ def fill_rows(
 ) -> None:
     """Write every planned row of one tensor from ``value_source``'s ``(table, start)``.
 
-    Rows with a start (normal, replay) gather their windows chunk by chunk into
-    one reused buffer and index-put each chunk: a temporary as large as the
-    fill would cost more in page faults than the copy itself.
+    Whole pages of >= PAGE_BYTES (a request's every block but its last) with
+    a start (normal, replay) are written a run of blocks at a time
+    (``_fill_pages_direct`` / ``_fill_pages_staged``).  The other entries:
+    large ones one strided copy each, small ones gathered chunk by chunk into
+    one reused buffer and index-put (a temporary as large as the fill would
+    cost more in page faults than the copy itself).
     """
     view = canonical_view(cache, layout)
-    entry_bytes = rows.num_rows * layout.row_size * layout.itemsize / max(1, rows.entries[0].size)
-    if entry_bytes >= PER_ENTRY_BYTES:
-        # Whole pages (a request's every block but its last) in few calls; the
-        # rest (partial first / last blocks) one copy per entry.
-        blocks, s0, s1, first = rows.entries
-        kbs = layout.slots_per_kernel_block
-        whole = (s0 == 0) & (s1 == kbs) & (layout.kernel_split == 1)
-        if start is not None and whole.any() and layout.elem_shape:
+    blocks, s0, s1, first = rows.entries
+    kbs = layout.slots_per_kernel_block
+    rest = None  # entries left to the per-entry / index_put paths; None: all
+    page_bytes = kbs * layout.row_size * layout.itemsize
+    if start is not None and layout.elem_shape and layout.kernel_split == 1 and page_bytes >= PAGE_BYTES:
+        whole = (s0 == 0) & (s1 == kbs)
+        if whole.any():
             w = np.flatnonzero(whole)
             ids = blocks[w].tolist()
             page_start = start[torch.from_numpy(first[w][:, None] + np.arange(kbs)).to(start.device)]
@@ -120,25 +122,33 @@ def fill_rows(
                 _fill_pages_direct(cache, layout, ids, page_start, table, gather)
             else:
                 _fill_pages_staged(view, layout, ids, page_start, table)
-            whole = ~whole
-        else:
-            whole = np.ones_like(whole)
-        if whole.any():
-            _fill_per_entry(view, layout, rows, table, start, whole)
+            if whole.all():
+                return
+            rest = ~whole
+    counts = s1 - s0 if rest is None else (s1 - s0)[rest]
+    entry_bytes = counts.sum() * layout.row_size * layout.itemsize / max(1, counts.size)
+    if entry_bytes >= PER_ENTRY_BYTES:
+        _fill_per_entry(view, layout, rows, table, start, np.ones(blocks.size, bool) if rest is None else rest)
         return
     idx = rows.index(layout, cache.device)
+    if rest is not None:  # the rows of the remaining entries
+        keep = torch.from_numpy(np.repeat(rest, s1 - s0)).to(cache.device)
+        idx = tuple(i[keep] for i in idx)
+        start = start[keep]
+    n = idx[0].numel()
     if start is None:
         view.index_put_(idx, table[0])
         return
     windows = table.unfold(0, layout.row_size, 1)
     chunk = max(1, CHUNK_BYTES // (layout.row_size * layout.itemsize))
-    buf = torch.empty(min(chunk, rows.num_rows), layout.row_size, dtype=table.dtype, device=cache.device)
-    for a in range(0, rows.num_rows, chunk):
-        b = min(a + chunk, rows.num_rows)
+    buf = torch.empty(min(chunk, n), layout.row_size, dtype=table.dtype, device=cache.device)
+    for a in range(0, n, chunk):
+        b = min(a + chunk, n)
         vals = torch.index_select(windows, 0, start[a:b], out=buf[: b - a])
         view.index_put_(tuple(i[a:b] for i in idx), vals.view(b - a, *layout.elem_shape))
 
 
+PAGE_BYTES = 64 << 10  # whole pages this large go a run of blocks per call (few calls per step)
 # Entries this large (bytes) are written one strided copy each: per-call overhead
 # (~10 us) is small next to the copy, and a copy beats index_put ~2x on whole
 # pages of >= 256 KiB (measured: 512 KiB pages 2.2x faster, 64 KiB pages 1.5x slower).

@@ -103,6 +103,7 @@ def test_torch_replay_per_entry_and_whole_page_paths_write_the_same(case, monkey
     from kvfill.kernels import torch_fill
 
     monkeypatch.setattr(torch_fill, "PER_ENTRY_BYTES", 0)
+    monkeypatch.setattr(torch_fill, "PAGE_BYTES", 0)  # tiny test pages take the page paths too
     check_replay(case, DTYPES[1], "torch")
 
 
@@ -120,6 +121,7 @@ def test_replay_of_whole_pages_in_one_pass_on_the_vllm_cpu_layout(monkeypatch):
     calls = []
     real = torch_fill._fill_pages_direct
     monkeypatch.setattr(torch_fill, "PER_ENTRY_BYTES", 0)
+    monkeypatch.setattr(torch_fill, "PAGE_BYTES", 0)  # tiny test pages take the page paths too
     monkeypatch.setattr(torch_fill, "_fill_pages_direct", lambda *a: calls.append(1) or real(*a))
     eng = FillEngine({"g": CacheGroup(layers, block_dim=1, slot_dim=3)}, bank=bank, backend="torch")
     blocks, seq = [2, 3, 4, 0], [1, 1, 0, 1]
@@ -295,6 +297,7 @@ def test_whole_pages_of_vllm_cpus_k_and_v_views_staged_equal_the_triton_bytes(mo
     calls = []
     real = torch_fill._fill_pages_staged
     monkeypatch.setattr(torch_fill, "PER_ENTRY_BYTES", 0)
+    monkeypatch.setattr(torch_fill, "PAGE_BYTES", 0)  # tiny test pages take the page paths too
     monkeypatch.setattr(torch_fill, "CHUNK_BYTES", 2 * slots * 2 * heads * dim * 2)  # two pages per chunk
     monkeypatch.setattr(torch_fill, "_fill_pages_staged", lambda *a: calls.append(1) or real(*a))
     for backend in ("torch", "triton"):
