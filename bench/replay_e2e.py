@@ -3,6 +3,7 @@ same prompts from replayed KV, and compare with real prefill token for token.
 
     python bench/replay_e2e.py                     # 4 prompts x 256 tokens, 16 greedy tokens
     python bench/replay_e2e.py --prompts 8 --prompt-len 1024 --output-len 32 --json out/replay-e2e.json
+    python bench/replay_e2e.py --serve             # the same through vLLM's OpenAI server, one server per run
 
 Runs, each in its own process on the same prompts (greedy, top-1 logprob per
 generated token):
@@ -11,7 +12,10 @@ generated token):
   * ``normal``   - kvfill, synthetic normal(0, 0.1) KV
   * ``constant`` - kvfill, the constant 0.015
 and reports, per run, how many generated tokens equal real prefill's and the
-largest logprob difference over the tokens that agree.  The claim checked:
+largest logprob difference over the tokens that agree.  ``--serve``: each run
+is a ``vllm serve`` on 127.0.0.1 (started and stopped by this script, by
+process group) asked for one greedy completion per prompt, one request at a
+time (``/v1/completions`` with the prompt's token ids, ``logprobs: 1``).  The claim checked:
 replay's greedy outputs equal prefill's, logprobs within ``--tolerance``,
 while the synthetic fills' outputs differ.  The bank covers every filled
 position (N = the prompt length), so no position wraps.
@@ -80,6 +84,42 @@ def run_one(a) -> dict:
     return {"run": a.only, "outputs": rows}
 
 
+def serve_one(a, run: str, bank: str, prompts_file: str, log_dir: str) -> dict:
+    """One run through vLLM's OpenAI server: greedy completions, one request at a time."""
+    import urllib.request
+
+    from transformers import AutoTokenizer
+
+    from kvfill.bench.serve import Server, free_port, serve_args, vllm_command
+
+    tok = AutoTokenizer.from_pretrained(a.model)
+    with open(prompts_file) as f:
+        ids = [list(tok(line.rstrip("\n")).input_ids) for line in f if line.strip()]
+    extra = {"prefill": None, "replay": {"fill_mode": "replay", "bank": bank},
+             "normal": {"fill_std": 0.1}, "constant": {"fill_std": 0.0}}[run]
+    kt = None if extra is None else {"kv_connector": "KVFillConnector", "kv_role": "kv_both",
+                                     "kv_connector_extra_config": extra}
+    port = free_port()
+    cmd = vllm_command(*serve_args(a.model, port, max_model_len=max_model_len(a), max_num_seqs=len(ids), kt=kt),
+                       "--dtype", a.dtype, "--no-enable-prefix-caching")
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+    server = Server(cmd, env, os.path.join(log_dir, f"serve-{run}.log"), port)
+    rows = []
+    try:
+        server.wait_ready(600)
+        for t in ids:
+            body = json.dumps({"model": a.model, "prompt": t, "max_tokens": a.output_len, "temperature": 0.0,
+                               "logprobs": 1, "ignore_eos": True}).encode()
+            req = urllib.request.Request(server.url("/v1/completions"), data=body,
+                                         headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=300) as r:
+                lp = json.loads(r.read())["choices"][0]["logprobs"]
+            rows.append({"tokens": lp["tokens"], "logprobs": lp["token_logprobs"]})
+    finally:
+        server.stop()
+    return {"run": run, "outputs": rows, "command": cmd}
+
+
 def compare(ref: dict, other: dict) -> dict:
     """Tokens equal to prefill's (position by position, up to the first
     difference per prompt) and the largest |logprob difference| over them."""
@@ -113,6 +153,8 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="float32",
                    help="model and KV dtype (default float32: bf16 rounding differs with the batch's shape, which "
                         "alone flips near-tied greedy tokens of a random-weight model; see the README)")
+    p.add_argument("--serve", action="store_true",
+                   help="through vLLM's OpenAI server (one per run, loopback), not the offline engine")
     p.add_argument("--json", default=None)
     p.add_argument("--only", default=None, help=argparse.SUPPRESS)
     p.add_argument("--bank", default=None, help=argparse.SUPPRESS)
@@ -136,7 +178,11 @@ def main(argv=None) -> int:
         raise SystemExit(f"recording failed (exit {rec.returncode})")
     print(next(line for line in rec.stdout.splitlines() if line.startswith("wrote")), flush=True)
     results = {}
-    for run in RUNS:
+    for run in RUNS if not a.serve else [r for r in RUNS if r != "prefill_split"]:
+        if a.serve:
+            print(f"serving {run} ...", flush=True)
+            results[run] = serve_one(a, run, bank, prompts_file, out_dir)
+            continue
         cmd = [sys.executable, os.path.abspath(__file__), "--only", run, "--bank", bank, "--prompts-file",
                prompts_file, "--model", a.model, "--dtype", a.dtype, "--prompt-len", str(a.prompt_len), "--output-len", str(a.output_len)]
         print(f"running {run} ...", flush=True)
@@ -146,13 +192,14 @@ def main(argv=None) -> int:
             sys.stderr.write(out.stdout[-2000:] + out.stderr[-4000:])
             raise SystemExit(f"{run} failed (exit {out.returncode})")
         results[run] = json.loads(lines[-1][len("RESULT "):])
-    rows = [compare(results["prefill"], results[r]) for r in RUNS[1:]]
+    rows = [compare(results["prefill"], results[r]) for r in RUNS[1:] if r in results]
     from kvfill.bench.common import table
 
-    print(f"\n{a.prompts} prompts x {a.prompt_len} tokens, {a.output_len} greedy tokens; model "
+    print(f"\n{'vllm serve, ' if a.serve else ''}{a.prompts} prompts x {a.prompt_len} tokens, {a.output_len} greedy tokens; model "
           f"{os.path.basename(a.model)}, {a.dtype}; replay bank recorded over the same prompts")
     print(table(rows, ["run", "prompts_identical", "tokens_equal_to_prefill", "max_abs_logprob_diff"]))
-    replay, synthetic = rows[1], rows[2:]
+    replay = next(r for r in rows if r["run"] == "replay")
+    synthetic = [r for r in rows if r["run"] in ("normal", "constant")]
     ok = replay["identical"] and replay["max_abs_logprob_diff"] <= a.tolerance and not any(
         r["identical"] for r in synthetic)
     if a.json:

@@ -93,3 +93,20 @@ def test_routing_fidelity_bench_runs_small_and_reports_a_distance_per_layer_and_
     for run, counts in data["counts_per_prompt"].items():
         for prompt in counts:
             assert [sum(layer) for layer in prompt] == [(5 - 1) * 2] * 4, run
+
+
+def test_replay_through_vllms_openai_server_equals_served_real_prefill(tmp_path):
+    """The same claim through ``vllm serve`` (loopback, one server per run,
+    stopped by the script): replay's greedy completion equals a no-connector
+    server's, logprobs within 1e-3; synthetic fills give other tokens."""
+    import json
+
+    from kvfill.bench import replay_e2e
+
+    out = tmp_path / "served.json"
+    rc = replay_e2e.main(["--serve", "--prompts", "1", "--prompt-len", "130", "--output-len", "3",
+                          "--tolerance", "1e-3", "--json", str(out)])
+    rows = {r["run"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rc == 0, rows
+    assert rows["replay"]["tokens_equal_to_prefill"] == "3/3"
+    assert not rows["normal"]["identical"] and not rows["constant"]["identical"]
