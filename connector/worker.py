@@ -214,7 +214,8 @@ class KVFillWorker:
                                    f"of layers where {n} positions were expected (blocks freed before the read?)")
             path = os.path.join(self.options.record_dir, f"{item.key}.safetensors")
             save_file({name: r.cpu().contiguous() for name, r in rows.items()}, path + ".part",
-                      metadata={"key": item.key, "positions": str(n), "value_dtypes": json.dumps(vdtypes)})
+                      metadata={"key": item.key, "positions": str(n), "value_dtypes": json.dumps(vdtypes),
+                                "parts": json.dumps(self.engine.row_parts())})
             os.replace(path + ".part", path)
         logger.info("KVFillConnector: recorded %d prompts to %s", len(meta.records), self.options.record_dir)
 

@@ -7,16 +7,23 @@ Schema (one safetensors file, ``BANK_FORMAT`` version ``BANK_VERSION``)
   storage dtype (``bfloat16``, ``float16``, ``float32``, ``uint8`` for vLLM's
   fp8 caches, ...): row ``[s, t]`` is the KV the model computed for token
   position ``t`` of recorded sequence ``s``, ``R`` elements in the
-  layout-independent element order of ``layout.py`` - the row-major index over
-  the cache's element dims in logical order (vLLM's attention caches:
-  ``[K/V, head, head_dim]``; MLA: ``[latent + rope]``).  A layer registered as
-  several tensors has their rows one after another.  So a bank recorded from
-  one cache layout replays into any other layout of the same model and dtype.
+  element order of ``layout.py`` - the row-major index over the cache's
+  element dims in logical order, independent of the physical dim order and
+  strides; a layer registered as several tensors has their rows one after
+  another.  vLLM's caches: ``[K/V, head, head_dim]`` for ``(2, B, N, H, D)``
+  views and vLLM CPU's K and V views, ``[head, K/V + head_dim]`` for the
+  ``[B, H, N, 2 * head_size]`` standard layout, ``[latent + rope]`` for MLA.
+  So a bank replays into any physical layout with the same logical element
+  dims; the ``parts`` below are checked so that another order is refused
+  rather than replayed scrambled.
 * ``__metadata__`` (strings): ``format``, ``version``, ``num_sequences``,
   ``num_positions``, ``sequence_keys`` (JSON list: the key of each sequence's
   first N prompt tokens, ``sequence_key``), ``layers`` (JSON: name ->
-  ``{"dtype", "row", "value_dtype"}``: storage dtype, row elements, the float
-  dtype the bytes encode, e.g. ``float8_e4m3fn`` for a ``uint8`` fp8 cache) and provenance written by the recorder
+  ``{"dtype", "row", "value_dtype", "parts"}``: storage dtype, row elements,
+  the float dtype the bytes encode, e.g. ``float8_e4m3fn`` for a ``uint8`` fp8
+  cache, and the element shape of each registered tensor of the layer, e.g.
+  ``[[8, 128], [8, 128]]`` for vLLM CPU's K and V views - what "the element
+  order" means for this bank) and provenance written by the recorder
   (``model``, ``dtype``, ``kv_cache_dtype``, ``block_size``,
   ``vllm_version``, ``prompts_sha256``, ...), kept as given.
 
@@ -103,6 +110,7 @@ class Bank:
         *,
         sequence_keys: Sequence[str] = (),
         value_dtypes: Mapping[str, str] | None = None,
+        parts: Mapping[str, Sequence[Sequence[int]]] | None = None,
         metadata: Mapping[str, str] | None = None,
         source: str = "bank",
     ):
@@ -123,6 +131,7 @@ class Bank:
         if self.sequence_keys and len(self.sequence_keys) != self.num_sequences:
             raise BankError(f"{source}: {len(self.sequence_keys)} sequence keys for {self.num_sequences} sequences")
         self.value_dtypes = dict(value_dtypes or {})
+        self.parts = {n: [list(p) for p in v] for n, v in (parts or {}).items()}
         self.metadata = {k: str(v) for k, v in (metadata or {}).items()}
         self.source = source
 
@@ -148,11 +157,12 @@ class Bank:
                 f"{self.num_positions} positions, {self.bytes_per_token} B per token, "
                 f"{self.nbytes / 2**20:.1f} MiB")
 
-    def check_layer(self, name: str, dtype: torch.dtype, row: int, value_dtype: torch.dtype | None = None
-                    ) -> torch.Tensor:
+    def check_layer(self, name: str, dtype: torch.dtype, row: int, value_dtype: torch.dtype | None = None,
+                    parts: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
         """The layer's rows, after checking they fit a cache of ``dtype`` whose
-        layer row has ``row`` elements and whose bytes encode ``value_dtype``;
-        BankError naming what differs."""
+        layer row has ``row`` elements in ``parts`` (element shapes of its
+        tensors) and whose bytes encode ``value_dtype``; BankError naming what
+        differs.  A bank without recorded parts is not checked for them."""
         t = self.layers.get(name)
         if t is None:
             some = sorted(self.layers)[:3]
@@ -168,6 +178,12 @@ class Bank:
         if value_dtype is not None and recorded and recorded != dtype_name(value_dtype):
             raise BankError(f"{self.source}: layer {name!r} holds {recorded} values, the cache encodes "
                             f"{dtype_name(value_dtype)}; record the bank with the same kv_cache_dtype")
+        recorded_parts = self.parts.get(name)
+        if parts is not None and recorded_parts and recorded_parts != [list(p) for p in parts]:
+            raise BankError(f"{self.source}: layer {name!r} rows were recorded from caches with element shapes "
+                            f"{recorded_parts}, these caches have {[list(p) for p in parts]}: the same elements in "
+                            f"another order (e.g. K and V split per head vs per layer); record the bank on this "
+                            f"platform and attention backend")
         return t
 
     # ------------------------------------------------------------ files
@@ -183,7 +199,7 @@ class Bank:
             sequence_keys=json.dumps(list(self.sequence_keys)),
             layers=json.dumps({
                 n: {"dtype": dtype_name(t.dtype), "row": t.shape[2],
-                    "value_dtype": self.value_dtypes.get(n, "")}
+                    "value_dtype": self.value_dtypes.get(n, ""), "parts": self.parts.get(n, [])}
                 for n, t in self.layers.items()
             }),
         )
@@ -208,6 +224,7 @@ class Bank:
             layers,
             sequence_keys=json.loads(meta.get("sequence_keys", "[]")),
             value_dtypes={n: v.get("value_dtype", "") for n, v in info.items()},
+            parts={n: v["parts"] for n, v in info.items() if v.get("parts")},
             metadata={k: v for k, v in meta.items() if k not in _RESERVED_META},
             source=path,
         )

@@ -187,6 +187,10 @@ class FillEngine:
         Synchronises with the device."""
         return read_plan(self._registry, self._checked(plan))
 
+    def row_parts(self) -> dict[str, list[list[int]]]:
+        """Layer -> the element shape of each of its registered tensors (a bank's ``parts``)."""
+        return self._registry.row_parts()
+
     def value_dtypes(self) -> dict[str, torch.dtype]:
         """Layer -> the float dtype its bytes encode (layers that hold values)."""
         return {t.layer: t.vdtype for t in self._registry.tensors if t.vdtype is not None}

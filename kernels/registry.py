@@ -168,10 +168,11 @@ class Registry:
         row = {}  # layer -> its row: the rows of its tensors one after another
         for t in self.tensors:
             row[t.layer] = max(row.get(t.layer, 0), t.elem_offset + t.layout.row_size)
+        parts = self.row_parts()
         need = {}
         for t in self.tensors:
             if t.mode == V.REPLAY and t.layer not in need:
-                need[t.layer] = bank.check_layer(t.layer, t.tensor.dtype, row[t.layer], t.vdtype)
+                need[t.layer] = bank.check_layer(t.layer, t.tensor.dtype, row[t.layer], t.vdtype, parts[t.layer])
         upload = sum(r.numel() * r.element_size() for r in need.values() if r.device != self.device)
         free = free_bytes(self.device) if upload else None
         if free is not None and upload > free:
@@ -184,6 +185,13 @@ class Registry:
             name: r.to(self.device).contiguous().view(V.BITS_DTYPE[r.element_size()]) for name, r in need.items()
         }
         return [replace(t, bank=on_device[t.layer]) if t.mode == V.REPLAY else t for t in self.tensors]
+
+    def row_parts(self) -> dict[str, list[list[int]]]:
+        """Layer -> the element shape of each of its tensors, in row order."""
+        out: dict[str, list[tuple[int, list[int]]]] = {}
+        for t in self.tensors:
+            out.setdefault(t.layer, []).append((t.elem_offset, list(t.layout.elem_shape)))
+        return {layer: [shape for _, shape in sorted(ps, key=lambda p: p[0])] for layer, ps in out.items()}
 
     @staticmethod
     def _group_info(gname, g: CacheGroup, tensors: list[LayerTensor]) -> RegisteredGroup:

@@ -152,6 +152,7 @@ def record(
         _run_vllm(model, unique, n, work, dtype, kv_cache_dtype, block_size, max_model_len, llm_kwargs or {})
         layers: dict[str, list[torch.Tensor]] = {}
         value_dtypes: dict[str, str] = {}
+        parts: dict[str, list] = {}
         from safetensors import safe_open
 
         for t in unique:
@@ -160,6 +161,7 @@ def record(
                 raise RuntimeError(f"vLLM ran, but no rows were recorded for a prompt of {len(t)} tokens ({path})")
             with safe_open(path, framework="pt") as f:
                 value_dtypes = json.loads(f.metadata()["value_dtypes"])
+                parts = json.loads(f.metadata().get("parts", "{}"))
                 for name in f.keys():
                     layers.setdefault(name, []).append(f.get_tensor(name))
     finally:
@@ -184,7 +186,8 @@ def record(
     }
     bank = Bank({name: torch.stack(rows) for name, rows in layers.items()},
                 sequence_keys=[sequence_key(t[:n]) for t in unique],
-                value_dtypes={k: v for k, v in value_dtypes.items() if k in layers}, metadata=meta, source=out)
+                value_dtypes={k: v for k, v in value_dtypes.items() if k in layers},
+                parts={k: v for k, v in parts.items() if k in layers}, metadata=meta, source=out)
     if budget is not None and bank.nbytes > budget:
         raise RecordError(f"the recorded bank takes {bank.nbytes / 2**30:.3f} GiB, over --budget-gib {budget_gib}; "
                           f"nothing written")

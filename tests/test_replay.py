@@ -313,3 +313,20 @@ def test_whole_pages_of_vllm_cpus_k_and_v_views_staged_equal_the_triton_bytes(mo
     assert_same_bytes(out["torch"], out["triton"])
     untouched = poisoned_buffer(out["torch"].numel(), seed=8).view(2, nb, -1)[:, [1, 5]]
     assert torch.equal(out["torch"].view(2, nb, -1)[:, [1, 5]], untouched)
+
+
+def test_a_bank_from_caches_with_another_element_order_is_refused(tmp_path):
+    """Rows recorded from K/V views ([8, 4] + [8, 4]) are not replayed into a
+    [B, H, N, 2D] cache ([8, 8]): the same row size, another element order."""
+    from kvfill.connector.cpu_layout import cpu_kv_parts
+
+    cache = torch.zeros(3, 8, 16, 8, dtype=torch.bfloat16)
+    split = FillEngine({"g": CacheGroup({"l": cpu_kv_parts(cache, 4)}, slot_dim=2)})
+    assert split.row_parts() == {"l": [[8, 4], [8, 4]]}
+    bank = Bank({"l": torch.zeros(1, 4, 64, dtype=torch.bfloat16)}, parts=split.row_parts())
+    bank.save(tmp_path / "b.safetensors")
+    bank = Bank.load(tmp_path / "b.safetensors")
+    FillEngine({"g": CacheGroup({"l": cpu_kv_parts(torch.zeros_like(cache), 4)}, slot_dim=2)}, bank=bank)
+    with pytest.raises(BankError, match=r"recorded from caches with element shapes \[\[8, 4\], \[8, 4\]\], these "
+                                        r"caches have \[\[8, 8\]\]"):
+        FillEngine({"g": CacheGroup({"l": torch.zeros_like(cache)})}, bank=bank)
