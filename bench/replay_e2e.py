@@ -153,6 +153,10 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="float32",
                    help="model and KV dtype (default float32: bf16 rounding differs with the batch's shape, which "
                         "alone flips near-tied greedy tokens of a random-weight model; see the README)")
+    p.add_argument("--runs", nargs="+", choices=RUNS, default=list(RUNS),
+                   help="which runs (prefill is always run: the reference)")
+    p.add_argument("--hybrid", action="store_true",
+                   help="the Gemma3 model alternating sliding-window (256) and full attention: two KV cache groups")
     p.add_argument("--serve", action="store_true",
                    help="through vLLM's OpenAI server (one per run, loopback), not the offline engine")
     p.add_argument("--json", default=None)
@@ -161,12 +165,13 @@ def main(argv=None) -> int:
     p.add_argument("--prompts-file", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     out_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "out", "replay-e2e")
-    a.model = os.path.abspath(a.model or os.path.join(out_dir, "..", "tiny-llama-peaked"))
+    default = "tiny-gemma3-hybrid" if a.hybrid else "tiny-llama-peaked"
+    a.model = os.path.abspath(a.model or os.path.join(out_dir, "..", default))
     if a.only:
         print("RESULT " + json.dumps(run_one(a)), flush=True)
         return 0
     os.makedirs(out_dir, exist_ok=True)
-    make_tokenizer(make_model(a.model, init_std=PEAKED_STD))
+    make_tokenizer(make_model(a.model, hybrid=True) if a.hybrid else make_model(a.model, init_std=PEAKED_STD))
     prompts_file = os.path.join(out_dir, "prompts.txt")
     bank = os.path.join(out_dir, "bank.safetensors")
     write_prompts(prompts_file, a.prompts, a.prompt_len, seed=1)
@@ -178,7 +183,8 @@ def main(argv=None) -> int:
         raise SystemExit(f"recording failed (exit {rec.returncode})")
     print(next(line for line in rec.stdout.splitlines() if line.startswith("wrote")), flush=True)
     results = {}
-    for run in RUNS if not a.serve else [r for r in RUNS if r != "prefill_split"]:
+    runs = [r for r in RUNS if r == "prefill" or r in a.runs]
+    for run in runs if not a.serve else [r for r in runs if r != "prefill_split"]:
         if a.serve:
             print(f"serving {run} ...", flush=True)
             results[run] = serve_one(a, run, bank, prompts_file, out_dir)

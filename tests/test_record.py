@@ -110,3 +110,19 @@ def test_replay_through_vllms_openai_server_equals_served_real_prefill(tmp_path)
     assert rc == 0, rows
     assert rows["replay"]["tokens_equal_to_prefill"] == "3/3"
     assert not rows["normal"]["identical"] and not rows["constant"]["identical"]
+
+
+def test_replay_on_a_sliding_window_hybrid_model_equals_real_prefill(tmp_path):
+    """Gemma3 alternating sliding-window (256 tokens) and full attention - two
+    KV cache groups - with 300-token prompts: both groups replayed, greedy
+    tokens and logprobs equal real prefill's."""
+    import json
+
+    from kvfill.bench import replay_e2e
+
+    out = tmp_path / "hybrid.json"
+    rc = replay_e2e.main(["--hybrid", "--prompts", "1", "--prompt-len", "300", "--output-len", "4",
+                          "--runs", "replay", "constant", "--tolerance", "1e-4", "--json", str(out)])
+    rows = {r["run"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rc == 0, rows
+    assert rows["replay"]["tokens_equal_to_prefill"] == "4/4" and not rows["constant"]["identical"]
