@@ -6,9 +6,9 @@
 vLLM 0.32's CPU attention keeps each layer as ``[num_blocks, H, N, 2 * D]``
 whose (block, head) pages hold K transposed ``[D, N]`` then V ``[N, D]``
 (``connector/cpu_layout.py``); kvfill registers the K and V views, as the
-connector does.  V pages are gathered straight into the cache (one
-``index_select`` per run of consecutive block ids); K's transposed pages take
-the strided per-entry copy.  Normal and replay (a bank of recorded rows, one
+connector does.  Whole pages of both are gathered head-major into a small
+staging buffer and written with one strided copy per run of consecutive
+blocks (for K a transposing one: ``torch_fill._fill_pages_staged``).  Normal and replay (a bank of recorded rows, one
 sequence covering the positions) are timed beside a constant fill and a memset
 of the same bytes, in one run.
 """

@@ -68,6 +68,8 @@ class FillOptions:
         if self.verify not in (None, *VERIFY_MODES):
             raise OptionError("verify", self.verify, "false, true, 'log' or 'raise'")
         self._check_mode()
+        if self.record_dir is None and self.record_positions:
+            raise OptionError("record_positions", self.record_positions, "0 (unset) without record_dir")
         if self.record_dir is not None:
             if not isinstance(self.record_dir, str) or not self.record_dir:
                 raise OptionError("record_dir", self.record_dir, "a directory path")

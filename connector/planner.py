@@ -45,6 +45,10 @@ class GroupKind(str, enum.Enum):
     OTHER = "other"
 
 
+# Groups whose slots hold one token position each: recorded into banks and replayed.
+RECORDED_KINDS = (GroupKind.FULL_ATTENTION, GroupKind.SLIDING_WINDOW)
+
+
 class Granularity(str, enum.Enum):
     TOKEN = "token"  # only the external slots (default)
     BLOCK = "block"  # whole blocks, as the in-tree connector does

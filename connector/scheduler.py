@@ -21,11 +21,8 @@ from kvfill.kernels.bank import sequence_key
 
 from .metadata import KVFillConnectorMetadata, RecordItem
 from .options import FillOptions
-from .planner import GroupKind, Planner, RequestSelection
+from .planner import RECORDED_KINDS, Planner, RequestSelection
 from .specs import geometries_from_config, select_request, startup_fill_group_ids
-
-# Groups whose slots hold one token position each, readable after a prefill.
-RECORDED_KINDS = (GroupKind.FULL_ATTENTION, GroupKind.SLIDING_WINDOW)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -74,7 +71,7 @@ class KVFillScheduler:
         index = self.options.bank_index
         sel = select_request(self.planner, request, blocks, num_external_tokens, num_local,
                              skip_groups=self.startup_groups,
-                             sequence=index.sequence_for(request.prompt_token_ids) if index else 0)
+                             sequence=index.sequence_for(request.prompt_token_ids or ()) if index else 0)
         if any(len(g.block_ids) for g in sel.groups):
             self.pending[request.request_id] = sel
 

@@ -26,7 +26,7 @@ from kvfill.kernels.bank import dtype_name
 from .cpu_layout import attention_isa, cpu_kv_parts, layout_matches
 from .metadata import KVFillConnectorMetadata, KVFillStats
 from .options import FillOptions
-from .planner import GroupKind, Planner
+from .planner import RECORDED_KINDS, GroupKind, Planner
 from .specs import geometries_from_config, layer_encoding, layer_specs_by_name, startup_fill_group_ids
 
 if TYPE_CHECKING:
@@ -71,12 +71,16 @@ class KVFillWorker:
         self.failed_block_ids: set[int] = set()  # blocks of skipped fills, until vLLM asks
         kt = getattr(vllm_config, "kv_transfer_config", None)
         self.load_failure_policy = getattr(kt, "kv_load_failure_policy", "fail")
+        par = vllm_config.parallel_config
         if options.recording:
-            tp = vllm_config.parallel_config.tensor_parallel_size
-            dcp = vllm_config.parallel_config.decode_context_parallel_size
-            if tp > 1 or dcp > 1:
-                raise ValueError(f"KVFillConnector: recording needs whole layers on one worker; got tensor "
-                                 f"parallel size {tp}, decode context parallel size {dcp} (record with 1 and 1)")
+            sizes = (par.tensor_parallel_size, par.pipeline_parallel_size, par.decode_context_parallel_size)
+            if max(sizes) > 1:
+                raise ValueError(f"KVFillConnector: recording needs every layer whole on one worker; got tensor, "
+                                 f"pipeline and decode context parallel sizes {sizes} (record with 1, 1, 1)")
+        elif options.replay and par.tensor_parallel_size > 1:
+            raise ValueError(f"KVFillConnector: fill_mode 'replay' needs tensor parallel size 1, got "
+                             f"{par.tensor_parallel_size}: a bank holds every KV head of a layer, and slicing it "
+                             f"per rank is not implemented (pipeline and decode context parallelism work)")
 
     # ------------------------------------------------------------ registration
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
@@ -124,11 +128,24 @@ class KVFillWorker:
                     layers,
                     num_blocks=self.kv_cache_config.num_blocks,
                     encoding={n: self.encodings.get(n, "auto") for n in layers},
-                    # Recurrent state has no token positions to replay: the empty (zero) state.
-                    mode="zero" if geo.zero or (self.options.replay and geo.kind == GroupKind.MAMBA) else None,
+                    mode=self._group_mode(geo),
                     dcp=geo.dcp,
                 )
         return groups
+
+    def _group_mode(self, geo) -> str | None:
+        """None: the engine's mode. Replaying, groups the recorder does not
+        record get zeros (recurrent state: the empty state) or, for chunked
+        local and cross attention, the synthetic fill of fill_mean/fill_std."""
+        if geo.zero:
+            return "zero"
+        if not self.options.replay or geo.kind in RECORDED_KINDS:
+            return None
+        if geo.kind == GroupKind.MAMBA:
+            return "zero"
+        logger.info("KVFillConnector: group %s (%s) is not recorded in banks; it gets the synthetic %s fill",
+                    geo.name, geo.kind.value, self.options.values.mode)
+        return self.options.values.mode
 
     def _cpu_kv_parts(self, name: str, cache: Any) -> Any:
         """vLLM CPU attention caches as their K and V views (``cpu_layout.py``),

@@ -13,17 +13,21 @@ Schema (one safetensors file, ``BANK_FORMAT`` version ``BANK_VERSION``)
   another.  vLLM's caches: ``[K/V, head, head_dim]`` for ``(2, B, N, H, D)``
   views and vLLM CPU's K and V views, ``[head, K/V + head_dim]`` for the
   ``[B, H, N, 2 * head_size]`` standard layout, ``[latent + rope]`` for MLA.
-  So a bank replays into any physical layout with the same logical element
-  dims; the ``parts`` below are checked so that another order is refused
-  rather than replayed scrambled.
+  So a bank replays into any physical order of the same logical view; rows
+  of another logical view (even with the same row size, e.g. the standard
+  layout vs ``(2, B, N, H, D)``) are refused by the ``parts`` check below
+  rather than replayed scrambled - conservatively: vLLM CPU's K/V views
+  (``[[H, D], [H, D]]``) and ``(2, B, N, H, D)`` (``[[2, H, D]]``) order the
+  elements alike but are refused too.
 * ``__metadata__`` (strings): ``format``, ``version``, ``num_sequences``,
   ``num_positions``, ``sequence_keys`` (JSON list: the key of each sequence's
   first N prompt tokens, ``sequence_key``), ``layers`` (JSON: name ->
   ``{"dtype", "row", "value_dtype", "parts"}``: storage dtype, row elements,
   the float dtype the bytes encode, e.g. ``float8_e4m3fn`` for a ``uint8`` fp8
-  cache, and the element shape of each registered tensor of the layer, e.g.
-  ``[[8, 128], [8, 128]]`` for vLLM CPU's K and V views - what "the element
-  order" means for this bank) and provenance written by the recorder
+  cache, and the logical element dims of each registered tensor of the layer
+  (``Registry.row_parts``: not merged by strides), e.g. ``[[8, 128], [8,
+  128]]`` for vLLM CPU's K and V views - what "the element order" means for
+  this bank) and provenance written by the recorder
   (``model``, ``dtype``, ``kv_cache_dtype``, ``block_size``,
   ``vllm_version``, ``prompts_sha256``, ...), kept as given.
 
@@ -180,10 +184,10 @@ class Bank:
                             f"{dtype_name(value_dtype)}; record the bank with the same kv_cache_dtype")
         recorded_parts = self.parts.get(name)
         if parts is not None and recorded_parts and recorded_parts != [list(p) for p in parts]:
-            raise BankError(f"{self.source}: layer {name!r} rows were recorded from caches with element shapes "
-                            f"{recorded_parts}, these caches have {[list(p) for p in parts]}: the same elements in "
-                            f"another order (e.g. K and V split per head vs per layer); record the bank on this "
-                            f"platform and attention backend")
+            raise BankError(f"{self.source}: layer {name!r} rows were recorded from caches with element dims "
+                            f"{recorded_parts}, these caches have {[list(p) for p in parts]}: another "
+                            f"logical view, so possibly another element order (e.g. K and V per head vs per "
+                            f"layer); record the bank on this platform and attention backend")
         return t
 
     # ------------------------------------------------------------ files

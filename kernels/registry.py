@@ -15,7 +15,16 @@ import torch
 from . import values as V
 from .bank import Bank, BankError, free_bytes
 from .dcp import NO_DCP, DcpGeometry
-from .layout import Layout, layout_of
+from .layout import Layout, default_slot_dim, layout_of
+
+
+def _logical_elem_dims(t: torch.Tensor, block_dim: int, slot_dim) -> tuple[int, ...]:
+    nd = t.dim()
+    block_dim %= nd
+    if slot_dim == "auto":
+        slot_dim = default_slot_dim(nd, block_dim)
+    skip = {block_dim} | ({slot_dim % nd} if slot_dim is not None else set())
+    return tuple(t.shape[d] for d in range(nd) if d not in skip and t.shape[d] > 1)
 
 
 class RowParts(tuple):
@@ -86,6 +95,7 @@ class LayerTensor:
     key: int                  # the layer's 32-bit key of the value function
     elem_offset: int          # element index of this tensor's row 0 within the layer's row
     bank: torch.Tensor | None = None  # replay: the layer's bank rows [S, N, layer row] as bits, on the device
+    elem_dims: tuple[int, ...] = ()  # the logical element dims (size > 1, not merged): what its row order means
 
 
 @dataclass
@@ -129,6 +139,9 @@ class Registry:
         self.device = devices.pop() if devices else torch.device("cpu")
         if bank is not None:
             self.tensors = self._with_bank_rows(bank)
+            # The rows live on in each tensor's device copy; the host bank (a
+            # second copy when the caches are on a GPU) is not kept.
+            self.bank, self.bank_source = None, bank.source
         self.classes = self._launch_classes()
 
     def _register_layers(self, gname, g: CacheGroup, layer_ids, next_id) -> tuple[list[LayerTensor], int]:
@@ -154,12 +167,14 @@ class Registry:
                     raise type(exc)(f"{where}: {exc}") from None
                 mode = V.ZERO if vdtype is None else (g.mode or self.default_mode)
                 out.append(LayerTensor(gname, lname, sub if is_list else None, t, layout, vdtype, mode,
-                                       V.layer_key(self.values.seed, lid), elem_offset))
+                                       V.layer_key(self.values.seed, lid), elem_offset,
+                                       elem_dims=_logical_elem_dims(t, g.block_dim, None if state else g.slot_dim)))
                 elem_offset += layout.row_size
         return out, next_id
 
     @property
     def default_mode(self) -> str:
+        """The mode of a tensor whose group names none (used while registering)."""
         return V.REPLAY if self.bank is not None else self.values.mode
 
     def _with_bank_rows(self, bank: Bank) -> list[LayerTensor]:
@@ -187,10 +202,13 @@ class Registry:
         return [replace(t, bank=on_device[t.layer]) if t.mode == V.REPLAY else t for t in self.tensors]
 
     def row_parts(self) -> dict[str, list[list[int]]]:
-        """Layer -> the element shape of each of its tensors, in row order."""
+        """Layer -> the logical element dims of each of its tensors, in row
+        order: sizes of the dims other than block and slot, in the tensor's
+        logical dim order, not merged by strides - the same for every
+        physical order of one logical view, different for another view."""
         out: dict[str, list[tuple[int, list[int]]]] = {}
         for t in self.tensors:
-            out.setdefault(t.layer, []).append((t.elem_offset, list(t.layout.elem_shape)))
+            out.setdefault(t.layer, []).append((t.elem_offset, list(t.elem_dims)))
         return {layer: [shape for _, shape in sorted(ps, key=lambda p: p[0])] for layer, ps in out.items()}
 
     @staticmethod

@@ -152,7 +152,8 @@ def scatter_fill_kernel(
                 local = local_base + s
                 t = ((local // dcp_interleave) * (dcp_interleave * dcp_world_size)
                      + dcp_rank * dcp_interleave + local % dcp_interleave)
-                row = seq * bank_positions + (t % bank_positions).to(tl.int64)
+                # (t % N + N) % N: a device-built entry with a negative base still reads inside the bank
+                row = seq * bank_positions + ((t % bank_positions + bank_positions) % bank_positions).to(tl.int64)
                 src = tl.multiple_of(bank_off + row * BANK_ROW, BANK_ALIGN)
                 vals = tl.load(table_ptr + (src[:, None] + e[None, :]), mask=mask)
             elif MODE == 1:
@@ -332,18 +333,23 @@ class TritonBackend(FillBackend):
         return launches
 
     def warmup(self) -> int:
-        """Launch every class once with one empty entry (slots [0, 0))."""
-        empty = torch.zeros(1, self.entry_cols, dtype=torch.int32, device=self.registry.device)
-        for cl in self._launches:
-            self._launch(cl, empty)
-        return len(self._launches)
+        """Launch every class once with one empty entry (slots [0, 0)); a
+        replaying engine also with a 4-column entry (device-built plans
+        without sequences), so neither variant compiles under graph capture."""
+        launches = 0
+        for cols in sorted({self.entry_cols, 4}):
+            empty = torch.zeros(1, cols, dtype=torch.int32, device=self.registry.device)
+            for cl in self._launches:
+                self._launch(cl, empty)
+                launches += 1
+        return launches
 
     def fill_device_entries(self, group: str, entries: torch.Tensor) -> int:
         self.registry.group(group)
         if entries.dtype != torch.int32 or entries.dim() != 2 or entries.shape[1] not in (4, 5):
             raise ValueError(f"entries must be int32 [n, 4] or [n, 5] (with replay sequences), got "
                              f"{entries.dtype} {tuple(entries.shape)}")
-        if not entries.is_contiguous():  # the kernel reads entry i at offset 4 * i
+        if not entries.is_contiguous():  # the kernel reads entry i at offset ENTRY_COLS * i
             raise ValueError(f"entries must be contiguous, got strides {entries.stride()}")
         if entries.device != self.registry.device:
             raise ValueError(f"entries are on {entries.device}, the caches on {self.registry.device}")

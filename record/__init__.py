@@ -218,6 +218,9 @@ def _run_vllm(model, token_ids, n, record_dir, dtype, kv_cache_dtype, block_size
         max_num_batched_tokens=max(longest + 16, 2048),
         max_num_seqs=min(len(token_ids), 16),
         enable_prefix_caching=False,  # every prompt prefilled for real, in its own blocks
+        # Each prompt prefilled in one step: with chunks, vLLM frees sliding-window
+        # blocks behind the window between chunks, before the rows are read.
+        enable_chunked_prefill=False,
         disable_log_stats=True,
         kv_transfer_config={
             "kv_connector": "KVFillConnector",

@@ -68,6 +68,7 @@ def test_an_unknown_key_lists_the_valid_ones():
     ({"fill_mode": "normal", "fill_std": 0.1, "bank": "b.safetensors"}, "fill_mode", "'replay' (or unset) with a bank"),
     ({"bank": "/nonexistent/b.safetensors"}, "bank", "a readable kvfill bank (bank '/nonexistent/b.safetensors' does not exist"),
     ({"record_dir": "/tmp/x"}, "record_positions", "an int >= 1 with record_dir"),
+    ({"record_positions": 64}, "record_positions", "0 (unset) without record_dir"),
 ])
 def test_fill_mode_bank_and_record_options_are_checked_against_each_other(extra, key, expected):
     with pytest.raises(OptionError) as err:

@@ -126,3 +126,53 @@ def test_replay_on_a_sliding_window_hybrid_model_equals_real_prefill(tmp_path):
     rows = {r["run"]: r for r in json.loads(out.read_text())["rows"]}
     assert rc == 0, rows
     assert rows["replay"]["tokens_equal_to_prefill"] == "4/4" and not rows["constant"]["identical"]
+
+
+def _worker_config(tmp_path, **parallel):
+    from types import SimpleNamespace
+
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    from vllm_harness import make_harness
+
+    h = make_harness(tmp_path, [(["model.layers.0.self_attn.attn"],
+                                 FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.bfloat16))])
+    par = SimpleNamespace(**{"decode_context_parallel_size": 1, "tensor_parallel_size": 1,
+                             "pipeline_parallel_size": 1, "prefill_context_parallel_size": 1,
+                             "cp_kv_cache_interleave_size": 1, **parallel})
+    return SimpleNamespace(parallel_config=par, cache_config=h.config.cache_config), h.kv_cache_config
+
+
+def test_replay_under_tensor_parallelism_and_recording_under_any_parallelism_are_refused(tmp_path):
+    from kvfill.connector.options import FillOptions
+    from kvfill.connector.worker import KVFillWorker
+    from kvfill.kernels import Bank
+
+    bank = tmp_path / "b.safetensors"
+    Bank({"model.layers.0.self_attn.attn": torch.zeros(1, 4, 32, dtype=torch.bfloat16)}).save(bank)
+    cfg, kvc = _worker_config(tmp_path, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match=r"fill_mode 'replay' needs tensor parallel size 1, got 2"):
+        KVFillWorker(cfg, kvc, FillOptions.from_extra_config({"bank": str(bank)}), dcp_rank=0)
+    cfg, kvc = _worker_config(tmp_path / "pp", pipeline_parallel_size=2)
+    record = FillOptions.from_extra_config({"record_dir": str(tmp_path / "r"), "record_positions": 8})
+    with pytest.raises(ValueError, match=r"recording needs every layer whole on one worker; got tensor, pipeline "
+                                         r"and decode context parallel sizes \(1, 2, 1\)"):
+        KVFillWorker(cfg, kvc, record, dcp_rank=0)
+    KVFillWorker(cfg, kvc, FillOptions.from_extra_config({"bank": str(bank)}), dcp_rank=0)  # PP replays
+
+
+def test_replay_gives_unrecorded_group_kinds_zeros_or_the_synthetic_fill(tmp_path):
+    """Banks hold full and sliding-window attention only: recurrent state gets
+    the empty state, chunked-local and cross attention the synthetic fill."""
+    from kvfill.connector.options import FillOptions
+    from kvfill.connector.planner import GroupGeometry, GroupKind
+    from kvfill.connector.worker import KVFillWorker
+    from kvfill.kernels import Bank
+
+    bank = tmp_path / "b.safetensors"
+    Bank({"l": torch.zeros(1, 4, 32, dtype=torch.bfloat16)}).save(bank)
+    worker = object.__new__(KVFillWorker)  # only the options matter here
+    worker.options = FillOptions.from_extra_config({"bank": str(bank), "fill_std": 0.2})
+    modes = {kind: worker._group_mode(GroupGeometry("g", kind, 16)) for kind in GroupKind}
+    assert modes[GroupKind.FULL_ATTENTION] is None and modes[GroupKind.SLIDING_WINDOW] is None  # replayed
+    assert modes[GroupKind.MAMBA] == "zero" and modes[GroupKind.CIRCULAR_BUFFER] == "zero"
+    assert modes[GroupKind.CHUNKED_LOCAL] == "normal" and modes[GroupKind.CROSS_ATTENTION] == "normal"
