@@ -32,7 +32,7 @@ from kvfill.bench import common as C
 from kvfill.bench.models import make_model, make_tokenizer
 from kvfill.bench.null_connector import KV_TRANSFER_CONFIG as NULL_CONFIG
 
-CONNECTORS = ("null", "kvfill", "in-tree", "none")
+CONNECTORS = ("null", "kvfill", "in-tree", "none", "replay")  # replay: kvfill from --bank (not in the default sweep)
 METRICS = ("ttft", "tpot", "itl", "e2el")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -43,6 +43,7 @@ def kv_transfer_config(connector: str, extra: dict) -> dict | None:
     base = {
         "null": NULL_CONFIG,
         "kvfill": {"kv_connector": "KVFillConnector", "kv_role": "kv_both"},
+        "replay": {"kv_connector": "KVFillConnector", "kv_role": "kv_both"},
         "in-tree": {"kv_connector": "DecodeBenchConnector", "kv_role": "kv_both"},
     }[connector]
     return {**base, "kv_connector_extra_config": dict(extra)}
@@ -169,7 +170,8 @@ def run_connector(a, connector: str, log) -> tuple[list[dict], dict, list[list[s
     port = free_port()
     args = serve_args(a.model, port, max_model_len=a.input_len + a.output_len + 64,
                       max_num_seqs=max(a.concurrency), enforce_eager=a.enforce_eager,
-                      kt=kv_transfer_config(connector, {"fill_mean": 0.015, "fill_std": a.fill_std}))
+                      kt=kv_transfer_config(connector, {"fill_mode": "replay", "bank": a.bank} if connector == "replay"
+                                            else {"fill_mean": 0.015, "fill_std": a.fill_std}))
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(a.kv_cache_gib)}
     os.makedirs(a.log_dir, exist_ok=True)
     server = Server(vllm_command(*args), env, os.path.join(a.log_dir, f"serve-{connector}.log"), port)
@@ -247,7 +249,8 @@ COLUMNS = ["connector", "concurrency", "num_prompts", "completed", "failed", "re
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--connectors", nargs="+", choices=CONNECTORS, default=list(CONNECTORS))
+    p.add_argument("--connectors", nargs="+", choices=CONNECTORS, default=[c for c in CONNECTORS if c != "replay"])
+    p.add_argument("--bank", default=None, help="connector 'replay': a bank recorded by kvfill-record")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 64, 256])
     p.add_argument("--input-len", type=int, default=4000)
     p.add_argument("--output-len", type=int, default=16)
@@ -259,6 +262,10 @@ def main(argv=None):
     p.add_argument("--run-timeout", type=float, default=1800, help="seconds per client run")
     add_server_args(p, "serve")
     a = p.parse_args(argv)
+    if "replay" in a.connectors and not a.bank:
+        p.error("--connectors replay needs --bank PATH (record one with `kvfill-record`)")
+    if a.bank:
+        a.bank = os.path.abspath(a.bank)
     _, log = start_log()
     make_tokenizer(make_model(a.model))
     import vllm
@@ -282,6 +289,10 @@ def main(argv=None):
     by = {(r["connector"], r["concurrency"]): r for r in ok_rows}
     for c in a.concurrency:
         kv, null, intree = by.get(("kvfill", c)), by.get(("null", c)), by.get(("in-tree", c))
+        replay = by.get(("replay", c))
+        if replay and kv:
+            print(f"c={c}: replay / kvfill throughput {replay['request_throughput'] / kv['request_throughput']:.3f}, "
+                  f"TTFT p50 {replay['p50_ttft_ms'] / kv['p50_ttft_ms']:.2f}x")
         if kv and null:
             print(f"c={c}: kvfill / null throughput {kv['request_throughput'] / null['request_throughput']:.3f}, "
                   f"TTFT p50 {kv['p50_ttft_ms'] / null['p50_ttft_ms']:.2f}x"

@@ -215,7 +215,8 @@ def _run_vllm(model, token_ids, n, record_dir, dtype, kv_cache_dtype, block_size
         dtype=dtype,
         kv_cache_dtype=kv_cache_dtype,
         max_model_len=max_model_len or longest + 16,
-        max_num_batched_tokens=max(longest + 16, 2048),
+        # whole prompts per step: at least max_model_len (vLLM's rule without chunked prefill)
+        max_num_batched_tokens=max(max_model_len or 0, longest + 16, 2048),
         max_num_seqs=min(len(token_ids), 16),
         enable_prefix_caching=False,  # every prompt prefilled for real, in its own blocks
         # Each prompt prefilled in one step: with chunks, vLLM frees sliding-window

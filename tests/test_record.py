@@ -176,3 +176,16 @@ def test_replay_gives_unrecorded_group_kinds_zeros_or_the_synthetic_fill(tmp_pat
     assert modes[GroupKind.FULL_ATTENTION] is None and modes[GroupKind.SLIDING_WINDOW] is None  # replayed
     assert modes[GroupKind.MAMBA] == "zero" and modes[GroupKind.CIRCULAR_BUFFER] == "zero"
     assert modes[GroupKind.CHUNKED_LOCAL] == "normal" and modes[GroupKind.CROSS_ATTENTION] == "normal"
+
+
+def test_the_recorder_runs_with_a_max_model_len_above_its_batch_default(tmp_path):
+    """Whole prompts per step need max_num_batched_tokens >= max_model_len
+    (vLLM refuses less without chunked prefill): 40-token prompts, max_model_len 3000."""
+    from kvfill.bench.models import make_model, make_tokenizer
+    from kvfill.record import record
+
+    model = make_tokenizer(make_model(os.path.join(ROOT, "out", "tiny-llama")))
+    prompts = write_prompts(tmp_path / "p.txt", [range(3, 43), range(100, 140)])
+    bank = record(model, prompts, str(tmp_path / "b.safetensors"), max_model_len=3000)
+    assert (bank.num_sequences, bank.num_positions) == (2, 40)
+    assert bank.metadata["max_model_len"] == "3000" and bank.bytes_per_token == 4 * 2 * 8 * 128 * 2
