@@ -236,10 +236,9 @@ class Bank:
 
 def _read_metadata(path: str) -> dict[str, str]:
     """A bank file's ``__metadata__`` (no rows read); BankError for anything else."""
-    from safetensors import safe_open
-
     if not os.path.isfile(path):
         raise BankError(f"bank {path!r} does not exist; record one with `python -m kvfill.record`")
+    from safetensors import safe_open
     try:
         with safe_open(path, framework="pt", device="cpu") as f:
             meta = dict(f.metadata() or {})

@@ -247,6 +247,7 @@ def test_zero_mode_groups_are_not_replayed_and_need_no_bank_rows():
 
 
 def test_bank_file_round_trip_keeps_rows_metadata_and_sequence_choice(tmp_path):
+    pytest.importorskip("safetensors")  # a torch + triton only image (the GPU check) may lack it
     rows = {"a": torch.randn(2, 5, 8).to(torch.bfloat16), "b": torch.randint(0, 255, (2, 5, 4), dtype=torch.uint8)}
     prompts = [list(range(10, 20)), list(range(30, 37))]
     keys = [sequence_key(p[:5]) for p in prompts]
@@ -271,6 +272,7 @@ def test_bank_file_round_trip_keeps_rows_metadata_and_sequence_choice(tmp_path):
 
 
 def test_a_file_that_is_not_a_bank_is_refused_with_its_name(tmp_path):
+    pytest.importorskip("safetensors")  # a torch + triton only image (the GPU check) may lack it
     from safetensors.torch import save_file
 
     path = tmp_path / "w.safetensors"
@@ -318,6 +320,7 @@ def test_whole_pages_of_vllm_cpus_k_and_v_views_staged_equal_the_triton_bytes(mo
 
 
 def test_a_bank_from_caches_with_another_element_order_is_refused(tmp_path):
+    pytest.importorskip("safetensors")  # a torch + triton only image (the GPU check) may lack it
     """Rows recorded from K/V views ([8, 4] + [8, 4]) are not replayed into a
     [B, H, N, 2D] cache ([8, 8]): the same row size, another element order."""
     from kvfill.connector.cpu_layout import cpu_kv_parts
@@ -348,3 +351,19 @@ def test_parts_name_the_logical_view_not_the_strides():
     with pytest.raises(BankError, match="element dims"):
         FillEngine({"g": CacheGroup({"l": std})}, bank=bank)
     FillEngine({"g": CacheGroup({"l": flash}, block_dim=1, slot_dim=2)}, bank=bank)
+
+
+def test_device_built_replay_entries_stay_inside_the_bank():
+    """fill_device_entries is not validated on the host: a sequence past the
+    bank is clamped to the last one, a negative base wraps like t mod N."""
+    cache = torch.zeros(4, 2, 8, 16, dtype=torch.bfloat16)  # [B, H, N, C]: row 32
+    bank = Bank({"l": torch.randn(3, 9, 32, device="cpu").to(torch.bfloat16)})
+    eng = FillEngine({"g": CacheGroup({"l": cache})}, bank=bank, backend="triton")
+    entries = torch.tensor([[1, 0, 4, -3, 7], [2, 0, 2, 0, 1]], dtype=torch.int32)
+    assert eng.fill_device_entries("g", entries) == 1
+    rows = bank.layers["l"]
+    for slot, pos in enumerate([6, 7, 8, 0]):  # positions -3..0 -> rows 6, 7, 8, 0 of sequence 2 (clamped)
+        assert torch.equal(cache[1, :, slot].reshape(-1).cpu(), rows[2, pos]), slot
+    for slot in range(2):
+        assert torch.equal(cache[2, :, slot].reshape(-1).cpu(), rows[1, slot])
+    assert (cache[1, :, 4:] == 0).all() and (cache[[0, 3]] == 0).all()
