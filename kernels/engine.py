@@ -171,8 +171,8 @@ class FillEngine:
         """Fill from a plan already on the device, without host validation or sync.
 
         ``entries``: int32 ``[n, 4]`` (block, slot_start, slot_end, local_base)
-        or ``[n, 5]`` (and the replay sequence, clamped to the bank's) on the engine's device, e.g. built by torch ops inside CUDA graph
-        capture.  Nothing is checked on the host; the kernel skips entries whose
+        or ``[n, 5]`` (and the replay sequence, clamped to the bank's) on the
+        engine's device, e.g. built by torch ops inside CUDA graph capture.  Nothing is checked on the host; the kernel skips entries whose
         block id is outside ``[0, num_blocks)`` and clamps slot ranges to the
         block, so a bad entry writes nothing instead of raising.  Triton backend
         only.  Returns the number of launches issued.

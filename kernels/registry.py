@@ -118,7 +118,8 @@ class Registry:
     def __init__(self, groups: Mapping[str, CacheGroup], values: V.ValueSpec, layer_ids: Mapping[str, int],
                  bank: Bank | None = None):
         self.values = values
-        self.bank = bank
+        # The mode of a tensor whose group names none.
+        self.default_mode = V.REPLAY if bank is not None else values.mode
         self.num_sequences = bank.num_sequences if bank is not None else 1
         self.groups: dict[str, RegisteredGroup] = {}
         self.tensors: list[LayerTensor] = []
@@ -138,10 +139,9 @@ class Registry:
             raise ValueError(f"all caches must be on one device, got {sorted(map(str, devices))}")
         self.device = devices.pop() if devices else torch.device("cpu")
         if bank is not None:
-            self.tensors = self._with_bank_rows(bank)
             # The rows live on in each tensor's device copy; the host bank (a
             # second copy when the caches are on a GPU) is not kept.
-            self.bank, self.bank_source = None, bank.source
+            self.tensors = self._with_bank_rows(bank)
         self.classes = self._launch_classes()
 
     def _register_layers(self, gname, g: CacheGroup, layer_ids, next_id) -> tuple[list[LayerTensor], int]:
@@ -172,11 +172,6 @@ class Registry:
                 elem_offset += layout.row_size
         return out, next_id
 
-    @property
-    def default_mode(self) -> str:
-        """The mode of a tensor whose group names none (used while registering)."""
-        return V.REPLAY if self.bank is not None else self.values.mode
-
     def _with_bank_rows(self, bank: Bank) -> list[LayerTensor]:
         """Every replaying tensor given its layer's bank rows on the device,
         after checking the bank matches (layers, row sizes, dtypes) and fits."""
@@ -206,10 +201,10 @@ class Registry:
         order: sizes of the dims other than block and slot, in the tensor's
         logical dim order, not merged by strides - the same for every
         physical order of one logical view, different for another view."""
-        out: dict[str, list[tuple[int, list[int]]]] = {}
-        for t in self.tensors:
-            out.setdefault(t.layer, []).append((t.elem_offset, list(t.elem_dims)))
-        return {layer: [shape for _, shape in sorted(ps, key=lambda p: p[0])] for layer, ps in out.items()}
+        out: dict[str, list[list[int]]] = {}
+        for t in self.tensors:  # registration order: a layer's tensors in row order
+            out.setdefault(t.layer, []).append(list(t.elem_dims))
+        return out
 
     @staticmethod
     def _group_info(gname, g: CacheGroup, tensors: list[LayerTensor]) -> RegisteredGroup:

@@ -208,21 +208,23 @@ def _page_gather(layout: Layout) -> PageGather | None:
 
 def _fill_pages_direct(cache, layout: Layout, ids: list[int], page_start, table, gather: PageGather) -> None:
     """Fill (normal, replay) of whole pages ``ids`` in one pass (no staging
-    buffer); ``page_start[i, s]``: the value-source start of page i's slot s."""
-    run, elem_off, slot, loop_mem, loop_val, adjacent = gather
+    buffer), for layouts whose page regions of consecutive blocks are adjacent
+    (``gather.adjacent``); ``page_start[i, s]``: the value-source start of
+    page i's slot s."""
+    run, elem_off, slot, loop_mem, loop_val, _ = gather
     windows = table.unfold(0, run, 1)  # window k = table[k : k + run]
     # Value index of every row of every region of every page: [regions, pages, rows].
     idx = (page_start[:, slot][None, :, :] + elem_off[None, None, :] + loop_val[:, None, None]).contiguous()
     bits = cache.view(V.BITS_DTYPE[layout.itemsize]) if cache.dim() else cache
     base = cache.storage_offset()
     num_rows = elem_off.numel()
-    # Where a region of block b + 1 directly follows block b's (K and V
-    # [num_blocks, H, N, D] each), a run of consecutive block ids is one
-    # contiguous region: one index_select for the whole run.
+    # A region of block b + 1 directly follows block b's (K and V
+    # [num_blocks, H, N, D] each): a run of consecutive block ids is one
+    # contiguous region, one index_select for the whole run.
     p = 0
     while p < len(ids):
         q = p + 1
-        while adjacent and q < len(ids) and ids[q] == ids[q - 1] + 1:
+        while q < len(ids) and ids[q] == ids[q - 1] + 1:
             q += 1
         page = base + ids[p] * layout.block_stride
         for r, off in enumerate(loop_mem):

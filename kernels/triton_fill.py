@@ -101,13 +101,14 @@ def scatter_fill_kernel(
     s_hi = tl.where(valid, tl.minimum(tl.load(entries_ptr + entry * ENTRY_COLS + 2), SLOTS_PER_BLOCK), 0)
     local_base = tl.load(entries_ptr + entry * ENTRY_COLS + 3)
     layer_off = tl.multiple_of(tl.load(layers_ptr + layer * 3), LAYER_ALIGN)
-    key = tl.load(layers_ptr + layer * 3 + 1).to(tl.uint32)
-    elem_off = tl.load(layers_ptr + layer * 3 + 2).to(tl.uint32)
+    key_or_bank = tl.load(layers_ptr + layer * 3 + 1)  # int64: a row key, or replaying a bank offset
+    elem_off64 = tl.load(layers_ptr + layer * 3 + 2)
+    key = key_or_bank.to(tl.uint32)
+    elem_off = elem_off64.to(tl.uint32)
     if MODE == 3:
         # This layer's bank rows, and the entry's sequence (clamped: device-built
         # plans are not validated on the host).
-        bank_off = tl.multiple_of(tl.load(layers_ptr + layer * 3 + 1) + tl.load(layers_ptr + layer * 3 + 2),
-                                  BANK_ALIGN)
+        bank_off = tl.multiple_of(key_or_bank + elem_off64, BANK_ALIGN)
         if ENTRY_COLS == 5:
             seq = tl.load(entries_ptr + entry * ENTRY_COLS + 4)
             seq = tl.minimum(tl.maximum(seq, 0), bank_sequences - 1).to(tl.int64)

@@ -68,15 +68,12 @@ def read_plan(registry: Registry, plan: Mapping[str, GroupFill]) -> dict[str, to
     elements in the layout-independent order (a layer's tensors one after
     another).  Zero-mode tensors (packed, recurrent state) are left out."""
     rows = {g: SlotRows(entries, registry.groups[g].dcp) for g, entries in plan.items()}
-    parts: dict[str, list[tuple[int, torch.Tensor]]] = {}
-    for c in registry.classes:
-        r = rows.get(c.group)
-        if r is None or c.mode == V.ZERO:
-            continue
-        for t in c.tensors:
-            got = read_rows(t.tensor, c.layout, r).view(t.tensor.dtype)
-            parts.setdefault(t.layer, []).append((t.elem_offset, got))
-    return {layer: torch.cat([p for _, p in sorted(ps, key=lambda x: x[0])], dim=1) for layer, ps in parts.items()}
+    parts: dict[str, list[torch.Tensor]] = {}
+    for t in registry.tensors:  # registration order: a layer's tensors in row order
+        r = rows.get(t.group)
+        if r is not None and t.mode != V.ZERO:
+            parts.setdefault(t.layer, []).append(read_rows(t.tensor, t.layout, r).view(t.tensor.dtype))
+    return {layer: torch.cat(ps, dim=1) for layer, ps in parts.items()}
 
 
 def _decode(bits: torch.Tensor, vdtype: torch.dtype | None) -> float:
