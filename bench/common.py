@@ -15,6 +15,8 @@ import json
 import math
 import platform
 import statistics
+import subprocess
+import sys
 import time
 from datetime import datetime, timezone
 
@@ -110,6 +112,38 @@ def machine_info(device) -> dict:
 
 def gbps(nbytes, seconds):
     return nbytes / seconds / 1e9 if seconds > 0 else math.inf
+
+
+RESULT = "RESULT "  # the line a bench child process prints its JSON result on
+
+
+def print_result(payload) -> None:
+    """In a bench child process: its result, as the one line ``child_result`` reads."""
+    print(RESULT + json.dumps(payload), flush=True)
+
+
+def run_child(cmd: list[str], what: str, *, timeout: float | None = None, env: dict | None = None
+              ) -> subprocess.CompletedProcess:
+    """Run a bench child process (an engine run, a recording); if it fails,
+    show the tails of its output and stop, naming ``what``."""
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    if out.returncode != 0:
+        _child_failed(out, what)
+    return out
+
+
+def child_result(cmd: list[str], what: str, *, timeout: float | None = None, env: dict | None = None) -> dict:
+    """Run a bench child process and return the JSON of its last ``RESULT`` line."""
+    out = run_child(cmd, what, timeout=timeout, env=env)
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith(RESULT)]
+    if not lines:
+        _child_failed(out, what)
+    return json.loads(lines[-1][len(RESULT):])
+
+
+def _child_failed(out: subprocess.CompletedProcess, what: str):
+    sys.stderr.write(out.stdout[-3000:] + out.stderr[-5000:])
+    raise SystemExit(f"{what} failed (exit {out.returncode})")
 
 
 def write_json(path, payload):

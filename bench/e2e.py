@@ -15,10 +15,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 
+from kvfill.bench.common import child_result, print_result
 from kvfill.bench.models import make_model
 from kvfill.bench.null_connector import KV_TRANSFER_CONFIG as NULL_CONFIG
 
@@ -126,7 +126,7 @@ def main(argv=None):
     out_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "out")
     a.model = os.path.abspath(a.model or os.path.join(out_dir, "tiny-gemma3-hybrid" if a.hybrid else "tiny-llama"))
     if a.only:
-        print("RESULT " + json.dumps(run_one(a)), flush=True)
+        print_result(run_one(a))
         return 0
     make_model(a.model, a.hybrid)
     rows = []
@@ -135,12 +135,7 @@ def main(argv=None):
                "--prompt-len", str(a.prompt_len), "--output-len", str(a.output_len), "--fill-std", str(a.fill_std),
                "--kv-cache-gib", str(a.kv_cache_gib), "--kv-cache-dtype", a.kv_cache_dtype, "--model", a.model] + (["--by-module-path"] if a.by_module_path else [])
         print(f"running {conn} ...", flush=True)
-        out = subprocess.run(cmd, capture_output=True, text=True)
-        lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
-        if out.returncode != 0 or not lines:
-            sys.stderr.write(out.stdout[-3000:] + out.stderr[-5000:])
-            raise SystemExit(f"{conn} failed (exit {out.returncode})")
-        rows.append(json.loads(lines[-1][len("RESULT "):]))
+        rows.append(child_result(cmd, conn))
     intree = next((r for r in rows if r["connector"] == "DecodeBenchConnector"), None)
     null = next((r for r in rows if r["connector"] == NULL_CONFIG["kv_connector"]), None)
     ok = True

@@ -55,10 +55,10 @@ import os
 import platform
 import random
 import re
-import subprocess
 import sys
 import time
 
+from kvfill.bench.common import child_result, print_result, run_child
 from kvfill.bench.models import make_tokenizer
 
 RUNS = ("prefill", "replay", "normal", "constant")
@@ -332,7 +332,7 @@ def main(argv=None) -> int:
     out_dir = os.path.join(here, "..", "out", "moe-fidelity")
     a.model = os.path.abspath(a.model or os.path.join(here, "..", "out", "tiny-mixtral"))
     if a.only:
-        print("RESULT " + json.dumps(run_one(a)), flush=True)
+        print_result(run_one(a))
         return 0
     t_start = time.perf_counter()
     os.makedirs(out_dir, exist_ok=True)
@@ -350,10 +350,7 @@ def main(argv=None) -> int:
     record_cmd = [sys.executable, "-m", "kvfill.record", "--model", a.model, "--prompts", record_file, "--out", bank,
                   "--positions", str(a.prompt_len), "--dtype", a.dtype, "--max-model-len", str(max_model_len(a))]
     print(f"recording {a.record} prompts ...", flush=True)
-    rec = subprocess.run(record_cmd, capture_output=True, text=True, timeout=a.timeout, env=env)
-    if rec.returncode != 0:
-        sys.stderr.write(rec.stdout[-2000:] + rec.stderr[-4000:])
-        raise SystemExit(f"recording failed (exit {rec.returncode})")
+    rec = run_child(record_cmd, "recording", timeout=a.timeout, env=env)
     print(next(line for line in rec.stdout.splitlines() if line.startswith("wrote")), flush=True)
     stats = bank_stats(bank)
     a.fill_mean, a.fill_std = stats["mean"], stats["std"]
@@ -375,12 +372,7 @@ def main(argv=None) -> int:
                "--output-len", str(a.output_len), "--fill-mean", repr(a.fill_mean), "--fill-std", repr(a.fill_std)]
         commands[run] = cmd
         print(f"running {run} ...", flush=True)
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout, env=env)
-        lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
-        if out.returncode != 0 or not lines:
-            sys.stderr.write(out.stdout[-2000:] + out.stderr[-4000:])
-            raise SystemExit(f"{run} failed (exit {out.returncode})")
-        results[run] = json.loads(lines[-1][len("RESULT "):])
+        results[run] = child_result(cmd, run, timeout=a.timeout, env=env)
 
     prompts = range(a.held_out)
     loads = {run: load(results[run]["counts"], prompts) for run in RUNS}

@@ -26,9 +26,9 @@ import argparse
 import json
 import os
 import random
-import subprocess
 import sys
 
+from kvfill.bench.common import child_result, print_result, run_child
 from kvfill.bench.models import make_model, make_tokenizer
 
 RUNS = ("prefill", "prefill_split", "replay", "normal", "constant")
@@ -49,18 +49,31 @@ def max_model_len(a) -> int:
     return a.prompt_len + a.output_len + 16
 
 
+def prompt_ids(model: str, prompts_file: str) -> list[list[int]]:
+    """The prompts' token ids, as the recorder tokenizes them."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    with open(prompts_file) as f:
+        return [list(tok(line.rstrip("\n")).input_ids) for line in f if line.strip()]
+
+
+def connector_config(run: str, bank: str) -> dict | None:
+    """The kv_transfer_config of a run (None: no connector, real prefill)."""
+    extra = {"replay": {"fill_mode": "replay", "bank": bank}, "normal": {"fill_std": 0.1},
+             "constant": {"fill_std": 0.0}}.get(run)
+    if extra is None:
+        return None
+    return {"kv_connector": "KVFillConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra}
+
+
 def run_one(a) -> dict:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    tok = AutoTokenizer.from_pretrained(a.model)
-    with open(a.prompts_file) as f:
-        ids = [list(tok(line.rstrip("\n")).input_ids) for line in f if line.strip()]
-    extra = {"prefill": None, "prefill_split": None, "replay": {"fill_mode": "replay", "bank": a.bank},
-             "normal": {"fill_std": 0.1}, "constant": {"fill_std": 0.0}}[a.only]
+    ids = prompt_ids(a.model, a.prompts_file)
     kw = {}
     batched = max(2048, a.prompt_len + 16)
     if a.only == "prefill_split":
@@ -68,9 +81,9 @@ def run_one(a) -> dict:
         # filled request computes it (the rounding floor of computing it apart).
         kw.update(max_num_seqs=1, enable_chunked_prefill=True)
         batched = a.prompt_len - 1
-    if extra is not None:
-        kw["kv_transfer_config"] = {"kv_connector": "KVFillConnector", "kv_role": "kv_both",
-                                    "kv_connector_extra_config": extra}
+    kt = connector_config(a.only, a.bank)
+    if kt is not None:
+        kw["kv_transfer_config"] = kt
     llm = LLM(model=a.model, dtype=a.dtype, skip_tokenizer_init=True, enforce_eager=True, max_model_len=max_model_len(a),
               max_num_batched_tokens=batched, disable_log_stats=True, enable_prefix_caching=False, seed=0,
               **{"max_num_seqs": len(ids), **kw})
@@ -88,17 +101,10 @@ def serve_one(a, run: str, bank: str, prompts_file: str, log_dir: str) -> dict:
     """One run through vLLM's OpenAI server: greedy completions, one request at a time."""
     import urllib.request
 
-    from transformers import AutoTokenizer
-
     from kvfill.bench.serve import Server, free_port, serve_args, vllm_command
 
-    tok = AutoTokenizer.from_pretrained(a.model)
-    with open(prompts_file) as f:
-        ids = [list(tok(line.rstrip("\n")).input_ids) for line in f if line.strip()]
-    extra = {"prefill": None, "replay": {"fill_mode": "replay", "bank": bank},
-             "normal": {"fill_std": 0.1}, "constant": {"fill_std": 0.0}}[run]
-    kt = None if extra is None else {"kv_connector": "KVFillConnector", "kv_role": "kv_both",
-                                     "kv_connector_extra_config": extra}
+    ids = prompt_ids(a.model, prompts_file)
+    kt = connector_config(run, bank)
     port = free_port()
     cmd = vllm_command(*serve_args(a.model, port, max_model_len=max_model_len(a), max_num_seqs=len(ids), kt=kt),
                        "--dtype", a.dtype, "--no-enable-prefix-caching")
@@ -168,19 +174,16 @@ def main(argv=None) -> int:
     default = "tiny-gemma3-hybrid" if a.hybrid else "tiny-llama-peaked"
     a.model = os.path.abspath(a.model or os.path.join(out_dir, "..", default))
     if a.only:
-        print("RESULT " + json.dumps(run_one(a)), flush=True)
+        print_result(run_one(a))
         return 0
     os.makedirs(out_dir, exist_ok=True)
     make_tokenizer(make_model(a.model, hybrid=True) if a.hybrid else make_model(a.model, init_std=PEAKED_STD))
     prompts_file = os.path.join(out_dir, "prompts.txt")
     bank = os.path.join(out_dir, "bank.safetensors")
     write_prompts(prompts_file, a.prompts, a.prompt_len, seed=1)
-    rec = subprocess.run([sys.executable, "-m", "kvfill.record", "--model", a.model, "--prompts", prompts_file,
-                          "--out", bank, "--dtype", a.dtype, "--max-model-len", str(max_model_len(a))],
-                         capture_output=True, text=True, timeout=900)
-    if rec.returncode != 0:
-        sys.stderr.write(rec.stdout[-2000:] + rec.stderr[-4000:])
-        raise SystemExit(f"recording failed (exit {rec.returncode})")
+    rec = run_child([sys.executable, "-m", "kvfill.record", "--model", a.model, "--prompts", prompts_file,
+                     "--out", bank, "--dtype", a.dtype, "--max-model-len", str(max_model_len(a))], "recording",
+                    timeout=900)
     print(next(line for line in rec.stdout.splitlines() if line.startswith("wrote")), flush=True)
     results = {}
     runs = [r for r in RUNS if r == "prefill" or r in a.runs]
@@ -192,12 +195,7 @@ def main(argv=None) -> int:
         cmd = [sys.executable, os.path.abspath(__file__), "--only", run, "--bank", bank, "--prompts-file",
                prompts_file, "--model", a.model, "--dtype", a.dtype, "--prompt-len", str(a.prompt_len), "--output-len", str(a.output_len)]
         print(f"running {run} ...", flush=True)
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-        lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
-        if out.returncode != 0 or not lines:
-            sys.stderr.write(out.stdout[-2000:] + out.stderr[-4000:])
-            raise SystemExit(f"{run} failed (exit {out.returncode})")
-        results[run] = json.loads(lines[-1][len("RESULT "):])
+        results[run] = child_result(cmd, run, timeout=900)
     rows = [compare(results["prefill"], results[r]) for r in RUNS[1:] if r in results]
     from kvfill.bench.common import table
 
