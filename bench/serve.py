@@ -23,6 +23,7 @@ import os
 import re
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -133,21 +134,45 @@ class Server:
         self.log.close()
 
 
-def run_level(server: Server, a, connector: str, concurrency: int, result_dir: str) -> tuple[dict, list[str]]:
+def run_level(server: Server, a, connector: str, concurrency: int, result_dir: str) -> tuple[dict, list[list[str]]]:
+    """``a.repeat`` client runs at one concurrency (other prompts each run);
+    the record holds each run's figures and, at the top, their medians."""
+    runs, cmds = [], []
+    for i in range(a.repeat):
+        run, cmd = run_client(server, a, connector, concurrency, result_dir, i)
+        runs.append(run)
+        cmds.append(cmd)
+        if "error" in run:
+            break
+    rec = {"connector": connector, "concurrency": concurrency, "num_prompts": runs[0]["num_prompts"]}
+    if any("error" in r for r in runs):
+        rec["error"] = next(r["error"] for r in runs if "error" in r)
+    else:
+        for k in runs[0]:
+            if k != "num_prompts" and all(isinstance(r.get(k), (int, float)) for r in runs):
+                rec[k] = float(statistics.median(r[k] for r in runs))
+        rec["failed"] = sum(r["failed"] for r in runs)
+    if a.repeat > 1:
+        rec["runs"] = runs
+    return rec, cmds
+
+
+def run_client(server: Server, a, connector: str, concurrency: int, result_dir: str, run: int) -> tuple[dict, list[str]]:
+    """One ``vllm bench serve`` run: bounded in prompts and seconds."""
     n = a.prompts_per_level or max(32, 2 * concurrency)
     if connector == "none":
         n = min(n, a.none_max_prompts)
-    name = f"{connector}-c{concurrency}.json"
+    name = f"{connector}-c{concurrency}" + (f"-run{run}" if a.repeat > 1 else "") + ".json"
     cmd = vllm_command(
         "bench", "serve", "--backend", "vllm", "--base-url", server.url(), "--model", a.model,
         "--dataset-name", "random", "--random-input-len", str(a.input_len), "--random-output-len", str(a.output_len),
         "--num-prompts", str(n), "--max-concurrency", str(concurrency), "--ignore-eos",
-        # Prompts of one level share no prefix with another's: no prefix-cache hits across levels.
-        "--seed", str(1000 + concurrency),
+        # Prompts of one level (and run) share no prefix with another's: no prefix-cache hits across them.
+        "--seed", str(1000 + concurrency + 100_000 * run),
         "--percentile-metrics", ",".join(METRICS), "--metric-percentiles", "50,99",
         "--save-result", "--result-dir", result_dir, "--result-filename", name,
     )
-    rec = {"connector": connector, "concurrency": concurrency, "num_prompts": n}
+    rec = {"num_prompts": n}
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=a.run_timeout, env=os.environ.copy())
         ok = out.returncode == 0 and os.path.exists(os.path.join(result_dir, name))
@@ -181,9 +206,9 @@ def run_connector(a, connector: str, log) -> tuple[list[dict], dict, list[list[s
         server.wait_ready(a.start_timeout)
         log(f"{connector}: server ready in {time.time() - t0:.0f} s (port {port})")
         for c in a.concurrency:
-            rec, cmd = run_level(server, a, connector, c, a.log_dir)
+            rec, level_cmds = run_level(server, a, connector, c, a.log_dir)
             records.append(rec)
-            cmds.append(cmd)
+            cmds += level_cmds
             log(f"{connector} c={c}: " + (rec.get("error") or f"{rec['request_throughput']:.2f} req/s, "
                                                               f"TTFT p50 {rec['p50_ttft_ms']:.0f} ms"))
         metrics = server.metrics()
@@ -260,8 +285,12 @@ def main(argv=None):
     p.add_argument("--kv-cache-gib", type=int, default=4, help="CPU only: VLLM_CPU_KVCACHE_SPACE")
     p.add_argument("--no-enforce-eager", dest="enforce_eager", action="store_false")
     p.add_argument("--run-timeout", type=float, default=1800, help="seconds per client run")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="client runs per level (other prompts each); a record's figures are their medians")
     add_server_args(p, "serve")
     a = p.parse_args(argv)
+    if a.repeat < 1:
+        p.error(f"--repeat {a.repeat}: expected an int >= 1")
     if "replay" in a.connectors and not a.bank:
         p.error("--connectors replay needs --bank PATH (record one with `kvfill-record`)")
     if a.bank:

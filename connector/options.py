@@ -41,6 +41,7 @@ class FillOptions:
     granularity: Granularity = Granularity.TOKEN  # "token": external slots only; "block": whole blocks
     refill_on_preemption: bool = True  # a preempted request is filled again, not prefilled for real
     backend: str = "auto"              # "auto" / "triton" / "torch"
+    page_image_mib: int = 1024         # torch backend: host memory for whole pages kept to copy again (0: none)
     verify: str | None = None          # None / "log" / "raise": re-check every fill (debug aid; syncs)
     record_dir: str | None = None      # record role (kvfill.record): save prompt KV rows here, fill nothing
     record_positions: int = 0          # record role: the positions [0, N) saved per prompt
@@ -65,6 +66,9 @@ class FillOptions:
             raise OptionError("granularity", self.granularity, "'token' or 'block'") from None
         if self.backend not in BACKENDS:
             raise OptionError("backend", self.backend, f"one of {list(BACKENDS)}")
+        if isinstance(self.page_image_mib, bool) or not isinstance(self.page_image_mib, int) \
+                or self.page_image_mib < 0:
+            raise OptionError("page_image_mib", self.page_image_mib, "an int >= 0 (MiB; 0 keeps no page images)")
         if self.verify not in (None, *VERIFY_MODES):
             raise OptionError("verify", self.verify, "false, true, 'log' or 'raise'")
         self._check_mode()

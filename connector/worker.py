@@ -61,6 +61,8 @@ class KVFillWorker:
         self.specs = specs
         self.cache_dtype = cache_dtype
         self.on_cpu = _platform_is_cpu()
+        model_config = getattr(vllm_config, "model_config", None)
+        self.max_model_len = int(getattr(model_config, "max_model_len", 0) or 0)  # positions a request can have
         self.cpu_layout_warned = False
         self.encodings = {name: layer_encoding(spec, cache_dtype) for name, spec in specs.items()}
         # Raw backing buffers laid out by the layer itself (HiSparse): no block dim to address.
@@ -92,11 +94,14 @@ class KVFillWorker:
             )
         bank = Bank.load(self.options.bank) if self.options.replay and not self.options.recording else None
         self.engine = FillEngine(groups, values=self.options.values, backend=self.options.backend,
-                                 layer_ids=_layer_ids(kv_caches), bank=bank)
+                                 layer_ids=_layer_ids(kv_caches), bank=bank,
+                                 page_image_bytes=self.options.page_image_mib << 20)
         if bank is not None:
             logger.info("KVFillConnector: replaying %s", bank.describe())
         self.planner = self._with_cache_slots(self.planner, self.engine)
-        self.engine.warmup()  # compile the kernels now, not in the first filling step
+        # Compile the kernels (GPU) or write the page images of every position a
+        # request can have (CPU) now, not in the first filling step.
+        self.engine.warmup(self.max_model_len)
         logger.info("KVFillConnector: %s, %s backend, DCP rank %d, %d torch threads; caches:\n%s",
                     self.options.summary(), self.engine.backend, self.dcp_rank, torch.get_num_threads(),
                     self.engine.describe())

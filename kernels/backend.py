@@ -34,25 +34,32 @@ class FillBackend(abc.ABC):
         group.  Stream-ordered, no host sync.  Returns the kernel launches issued.
         """
 
-    def warmup(self) -> int:
-        """Compile what the first fill would compile; write nothing.  Returns launches."""
+    def warmup(self, num_positions: int = 0) -> int:
+        """Compile what the first fill would compile; write nothing to the
+        caches (the torch backend writes its page images of positions
+        ``[0, num_positions)``).  Returns launches."""
         return 0
+
+    def describe(self) -> str:
+        """What the backend holds besides the caches ("" if nothing)."""
+        return ""
 
     def fill_device_entries(self, group: str, entries: torch.Tensor) -> int:
         raise ValueError(f"fill_device_entries needs the triton backend, this engine uses {self.name!r}")
 
 
-def make_backend(name: str, registry: Registry) -> FillBackend:
-    """``auto``: Triton for GPU caches, torch for CPU caches."""
+def make_backend(name: str, registry: Registry, page_image_bytes: int | None = None) -> FillBackend:
+    """``auto``: Triton for GPU caches, torch for CPU caches.  ``page_image_bytes``:
+    the torch backend's ``PageImages`` budget (None: its default)."""
     if name not in BACKENDS:
         raise ValueError(f"backend {name!r} is not one of {BACKENDS}")
     on_cpu = registry.device.type == "cpu"
     if name == "auto":
         name = "torch" if on_cpu else "triton"
     if name == "torch":
-        from .torch_fill import TorchBackend
+        from .torch_fill import PAGE_IMAGE_BYTES, TorchBackend
 
-        return TorchBackend(registry)
+        return TorchBackend(registry, PAGE_IMAGE_BYTES if page_image_bytes is None else page_image_bytes)
     if on_cpu and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(
             "backend 'triton' on CPU tensors needs TRITON_INTERPRET=1 set before kvfill "

@@ -53,6 +53,9 @@ class FillEngine:
     device once, here.  ``backend``: ``auto`` (Triton for GPU caches, torch
     for CPU caches), ``triton`` or ``torch``; ``layer_ids``: layer name ->
     index for the value function (default: registration order).
+    ``page_image_bytes`` (torch backend): how much host memory may keep whole
+    pages already written, to copy them for later requests at the same
+    positions (``torch_fill.PageImages``; None: 1 GiB, 0: none).
     """
 
     def __init__(
@@ -66,10 +69,14 @@ class FillEngine:
         backend: str = "auto",
         layer_ids: Mapping[str, int] | None = None,
         bank: Bank | None = None,
+        page_image_bytes: int | None = None,
     ):
+        if page_image_bytes is not None and (isinstance(page_image_bytes, bool) or not isinstance(page_image_bytes, int)
+                                             or page_image_bytes < 0):
+            raise ValueError(f"page_image_bytes must be an int >= 0 (or None), got {page_image_bytes!r}")
         self.values = values if values is not None else V.ValueSpec(mean, std, seed)
         self._registry = Registry(groups, self.values, layer_ids or {}, bank)
-        self._backend = make_backend(backend, self._registry)
+        self._backend = make_backend(backend, self._registry, page_image_bytes)
 
     # ------------------------------------------------------------ questions
     @property
@@ -95,8 +102,10 @@ class FillEngine:
         return len(self._registry.classes)
 
     def describe(self) -> str:
-        """One line per launch class: group, geometry, dtype, mode, layers."""
-        return self._registry.describe()
+        """One line per launch class: group, geometry, dtype, mode, layers;
+        then what the backend holds (the torch backend's page images)."""
+        held = self._backend.describe()
+        return self._registry.describe() + (f"\n{held}" if held else "")
 
     def _on_device(self):
         """Make the caches' device current: Triton launches on the current
@@ -157,15 +166,20 @@ class FillEngine:
         """Startup fill: every block of every (or the given) group."""
         return self.fill(self.whole_plan(groups))
 
-    def warmup(self) -> int:
-        """Compile every launch class's kernel now, writing nothing.
+    def warmup(self, num_positions: int = 0) -> int:
+        """Prepare the first fill now, writing nothing to the caches.
 
-        Each class is launched once with one empty entry (slots [0, 0)), so the
-        Triton JIT compiles at registration instead of in the first step that
-        fills.  Returns the number of launches (0 on the torch backend).
+        Triton: each class is launched once with one empty entry (slots [0,
+        0)), so the JIT compiles at registration instead of in the first step
+        that fills.  Torch: the page images (``page_image_bytes``) of the whole
+        pages holding positions ``[0, num_positions)`` are written, so the
+        first requests' pages are copies too.  Returns the number of launches
+        (0 on the torch backend).
         """
+        if isinstance(num_positions, bool) or not isinstance(num_positions, int) or num_positions < 0:
+            raise ValueError(f"num_positions must be an int >= 0, got {num_positions!r}")
         with self._on_device():
-            return self._backend.warmup()
+            return self._backend.warmup(num_positions)
 
     def fill_device_entries(self, group: str, entries: torch.Tensor) -> int:
         """Fill from a plan already on the device, without host validation or sync.

@@ -4,12 +4,15 @@ Used for CPU caches (vLLM's CPU platform) and as the reference in tests.  It
 expands the plan into one row per planned slot, builds the rows' bits from the
 same value table (a row is a window of the table starting at the row's hashed
 offset) and writes them through the canonical strided view ``[num_blocks, r,
-slots_per_kernel_block, *elem_shape]``.  Large entries: whole pages whose rows
-form contiguous regions (vLLM CPU's ``(2, num_blocks, H, N, D)``) are gathered
-from the table straight into the cache, one ``index_select`` per region and
-run of consecutive blocks (one pass, no staging buffer); other large entries
-one strided ``copy_`` each; many small ones chunked ``index_put_``.  The bytes
-are identical to the Triton path's by construction.
+slots_per_kernel_block, *elem_shape]``.  How each entry is written is worked
+out once per launch class and fill (``ClassRows``).  Whole pages whose rows
+form contiguous regions (``(2, num_blocks, H, N, D)`` views) are gathered from
+the table straight into the cache, one ``index_select`` per region and run of
+consecutive blocks; other whole pages (vLLM CPU's transposed K pages) are
+copied from ``PageImages`` - the same pages written once, by the staging path,
+into a store - and so are partial blocks whose page the store holds; other
+large entries one strided ``copy_`` each; many small ones chunked
+``index_put_``.  The bytes are identical to the Triton path's by construction.
 """
 from __future__ import annotations
 
@@ -40,6 +43,8 @@ class SlotRows:
         slot = start[entry] + (np.arange(n, dtype=np.int64) - first[entry])
         self.num_rows = n
         self.entries = (blocks, start, end, first)  # per entry; its rows are [first, first + end - start)
+        self.entry_base = entries.local_base          # per entry: the rank-local position of slot 0
+        self.entry_sequence = entries.sequence
         self.block = blocks[entry]
         self.slot = slot
         self.position = dcp.global_positions(entries.local_base[entry] + slot)
@@ -60,22 +65,25 @@ class SlotRows:
         return idx
 
 
-def value_source(c: LaunchClass, t: LayerTensor, rows: SlotRows) -> tuple[torch.Tensor, torch.Tensor | None]:
+def value_source(c: LaunchClass, t: LayerTensor, rows: SlotRows,
+                 sel: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Where tensor ``t``'s planned rows come from: ``(source, start)``, row
     ``i`` being ``source[start[i] : start[i] + row_size]``, or every element
-    ``source[0]`` when ``start`` is None (constant, zero).
+    ``source[0]`` when ``start`` is None (constant, zero).  ``sel``: the
+    starts of these rows only (indices into ``rows``, in that order).
 
     normal: the class's value table at the rows' hashed offsets; replay: the
     layer's bank rows flattened, row ``(sequence, position mod N)``, from the
     tensor's element offset within the layer's row.
     """
+    position = rows.position if sel is None else rows.position[sel]
     if c.mode == V.REPLAY:
         seqs, positions, layer_row = t.bank.shape
-        row = rows.sequence * positions + rows.position % positions
-        start = row * layer_row + t.elem_offset
+        sequence = rows.sequence if sel is None else rows.sequence[sel]
+        start = (sequence * positions + position % positions) * layer_row + t.elem_offset
         return t.bank.reshape(-1), torch.from_numpy(start).to(t.bank.device)
     if c.mode == V.NORMAL:
-        return c.table, torch.from_numpy(V.row_offsets(t.key, rows.position, t.elem_offset)).to(c.table.device)
+        return c.table, torch.from_numpy(V.row_offsets(t.key, position, t.elem_offset)).to(c.table.device)
     return c.table, None
 
 
@@ -90,58 +98,101 @@ def expected_rows(rows: SlotRows, layout: Layout, source: torch.Tensor, start: t
 CHUNK_BYTES = 4 << 20  # rows gathered per step: stays in cache, no big temporaries
 
 
-def fill_rows(
-    cache: torch.Tensor,
-    layout: Layout,
-    rows: SlotRows,
-    table: torch.Tensor,
-    start: torch.Tensor | None,
-) -> None:
-    """Write every planned row of one tensor from ``value_source``'s ``(table, start)``.
+class ClassRows:
+    """One launch class's planned rows, split by the path that writes them:
+    the same for every tensor of the class, so worked out once per fill.
 
-    Whole pages of >= PAGE_BYTES (a request's every block but its last) with
-    a start (normal, replay) are written a run of blocks at a time
-    (``_fill_pages_direct`` / ``_fill_pages_staged``).  The other entries:
-    large ones one strided copy each, small ones gathered chunk by chunk into
-    one reused buffer and index-put (a temporary as large as the fill would
-    cost more in page faults than the copy itself).
+    ``pages``: the entries that are whole pages of >= PAGE_BYTES with a value
+    start (normal, replay; a request's every block but its last), written a
+    run of blocks at a time - gathered straight into the cache where a
+    layout's page regions are adjacent (``gather``), else through the staging
+    buffer or, with ``PageImages``, copied from its store (``slots``: each
+    page's page there, -1: none; ``new``: written there first by this fill).
+    ``partial``: the other entries whose page the store holds, copied from it
+    (``partial_slots``).  ``rest``: the other entries, large ones one strided copy each
+    (``per_entry``), small ones gathered chunk by chunk into one reused
+    buffer and index-put (a temporary as large as the fill would cost more in
+    page faults than the copy itself).
     """
-    view = canonical_view(cache, layout)
-    blocks, s0, s1, first = rows.entries
+
+    def __init__(self, rows: SlotRows, c: LaunchClass, images: PageImages | None = None):
+        layout = self.layout = c.layout
+        self.rows = rows
+        blocks, s0, s1, first = rows.entries
+        kbs = layout.slots_per_kernel_block
+        row_bytes = layout.row_size * layout.itemsize
+        whole = ((s0 == 0) & (s1 == kbs)) if _paged(c) else np.zeros(blocks.size, dtype=bool)
+        self.pages = np.flatnonzero(whole)
+        self.page_ids = blocks[self.pages].tolist()
+        gather = _page_gather(layout) if self.pages.size else None
+        self.gather = gather if gather is not None and gather.adjacent else None
+        self.slots = self.new = None
+        self.partial = self.partial_slots = np.zeros(0, dtype=np.int64)
+        rest = ~whole
+        if images is not None and self.gather is None and _paged(c):
+            slots, new = images.assign(rows)
+            self.slots, self.new = slots[self.pages], new[self.pages]
+            from_store = rest & (slots >= 0)
+            self.partial = np.flatnonzero(from_store)
+            self.partial_slots = slots[self.partial]
+            rest &= ~from_store
+        self.rest = np.flatnonzero(rest)
+        counts = s1[self.rest] - s0[self.rest]
+        self.rest_first = np.cumsum(counts) - counts  # each rest entry's first row in rest_rows
+        self.rest_rows = np.repeat(first[self.rest] - self.rest_first, counts) + np.arange(counts.sum())
+        self.per_entry = bool(counts.size) and counts.sum() * row_bytes / counts.size >= PER_ENTRY_BYTES
+        self._rest_index = None
+
+    def page_rows(self, which) -> np.ndarray:
+        """The rows of the pages ``pages[which]``, page by page, slot by slot."""
+        first = self.rows.entries[3][self.pages[which]]
+        return (first[:, None] + np.arange(self.layout.slots_per_kernel_block)).reshape(-1)
+
+    def rest_index(self, device) -> tuple[torch.Tensor, ...]:
+        """Index tensors (block, kernel sub-block, slot) of the rest rows."""
+        if self._rest_index is None:
+            idx = self.rows.index(self.layout, device)
+            if self.rest_rows.size != self.rows.num_rows:
+                sel = torch.from_numpy(self.rest_rows).to(device)
+                idx = tuple(i[sel] for i in idx)
+            self._rest_index = idx
+        return self._rest_index
+
+
+def fill_tensor(c: LaunchClass, t: LayerTensor, rows: ClassRows, store: torch.Tensor | None = None) -> None:
+    """Write every planned row of tensor ``t`` of class ``c`` (``ClassRows``
+    says which path writes which entry; ``store``: the tensor's
+    ``PageImages`` store, when the class keeps page images)."""
+    layout = c.layout
+    view = canonical_view(t.tensor, layout)
     kbs = layout.slots_per_kernel_block
-    rest = None  # entries left to the per-entry / index_put paths; None: all
-    page_bytes = kbs * layout.row_size * layout.itemsize
-    if start is not None and layout.elem_shape and layout.kernel_split == 1 and page_bytes >= PAGE_BYTES:
-        whole = (s0 == 0) & (s1 == kbs)
-        if whole.any():
-            w = np.flatnonzero(whole)
-            ids = blocks[w].tolist()
-            page_start = start[torch.from_numpy(first[w][:, None] + np.arange(kbs)).to(start.device)]
-            gather = _page_gather(layout)
-            if gather is not None and gather.adjacent:
-                _fill_pages_direct(cache, layout, ids, page_start, table, gather)
+    if rows.pages.size:
+        if rows.slots is not None:
+            _fill_pages_via_store(c, t, rows, view, store)
+        else:
+            table, start = value_source(c, t, rows.rows, rows.page_rows(slice(None)))
+            if rows.gather is not None:
+                _fill_pages_direct(t.tensor, layout, rows.page_ids, start.view(-1, kbs), table, rows.gather)
             else:
-                _fill_pages_staged(view, layout, ids, page_start, table)
-            if whole.all():
-                return
-            rest = ~whole
-    counts = s1 - s0 if rest is None else (s1 - s0)[rest]
-    entry_bytes = counts.sum() * layout.row_size * layout.itemsize / max(1, counts.size)
-    if entry_bytes >= PER_ENTRY_BYTES:
-        _fill_per_entry(view, layout, rows, table, start, np.ones(blocks.size, bool) if rest is None else rest)
+                _fill_pages_staged(view, layout, rows.page_ids, start.view(-1, kbs), table)
+    if rows.partial.size:  # after the pages: a page this fill put in the store is there now
+        blocks, s0, s1, _ = (x[rows.partial].tolist() for x in rows.rows.entries)
+        for b, lo, hi, page in zip(blocks, s0, s1, rows.partial_slots.tolist()):
+            view[b, 0, lo:hi].copy_(store[page, 0, lo:hi])
+    if not rows.rest.size:
         return
-    idx = rows.index(layout, cache.device)
-    if rest is not None:  # the rows of the remaining entries
-        keep = torch.from_numpy(np.repeat(rest, s1 - s0)).to(cache.device)
-        idx = tuple(i[keep] for i in idx)
-        start = start[keep]
-    n = idx[0].numel()
+    table, start = value_source(c, t, rows.rows, rows.rest_rows)
+    if rows.per_entry:
+        _fill_per_entry(view, layout, rows, table, start)
+        return
+    idx = rows.rest_index(t.tensor.device)
     if start is None:
         view.index_put_(idx, table[0])
         return
+    n = idx[0].numel()
     windows = table.unfold(0, layout.row_size, 1)
     chunk = max(1, CHUNK_BYTES // (layout.row_size * layout.itemsize))
-    buf = torch.empty(min(chunk, n), layout.row_size, dtype=table.dtype, device=cache.device)
+    buf = torch.empty(min(chunk, n), layout.row_size, dtype=table.dtype, device=view.device)
     for a in range(0, n, chunk):
         b = min(a + chunk, n)
         vals = torch.index_select(windows, 0, start[a:b], out=buf[: b - a])
@@ -267,18 +318,125 @@ def _fill_pages_staged(view, layout: Layout, ids: list[int], page_start, table) 
         p = q
 
 
-def _fill_per_entry(view, layout: Layout, rows: SlotRows, table, start, only: np.ndarray) -> None:
-    """One copy (or fill) per entry where ``only`` is true, split at kernel blocks."""
+PAGE_IMAGE_BYTES = 1 << 30  # default budget of PageImages, per engine
+
+
+class PageImages:
+    """Whole pages a launch class has written, kept to be copied again.
+
+    A whole page's bytes are a function of its slots' positions - the
+    rank-local position of slot 0 (the entry's ``local_base``) - and, when
+    replaying, of the sequence; not of the request or the block.  Every
+    request of a benchmark starts at position 0, so its whole pages are the
+    first request's again.  Where the page path would gather and transpose
+    (vLLM CPU's K pages, ``_fill_pages_staged``: ~0.3 ns per element on one
+    core), a page already written is copied from a store instead, at memcpy
+    speed (``bench/page_bench.py``).
+
+    One index per class, ``(sequence, local_base) -> page of the store``, and
+    a store per tensor: ``[capacity, *canonical page]`` with compact strides
+    in the order of the cache's, so a copy between them runs over contiguous
+    spans on both sides.  A new page is written into the store (the staged
+    path, the same bytes) before it is copied; pages past ``capacity`` are
+    written directly, as without a store.  A partial block (a request's last)
+    copies its slots from its page when the store has it.  Stores are
+    allocated on first use and only the pages written take memory;
+    ``TorchBackend.warmup`` writes the pages of every position up front.
+    """
+
+    def __init__(self, c: LaunchClass, capacity: int):
+        self.capacity = capacity
+        self.replay = c.mode == V.REPLAY
+        self.slots_per_page = c.layout.slots_per_kernel_block
+        self.index: dict[tuple[int, int], int] = {}
+        self.stores: dict[int, torch.Tensor] = {}
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.index)
+
+    def nbytes(self) -> int:
+        """Host memory the pages written so far take, over the class's stores."""
+        return sum(self.num_pages * st.stride(0) * st.element_size() for st in self.stores.values())
+
+    def assign(self, rows: SlotRows) -> tuple[np.ndarray, np.ndarray]:
+        """Per entry of ``rows``: its page in the store (-1: none) and whether
+        this fill writes that page first.  Whole pages get a page while the
+        store has room; other entries (a request's last, partial block) are
+        copied from their page when it is there, written by this or an
+        earlier fill (or ``TorchBackend.warmup``), never written on their own."""
+        blocks, s0, s1, _ = rows.entries
+        slots = np.full(blocks.size, -1, dtype=np.int64)
+        new = np.zeros(blocks.size, dtype=bool)
+        whole = (s0 == 0) & (s1 == self.slots_per_page)
+        for order, create in ((np.flatnonzero(whole), True), (np.flatnonzero(~whole), False)):
+            seqs = rows.entry_sequence[order].tolist() if self.replay else [0] * order.size
+            for i, key in zip(order.tolist(), zip(seqs, rows.entry_base[order].tolist())):
+                page = self.index.get(key)
+                if page is None and create and len(self.index) < self.capacity:
+                    page = self.index[key] = len(self.index)
+                    new[i] = True
+                if page is not None:
+                    slots[i] = page
+        return slots, new
+
+    def store(self, i: int, view: torch.Tensor) -> torch.Tensor:
+        """Tensor ``i``'s store, shaped like its canonical ``view`` with ``capacity`` pages."""
+        st = self.stores.get(i)
+        if st is None:
+            inner = sorted(range(1, view.dim()), key=view.stride)
+            strides, span = [0] * view.dim(), 1
+            for d in inner:
+                strides[d] = span
+                span *= view.shape[d]
+            strides[0] = span
+            st = torch.empty(self.capacity * span, dtype=view.dtype, device=view.device)
+            st = self.stores[i] = st.as_strided((self.capacity, *view.shape[1:]), strides)
+        return st
+
+
+def _fill_pages_via_store(c: LaunchClass, t: LayerTensor, rows: ClassRows, view, store) -> None:
+    """Whole pages copied from ``store`` (``PageImages``): pages new to it
+    written there first, pages without one (slot -1) written directly; a run
+    of consecutive blocks whose store pages are consecutive too is one copy."""
+    kbs = c.layout.slots_per_kernel_block
+    slots, new, ids = rows.slots, rows.new, rows.page_ids
+    miss = slots < 0
+    build = np.flatnonzero(new | miss)
+    if build.size:  # only these pages need their value starts
+        table, start = value_source(c, t, rows.rows, rows.page_rows(build))
+        page_start = start.view(-1, kbs)
+        first = new[build]
+        if first.any():
+            _fill_pages_staged(store, c.layout, slots[build[first]].tolist(), page_start[torch.from_numpy(first)],
+                               table)
+        if not first.all():
+            _fill_pages_staged(view, c.layout, [ids[i] for i in build[~first]], page_start[torch.from_numpy(~first)],
+                               table)
+    hit = np.flatnonzero(~miss).tolist()
+    p = 0
+    while p < len(hit):
+        q = p + 1
+        while q < len(hit) and ids[hit[q]] == ids[hit[q - 1]] + 1 and slots[hit[q]] == slots[hit[q - 1]] + 1:
+            q += 1
+        b, s = ids[hit[p]], int(slots[hit[p]])
+        view[b: b + q - p].copy_(store[s: s + q - p])
+        p = q
+
+
+def _fill_per_entry(view, layout: Layout, rows: ClassRows, table, start) -> None:
+    """One copy (or fill) per rest entry, split at kernel blocks; ``start``:
+    the rest rows' value starts."""
     kbs = layout.slots_per_kernel_block
     windows = table.unfold(0, layout.row_size, 1) if start is not None else None
     buf = None
     if windows is not None:
         buf = torch.empty(kbs, layout.row_size, dtype=table.dtype, device=view.device)
-    for b, s0, s1, a in zip(*(x[only].tolist() for x in rows.entries)):
-        s = s0
-        while s < s1:  # one piece per kernel block the slot range crosses
+    blocks, s0, s1, _ = (x[rows.rest].tolist() for x in rows.rows.entries)
+    for b, s, end, a in zip(blocks, s0, s1, rows.rest_first.tolist()):
+        while s < end:  # one piece per kernel block the slot range crosses
             j, lo = divmod(s, kbs)
-            n = min(kbs - lo, s1 - s)
+            n = min(kbs - lo, end - s)
             dst = view[b, j, lo : lo + n]
             if windows is None:
                 dst.fill_(table[0])
@@ -296,9 +454,58 @@ def read_rows(cache: torch.Tensor, layout: Layout, rows: SlotRows) -> torch.Tens
 
 
 class TorchBackend(FillBackend):
-    """Fills with torch ops: CPU caches (vLLM's CPU platform), and the tests' reference."""
+    """Fills with torch ops: CPU caches (vLLM's CPU platform), and the tests' reference.
+
+    ``page_image_bytes``: the budget of ``PageImages`` over all launch classes
+    whose whole pages take the staged path (0: none).
+    """
 
     name = "torch"
+
+    def __init__(self, registry, page_image_bytes: int = PAGE_IMAGE_BYTES):
+        super().__init__(registry)
+        self.page_image_bytes = page_image_bytes
+        staged = [c for c in registry.classes if _pages_staged(c)]
+        per_page = sum(len(c.tensors) * c.layout.slots_per_kernel_block * c.layout.row_size * c.layout.itemsize
+                       for c in staged)
+        capacity = page_image_bytes // per_page if per_page else 0
+        self.images = {id(c): PageImages(c, capacity) for c in staged} if capacity > 0 else {}
+
+    def warmup(self, num_positions: int = 0) -> int:
+        """Write the page images of every whole page holding global positions
+        ``[0, num_positions)`` (each recorded sequence's, replaying), as far as
+        the budget goes: the first requests' whole pages are copies too, and
+        the stores' memory is taken at registration, not in a serving step."""
+        for c in self.registry.classes:
+            images = self.images.get(id(c))
+            if images is None:
+                continue
+            kbs = c.layout.slots_per_kernel_block
+            pages = int(self.registry.groups[c.group].dcp.local_count(num_positions)) // kbs
+            seqs = self.registry.num_sequences if images.replay else 1
+            n = min(images.capacity, pages * seqs)
+            if n == 0:
+                continue
+            k = np.arange(n, dtype=np.int64)
+            entries = GroupFill(np.zeros(n, np.int64), local_base=k % pages * kbs, sequence=k // pages)
+            rows = SlotRows(entries.normalized(kbs), self.registry.groups[c.group].dcp)
+            slots, new = images.assign(rows)
+            w = np.flatnonzero(new)
+            sel = (rows.entries[3][w][:, None] + np.arange(kbs)).reshape(-1)
+            for i, t in enumerate(c.tensors):
+                table, start = value_source(c, t, rows, sel)
+                store = images.store(i, canonical_view(t.tensor, c.layout))
+                _fill_pages_staged(store, c.layout, slots[w].tolist(), start.view(-1, kbs), table)
+        return 0
+
+    def describe(self) -> str:
+        """The page images held, if any."""
+        if not self.images:
+            return ""
+        held = sum(im.nbytes() for im in self.images.values())
+        pages = sum(im.num_pages for im in self.images.values())
+        return (f"page images: {pages} pages of {len(self.images)} launch class(es), {held / 2**20:.1f} MiB "
+                f"(budget {self.page_image_bytes / 2**20:.0f} MiB)")
 
     def fill(self, plan: Mapping[str, GroupFill]) -> int:
         rows = {g: SlotRows(entries, self.registry.groups[g].dcp) for g, entries in plan.items()}
@@ -306,6 +513,24 @@ class TorchBackend(FillBackend):
             r = rows.get(c.group)
             if r is None:
                 continue
-            for t in c.tensors:
-                fill_rows(t.tensor, c.layout, r, *value_source(c, t, r))
+            images = self.images.get(id(c))
+            split = ClassRows(r, c, images)
+            for i, t in enumerate(c.tensors):
+                store = images.store(i, canonical_view(t.tensor, c.layout)) if split.slots is not None else None
+                fill_tensor(c, t, split, store)
         return 0
+
+
+def _paged(c: LaunchClass) -> bool:
+    """Whether whole pages of this class are written a run of blocks at a time (``ClassRows.pages``)."""
+    layout = c.layout
+    return (c.mode in (V.NORMAL, V.REPLAY) and bool(layout.elem_shape) and layout.kernel_split == 1
+            and layout.slots_per_kernel_block * layout.row_size * layout.itemsize >= PAGE_BYTES)
+
+
+def _pages_staged(c: LaunchClass) -> bool:
+    """Whether this class's whole pages go through ``_fill_pages_staged`` (where ``PageImages`` pay)."""
+    if not _paged(c):
+        return False
+    gather = _page_gather(c.layout)
+    return gather is None or not gather.adjacent

@@ -333,7 +333,7 @@ class TritonBackend(FillBackend):
                 launches += 1
         return launches
 
-    def warmup(self) -> int:
+    def warmup(self, num_positions: int = 0) -> int:
         """Launch every class once with one empty entry (slots [0, 0)); a
         replaying engine also with a 4-column entry (device-built plans
         without sequences), so neither variant compiles under graph capture."""

@@ -156,20 +156,24 @@ def test_main_job_on_a_hybrid_sliding_window_model(tmp_path):
 def test_serving_benchmark_drives_a_real_server_with_vllms_client(tmp_path):
     """bench/serve.py end to end, small: vLLM's OpenAI server with kvfill (by
     plugin name) on loopback, driven by `vllm bench serve`, stopped after; the
-    record has the concurrency, no failed request, and kvfill's counters were
-    read from the served /metrics."""
+    record has the concurrency, no failed request, the figures of each of two
+    runs (other prompts: every request filled) and their medians, and
+    kvfill's counters were read from the served /metrics."""
     import json
+    import statistics
 
     from kvfill.bench import serve
 
     rc = serve.main(["--connectors", "kvfill", "--concurrency", "2", "--input-len", "300", "--output-len", "4",
-                     "--prompts-per-level", "4", "--kv-cache-gib", "1", "--model", str(tmp_path / "model"),
-                     "--out", str(tmp_path), "--log-dir", str(tmp_path / "logs")])
+                     "--prompts-per-level", "4", "--repeat", "2", "--kv-cache-gib", "1",
+                     "--model", str(tmp_path / "model"), "--out", str(tmp_path), "--log-dir", str(tmp_path / "logs")])
     assert rc == 0
     payload = json.loads((tmp_path / "serve-cpu.json").read_text())
     (rec,) = payload["records"]
     assert (rec["connector"], rec["concurrency"], rec["completed"], rec["failed"]) == ("kvfill", 2, 4, 0)
-    assert payload["server_metrics"]["kvfill"]["vllm:kvfill_requests_total"] == 4
+    assert len(rec["runs"]) == 2 and len(payload["commands"]["kvfill"]) == 3  # the server, two client runs
+    assert rec["p50_ttft_ms"] == statistics.median(r["p50_ttft_ms"] for r in rec["runs"])
+    assert payload["server_metrics"]["kvfill"]["vllm:kvfill_requests_total"] == 8
     assert payload["server_metrics"]["kvfill"]["vllm:kvfill_bytes_total"] > 0
     assert "--host" in payload["commands"]["kvfill"][0] and "127.0.0.1" in payload["commands"]["kvfill"][0]
 
@@ -195,7 +199,8 @@ def test_stopping_a_server_stops_its_whole_process_group(tmp_path):
 def test_page_bench_times_verified_fills_beside_a_memset():
     from kvfill.bench import page_bench
 
-    rows = page_bench.main(["--num-blocks", "8", "--planned", "4", "--layers", "1", "--repeat", "1"])
-    assert [r["impl"] for r in rows] == ["kvfill normal", "kvfill replay", "kvfill constant", "memset"]
+    rows = page_bench.main(["--num-blocks", "8", "--planned", "4", "--requests", "2", "--layers", "1", "--repeat", "1"])
+    assert [r["impl"] for r in rows] == ["kvfill normal", "kvfill replay", "kvfill normal, no page images",
+                                         "kvfill replay, no page images", "kvfill constant", "memset"]
     # (each kvfill row is verified inside page_bench.main; ms and GB/s round to 0.0 for tiny runs)
     assert all(r["ms"] >= 0 and r["GB/s"] >= 0 for r in rows)

@@ -43,6 +43,8 @@ def test_options_are_frozen():
         ("granularity", "page", "'token' or 'block'"),
         ("backend", "cuda", "one of ['auto', 'triton', 'torch']"),
         ("verify", "warn", "false, true, 'log' or 'raise'"),
+        ("page_image_mib", -1, "an int >= 0 (MiB; 0 keeps no page images)"),
+        ("page_image_mib", 0.5, "an int >= 0 (MiB; 0 keeps no page images)"),
     ],
 )
 def test_a_bad_value_names_the_key_the_value_and_what_was_expected(key, value, expected):
@@ -55,7 +57,7 @@ def test_a_bad_value_names_the_key_the_value_and_what_was_expected(key, value, e
 def test_an_unknown_key_lists_the_valid_ones():
     with pytest.raises(ValueError, match=r"unknown kv_connector_extra_config key\(s\) \['fill_sdt'\]; "
                                          r"valid keys: \['backend', 'bank', 'fill_mean', 'fill_mode', 'fill_std', "
-                                         r"'granularity', 'record_dir', 'record_positions', 'refill_on_preemption', "
+                                         r"'granularity', 'page_image_mib', 'record_dir', 'record_positions', 'refill_on_preemption', "
                                          r"'seed', 'startup_fill', 'verify'\]"):
         FillOptions.from_extra_config({"fill_sdt": 0.1})
 
