@@ -95,7 +95,7 @@ class KVFillWorker:
         bank = Bank.load(self.options.bank) if self.options.replay and not self.options.recording else None
         self.engine = FillEngine(groups, values=self.options.values, backend=self.options.backend,
                                  layer_ids=_layer_ids(kv_caches), bank=bank,
-                                 page_image_bytes=self.options.page_image_mib << 20)
+                                 page_image_bytes=0 if self.options.recording else self.options.page_image_mib << 20)
         if bank is not None:
             logger.info("KVFillConnector: replaying %s", bank.describe())
         self.planner = self._with_cache_slots(self.planner, self.engine)

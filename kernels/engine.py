@@ -71,9 +71,10 @@ class FillEngine:
         bank: Bank | None = None,
         page_image_bytes: int | None = None,
     ):
-        if page_image_bytes is not None and (isinstance(page_image_bytes, bool) or not isinstance(page_image_bytes, int)
-                                             or page_image_bytes < 0):
-            raise ValueError(f"page_image_bytes must be an int >= 0 (or None), got {page_image_bytes!r}")
+        if page_image_bytes is not None:
+            if not _is_int(page_image_bytes) or page_image_bytes < 0:
+                raise ValueError(f"page_image_bytes must be an int >= 0 (or None), got {page_image_bytes!r}")
+            page_image_bytes = int(page_image_bytes)
         self.values = values if values is not None else V.ValueSpec(mean, std, seed)
         self._registry = Registry(groups, self.values, layer_ids or {}, bank)
         self._backend = make_backend(backend, self._registry, page_image_bytes)
@@ -176,10 +177,10 @@ class FillEngine:
         first requests' pages are copies too.  Returns the number of launches
         (0 on the torch backend).
         """
-        if isinstance(num_positions, bool) or not isinstance(num_positions, int) or num_positions < 0:
+        if not _is_int(num_positions) or num_positions < 0:
             raise ValueError(f"num_positions must be an int >= 0, got {num_positions!r}")
         with self._on_device():
-            return self._backend.warmup(num_positions)
+            return self._backend.warmup(int(num_positions))
 
     def fill_device_entries(self, group: str, entries: torch.Tensor) -> int:
         """Fill from a plan already on the device, without host validation or sync.
@@ -216,3 +217,8 @@ class FillEngine:
         Synchronises with the device (reads the caches back).
         """
         return verify_plan(self._registry, self._checked(plan), max_report=max_report)
+
+
+def _is_int(x) -> bool:
+    """A Python or numpy integer, not a bool."""
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))

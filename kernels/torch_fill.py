@@ -16,6 +16,7 @@ large entries one strided ``copy_`` each; many small ones chunked
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from typing import Mapping, NamedTuple
@@ -339,60 +340,96 @@ class PageImages:
     spans on both sides.  A new page is written into the store (the staged
     path, the same bytes) before it is copied; pages past ``capacity`` are
     written directly, as without a store.  A partial block (a request's last)
-    copies its slots from its page when the store has it.  Stores are
-    allocated on first use and only the pages written take memory;
-    ``TorchBackend.warmup`` writes the pages of every position up front.
+    copies its slots from its page when the store has it.  Stores grow with
+    the pages assigned (doubling), so only pages in use take memory, and a
+    fill that raises forgets the pages it assigned; ``TorchBackend.warmup``
+    writes the pages of every position up front.
     """
 
     def __init__(self, c: LaunchClass, capacity: int):
         self.capacity = capacity
         self.replay = c.mode == V.REPLAY
         self.slots_per_page = c.layout.slots_per_kernel_block
+        self.limit: int | None = None  # rank-local positions past which no page is kept (set by warmup)
         self.index: dict[tuple[int, int], int] = {}
-        self.stores: dict[int, torch.Tensor] = {}
+        self.stores: dict[int, torch.Tensor] = {}  # tensor -> store of >= num_pages pages
+        self._added: list[tuple[int, int]] = []  # keys assigned by the fill in progress
 
     @property
     def num_pages(self) -> int:
         return len(self.index)
 
     def nbytes(self) -> int:
-        """Host memory the pages written so far take, over the class's stores."""
+        """Memory the pages written so far take, over the class's stores."""
         return sum(self.num_pages * st.stride(0) * st.element_size() for st in self.stores.values())
 
     def assign(self, rows: SlotRows) -> tuple[np.ndarray, np.ndarray]:
         """Per entry of ``rows``: its page in the store (-1: none) and whether
         this fill writes that page first.  Whole pages get a page while the
-        store has room; other entries (a request's last, partial block) are
-        copied from their page when it is there, written by this or an
-        earlier fill (or ``TorchBackend.warmup``), never written on their own."""
+        store has room (and below ``limit``); other entries (a request's last,
+        partial block) are copied from their page when it is there, written by
+        this or an earlier fill (or ``TorchBackend.warmup``), never written on
+        their own.  New pages count as written once ``commit`` is called."""
         blocks, s0, s1, _ = rows.entries
         slots = np.full(blocks.size, -1, dtype=np.int64)
         new = np.zeros(blocks.size, dtype=bool)
         whole = (s0 == 0) & (s1 == self.slots_per_page)
+        limit = self.limit
         for order, create in ((np.flatnonzero(whole), True), (np.flatnonzero(~whole), False)):
             seqs = rows.entry_sequence[order].tolist() if self.replay else [0] * order.size
             for i, key in zip(order.tolist(), zip(seqs, rows.entry_base[order].tolist())):
                 page = self.index.get(key)
-                if page is None and create and len(self.index) < self.capacity:
+                if page is None and create and len(self.index) < self.capacity and (
+                        limit is None or key[1] + self.slots_per_page <= limit):
                     page = self.index[key] = len(self.index)
+                    self._added.append(key)
                     new[i] = True
                 if page is not None:
                     slots[i] = page
         return slots, new
 
-    def store(self, i: int, view: torch.Tensor) -> torch.Tensor:
-        """Tensor ``i``'s store, shaped like its canonical ``view`` with ``capacity`` pages."""
+    def commit(self) -> None:
+        """The pages assigned since the last commit are written in every store."""
+        self._added.clear()
+
+    def rollback(self) -> None:
+        """Forget the pages assigned since the last commit (a fill that raised
+        before writing them): no later fill copies a page never written."""
+        for key in self._added:
+            del self.index[key]
+        self._added.clear()
+
+    def reserve(self, views: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Every tensor's store (``views``: the tensors' canonical views),
+        grown to hold the pages assigned so far: twice its pages or more, up
+        to ``capacity``, so only pages in use take memory."""
+        return [self._store(i, view) for i, view in enumerate(views)]
+
+    def _store(self, i: int, view: torch.Tensor) -> torch.Tensor:
+        """Tensor ``i``'s store: ``[pages, *canonical page]`` with compact strides in the order of ``view``'s."""
         st = self.stores.get(i)
-        if st is None:
-            inner = sorted(range(1, view.dim()), key=view.stride)
-            strides, span = [0] * view.dim(), 1
-            for d in inner:
-                strides[d] = span
-                span *= view.shape[d]
-            strides[0] = span
-            st = torch.empty(self.capacity * span, dtype=view.dtype, device=view.device)
-            st = self.stores[i] = st.as_strided((self.capacity, *view.shape[1:]), strides)
-        return st
+        have = 0 if st is None else st.shape[0]
+        if have >= self.num_pages:
+            return st
+        inner = sorted(range(1, view.dim()), key=view.stride)
+        strides, span = [0] * view.dim(), 1
+        for d in inner:
+            strides[d] = span
+            span *= view.shape[d]
+        strides[0] = span
+        pages = min(self.capacity, max(self.num_pages, 2 * have))
+        try:
+            grown = torch.empty(pages * span, dtype=view.dtype, device=view.device)
+        except RuntimeError as exc:
+            raise MemoryError(
+                f"page images: allocating {pages * span * view.element_size() / 2**20:.0f} MiB for {pages} pages "
+                f"of a store failed ({exc}); the page image budget is more than this host can give - lower "
+                f"page_image_bytes (the connector's page_image_mib; 0 keeps none)") from None
+        grown = grown.as_strided((pages, *view.shape[1:]), strides)
+        if have:
+            grown[:have].copy_(st)
+        self.stores[i] = grown
+        return grown
 
 
 def _fill_pages_via_store(c: LaunchClass, t: LayerTensor, rows: ClassRows, view, store) -> None:
@@ -475,13 +512,18 @@ class TorchBackend(FillBackend):
         """Write the page images of every whole page holding global positions
         ``[0, num_positions)`` (each recorded sequence's, replaying), as far as
         the budget goes: the first requests' whole pages are copies too, and
-        the stores' memory is taken at registration, not in a serving step."""
+        the stores' memory is taken at registration, not in a serving step.
+        Pages past those positions are not kept after this (no request
+        reaches them; a startup fill of every block would fill the budget)."""
         for c in self.registry.classes:
             images = self.images.get(id(c))
             if images is None:
                 continue
             kbs = c.layout.slots_per_kernel_block
-            pages = int(self.registry.groups[c.group].dcp.local_count(num_positions)) // kbs
+            local = int(self.registry.groups[c.group].dcp.local_count(num_positions))
+            if local:  # no request reaches past it: pages there are not worth keeping (startup_fill's)
+                images.limit = local
+            pages = local // kbs
             seqs = self.registry.num_sequences if images.replay else 1
             n = min(images.capacity, pages * seqs)
             if n == 0:
@@ -489,13 +531,14 @@ class TorchBackend(FillBackend):
             k = np.arange(n, dtype=np.int64)
             entries = GroupFill(np.zeros(n, np.int64), local_base=k % pages * kbs, sequence=k // pages)
             rows = SlotRows(entries.normalized(kbs), self.registry.groups[c.group].dcp)
-            slots, new = images.assign(rows)
-            w = np.flatnonzero(new)
-            sel = (rows.entries[3][w][:, None] + np.arange(kbs)).reshape(-1)
-            for i, t in enumerate(c.tensors):
-                table, start = value_source(c, t, rows, sel)
-                store = images.store(i, canonical_view(t.tensor, c.layout))
-                _fill_pages_staged(store, c.layout, slots[w].tolist(), start.view(-1, kbs), table)
+            with _writing(images):
+                slots, new = images.assign(rows)
+                w = np.flatnonzero(new)
+                sel = (rows.entries[3][w][:, None] + np.arange(kbs)).reshape(-1)
+                stores = images.reserve([canonical_view(t.tensor, c.layout) for t in c.tensors])
+                for t, store in zip(c.tensors, stores):
+                    table, start = value_source(c, t, rows, sel)
+                    _fill_pages_staged(store, c.layout, slots[w].tolist(), start.view(-1, kbs), table)
         return 0
 
     def describe(self) -> str:
@@ -514,11 +557,27 @@ class TorchBackend(FillBackend):
             if r is None:
                 continue
             images = self.images.get(id(c))
-            split = ClassRows(r, c, images)
-            for i, t in enumerate(c.tensors):
-                store = images.store(i, canonical_view(t.tensor, c.layout)) if split.slots is not None else None
-                fill_tensor(c, t, split, store)
+            with _writing(images):
+                split = ClassRows(r, c, images)
+                stores = [None] * len(c.tensors)
+                if split.slots is not None:
+                    stores = images.reserve([canonical_view(t.tensor, c.layout) for t in c.tensors])
+                for t, store in zip(c.tensors, stores):
+                    fill_tensor(c, t, split, store)
         return 0
+
+
+@contextlib.contextmanager
+def _writing(images: PageImages | None):
+    """Pages assigned inside count as written only if nothing raised."""
+    try:
+        yield
+    except BaseException:
+        if images is not None:
+            images.rollback()
+        raise
+    if images is not None:
+        images.commit()
 
 
 def _paged(c: LaunchClass) -> bool:

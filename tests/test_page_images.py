@@ -3,6 +3,7 @@ CPU's K/V layout already written are copied again for later requests at the
 same positions.  Every fill through the store writes the bytes a fill without
 it writes (itself checked against the Triton kernel in test_replay.py), and
 nothing else: poisoned memory around every write."""
+import numpy as np
 import pytest
 import torch
 from oracle import poisoned_buffer
@@ -149,3 +150,62 @@ def test_the_store_keeps_the_caches_stride_order():
             dims = [d for d in range(1, view.dim()) if view.shape[d] > 1]
             assert sorted(dims, key=view.stride) == sorted(dims, key=store.stride)
             assert store.stride(0) == SLOTS * HEADS * DIM  # a page of one part, dense
+
+
+def test_a_store_that_cannot_grow_forgets_its_new_pages_and_later_fills_stay_right(monkeypatch):
+    """The second tensor's store fails to allocate in the first fill: the
+    error names the budget, and the next fill writes its pages again instead
+    of copying pages that were never written."""
+    buf = poisoned_buffer(LAYERS * NB * PAGE, seed=4)
+    eng = engine(buf)
+    real, calls = torch.empty, []
+
+    def failing_empty(*a, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
+        return real(*a, **kw)
+
+    monkeypatch.setattr(torch_fill.torch, "empty", failing_empty)
+    with pytest.raises(MemoryError, match=r"page images: allocating .* MiB for 2 pages of a store failed .*"
+                                          r"lower page_image_bytes \(the connector's page_image_mib; 0 keeps none\)"):
+        eng.fill({"g": GroupFill([2, 3], local_base=[0, 8])})
+    monkeypatch.setattr(torch_fill.torch, "empty", real)
+    assert sum(im.num_pages for im in eng._backend.images.values()) == 0
+    later = GroupFill([5, 6], local_base=[0, 8])
+    eng.fill({"g": later})
+    assert eng.verify({"g": later}).ok
+    ref = poisoned_buffer(LAYERS * NB * PAGE, seed=4)
+    engine(ref, page_image_bytes=0).fill({"g": later})
+    caches, want = buf.view(LAYERS, NB, -1), ref.view(LAYERS, NB, -1)
+    assert torch.equal(caches[:, [5, 6]], want[:, [5, 6]])
+
+
+def test_stores_grow_with_the_pages_in_use_and_keep_them():
+    buf = poisoned_buffer(LAYERS * NB * PAGE, seed=4)
+    eng = engine(buf)
+    eng.fill({"g": GroupFill([2], local_base=[0])})
+    images = next(iter(eng._backend.images.values()))
+    assert images.capacity > 1000 and all(st.shape[0] == 1 for st in images.stores.values())
+    eng.fill({"g": GroupFill([3, 4, 5], local_base=[8, 16, 24])})
+    assert all(st.shape[0] == 4 for st in images.stores.values())
+    again = GroupFill([6, 7, 8, 0], local_base=[0, 8, 16, 24])  # all four from the grown stores
+    eng.fill({"g": again})
+    assert eng.verify({"g": again}).ok
+
+
+def test_after_warmup_pages_past_its_positions_are_not_kept():
+    buf = poisoned_buffer(LAYERS * NB * PAGE, seed=4)
+    eng = engine(buf)
+    eng.warmup(2 * SLOTS)
+    far = GroupFill([2, 3, 4], local_base=[0, 16, 48])
+    eng.fill({"g": far})
+    assert eng.verify({"g": far}).ok
+    assert sorted(next(iter(eng._backend.images.values())).index) == [(0, 0), (0, 8)]
+
+
+def test_numpy_integers_are_accepted():
+    buf = poisoned_buffer(LAYERS * NB * PAGE, seed=4)
+    eng = engine(buf, page_image_bytes=np.int64(1 << 20))
+    eng.warmup(np.int64(SLOTS))
+    assert sorted(next(iter(eng._backend.images.values())).index) == [(0, 0)]
