@@ -509,7 +509,7 @@ class TorchBackend(FillBackend):
         self.images = {id(c): PageImages(c, capacity) for c in staged} if capacity > 0 else {}
 
     def warmup(self, num_positions: int = 0) -> int:
-        """Write the page images of every whole page holding global positions
+        """Write the page images of every page holding global positions
         ``[0, num_positions)`` (each recorded sequence's, replaying), as far as
         the budget goes: the first requests' whole pages are copies too, and
         the stores' memory is taken at registration, not in a serving step.
@@ -521,9 +521,9 @@ class TorchBackend(FillBackend):
                 continue
             kbs = c.layout.slots_per_kernel_block
             local = int(self.registry.groups[c.group].dcp.local_count(num_positions))
-            if local:  # no request reaches past it: pages there are not worth keeping (startup_fill's)
-                images.limit = local
-            pages = local // kbs
+            pages = -(-local // kbs)  # the last one partly: a request's last block copies its slots from it
+            if pages:  # no request reaches past them: pages there are not worth keeping (startup_fill's)
+                images.limit = pages * kbs
             seqs = self.registry.num_sequences if images.replay else 1
             n = min(images.capacity, pages * seqs)
             if n == 0:

@@ -111,16 +111,18 @@ def test_replay_keeps_a_page_per_sequence_and_position():
 def test_warmup_writes_the_images_of_every_position_and_nothing_to_the_caches(monkeypatch):
     buf = poisoned_buffer(LAYERS * NB * PAGE, seed=4)
     eng = engine(buf)
-    eng.warmup(3 * SLOTS + 5)  # pages at 0, 8, 16 whole; position 24.. not a whole page
+    eng.warmup(3 * SLOTS + 5)  # positions [0, 29): pages at 0, 8, 16 and the one at 24 that holds 24..28
     assert_same_bytes(buf, poisoned_buffer(LAYERS * NB * PAGE, seed=4))
-    assert sorted(next(iter(eng._backend.images.values())).index) == [(0, 0), (0, 8), (0, 16)]
-    assert "page images: 6 pages of 2 launch class(es)" in eng.describe()
+    assert sorted(next(iter(eng._backend.images.values())).index) == [(0, 0), (0, 8), (0, 16), (0, 24)]
+    assert "page images: 8 pages of 2 launch class(es)" in eng.describe()
     calls = staged_calls(monkeypatch)
     eng.fill({"g": FIRST})
+    eng.fill({"g": GroupFill([5], slot_end=[5], local_base=[24])})  # a last block at the last page
     assert calls == [], "a warmed page was written again"
     assert eng.verify({"g": FIRST}).ok
+    assert eng.verify({"g": GroupFill([5], slot_end=[5], local_base=[24])}).ok
     untouched = poisoned_buffer(LAYERS * NB * PAGE, seed=4).view(LAYERS, NB, -1)
-    keep = [b for b in range(NB) if b not in (2, 3, 4)]
+    keep = [b for b in range(NB) if b not in (2, 3, 4, 5)]
     assert torch.equal(buf.view(LAYERS, NB, -1)[:, keep], untouched[:, keep])
 
 
