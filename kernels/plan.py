@@ -17,6 +17,9 @@ read after one upload of ``int32[num_entries, 4]`` (16 bytes per entry):
 For a request whose block table is ``[b0, b1, ...]`` and whose rank-local
 external slots are ``[lo, hi)``, the entries are the blocks overlapping
 ``[lo, hi)`` with ``local_base = k * slots_per_block`` for the k-th block.
+Entries may repeat or overlap where they agree on what a slot holds (same
+``local_base`` and ``sequence``); two entries that would write one slot with
+other values are refused (``GroupFill.validate``).
 """
 from __future__ import annotations
 
@@ -123,6 +126,39 @@ class GroupFill:
             raise ValueError(
                 f"group {group!r} entry {i} (block {int(blocks[i])}): sequence {int(self.sequence[i])} is out of "
                 f"range; expected 0 <= sequence < {num_sequences} (the bank's recorded sequences; 0 without a bank)"
+            )
+        self._check_one_writer(group, slots_per_block)
+
+    def _check_one_writer(self, group: str, slots_per_block: int) -> None:
+        """Entries that write a slot of the same block must agree on its
+        value (local_base, sequence): repeated entries are fine, two writers
+        of one slot with other values are not (on a GPU the result would be
+        whichever landed last).  Entries sorted by (block, slot_start), each is
+        compared with the earlier entry of its block reaching furthest: if it
+        agrees, any other earlier writer of that slot disagrees with it too,
+        and was caught before."""
+        live = np.flatnonzero(self.slot_end > self.slot_start)
+        if live.size < 2:
+            return
+        order = live[np.lexsort((self.slot_start[live], self.block_ids[live]))]
+        b, e = self.block_ids[order], self.slot_end[order]
+        n = order.size
+        # Running maximum of (block, end), carrying the index of the entry that holds it.
+        reach = np.maximum.accumulate(((b * (slots_per_block + 1) + e) * n) + np.arange(n))
+        holder = order[reach[:-1] % n]
+        later = order[1:]
+        same_block = self.block_ids[holder] == self.block_ids[later]
+        overlap = same_block & (self.slot_start[later] < self.slot_end[holder])
+        clash = overlap & ((self.local_base[holder] != self.local_base[later])
+                           | (self.sequence[holder] != self.sequence[later]))
+        if clash.any():
+            k = int(np.flatnonzero(clash)[0])
+            i, j = sorted((int(holder[k]), int(later[k])))
+            raise ValueError(
+                f"group {group!r} entries {i} and {j} both write block {int(self.block_ids[i])} slot "
+                f"{int(self.slot_start[later[k]])} with other values (local_base {int(self.local_base[i])} vs "
+                f"{int(self.local_base[j])}, sequence {int(self.sequence[i])} vs {int(self.sequence[j])}); "
+                f"expected entries that write one slot to agree on its token"
             )
 
 

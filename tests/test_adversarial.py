@@ -131,3 +131,37 @@ class TestConnector:
         h.add("b", list(range(100, 140)))
         with pytest.raises(RuntimeError, match=r"verify found \d+ of \d+ elements mismatched"):
             h.step()
+
+
+@pytest.mark.parametrize("entries, pair", [
+    # (block, slot_start, slot_end, local_base, sequence); the two entries named in the error
+    ([(2, 0, 4, 0, 0), (2, 0, 4, 8, 0)], (0, 1)),                      # a block planned for two positions
+    ([(2, 0, 4, 0, 0), (1, 0, 4, 4, 0), (2, 3, 4, 8, 0)], (0, 2)),     # overlapping at slot 3
+    ([(5, 0, 4, 0, 0), (5, 0, 1, 0, 0), (5, 2, 3, 16, 0)], (0, 2)),     # reaches back past an agreeing entry
+])
+def test_two_writers_of_one_slot_with_other_values_are_refused_and_nothing_is_written(backend, entries, pair):
+    buf = poisoned_buffer(6 * 2 * 4 * 8 * 4, seed=2)
+    cache = buf.view(torch.float32).view(6, 2, 4, 8)
+    eng = FillEngine({"g": CacheGroup({"l": cache})}, mean=0.0, std=1.0, backend=backend)
+    plan = GroupFill(*[list(c) for c in zip(*[e[:4] for e in entries])])
+    i, j = pair
+    with pytest.raises(ValueError, match=rf"group 'g' entries {i} and {j} both write block \d+ slot \d+ with "
+                                         r"other values .*expected entries that write one slot to agree"):
+        eng.fill({"g": plan})
+    assert torch.equal(buf, poisoned_buffer(buf.numel(), seed=2))
+
+
+def test_two_writers_of_one_slot_from_other_sequences_are_refused():
+    plan = GroupFill([3, 3, 3], [0, 0, 1], [4, 2, 2], [0, 0, 0], sequence=[0, 0, 1]).normalized(4)
+    with pytest.raises(ValueError, match=r"group 'g' entries 0 and 2 both write block 3 slot 1 with other values "
+                                         r"\(local_base 0 vs 0, sequence 0 vs 1\)"):
+        plan.validate("g", num_blocks=6, slots_per_block=4, num_sequences=2)
+
+
+def test_writers_that_agree_may_overlap():
+    """Repeated and nested entries with the same token positions are one writer."""
+    a, b = torch.zeros(6, 2, 4, 8), torch.zeros(6, 2, 4, 8)
+    FillEngine({"g": CacheGroup({"l": a})}, std=1.0).fill(
+        {"g": GroupFill([2, 2, 2], [0, 1, 2], [4, 3, 4], [8, 8, 8])})
+    FillEngine({"g": CacheGroup({"l": b})}, std=1.0).fill({"g": GroupFill([2], [0], [4], [8])})
+    assert torch.equal(a, b) and a[2].abs().sum() > 0
