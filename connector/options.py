@@ -41,7 +41,7 @@ class FillOptions:
     granularity: Granularity = Granularity.TOKEN  # "token": external slots only; "block": whole blocks
     refill_on_preemption: bool = True  # a preempted request is filled again, not prefilled for real
     backend: str = "auto"              # "auto" / "triton" / "torch"
-    page_image_mib: int = 1024         # torch backend: host memory for whole pages kept to copy again (0: none)
+    page_image_mib: int = 1024         # torch backend: memory for whole pages kept to copy again (0: none)
     verify: str | None = None          # None / "log" / "raise": re-check every fill (debug aid; syncs)
     record_dir: str | None = None      # record role (kvfill.record): save prompt KV rows here, fill nothing
     record_positions: int = 0          # record role: the positions [0, N) saved per prompt

@@ -57,9 +57,9 @@ def make_backend(name: str, registry: Registry, page_image_bytes: int | None = N
     if name == "auto":
         name = "torch" if on_cpu else "triton"
     if name == "torch":
-        from .torch_fill import PAGE_IMAGE_BYTES, TorchBackend
+        from .torch_fill import TorchBackend
 
-        return TorchBackend(registry, PAGE_IMAGE_BYTES if page_image_bytes is None else page_image_bytes)
+        return TorchBackend(registry, page_image_bytes)
     if on_cpu and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(
             "backend 'triton' on CPU tensors needs TRITON_INTERPRET=1 set before kvfill "

@@ -53,8 +53,8 @@ class FillEngine:
     device once, here.  ``backend``: ``auto`` (Triton for GPU caches, torch
     for CPU caches), ``triton`` or ``torch``; ``layer_ids``: layer name ->
     index for the value function (default: registration order).
-    ``page_image_bytes`` (torch backend): how much host memory may keep whole
-    pages already written, to copy them for later requests at the same
+    ``page_image_bytes`` (torch backend): how much memory on the caches'
+    device may keep whole pages already written, to copy them for later requests at the same
     positions (``torch_fill.PageImages``; None: 1 GiB, 0: none).
     """
 

@@ -130,7 +130,7 @@ class ClassRows:
         self.slots = self.new = None
         self.partial = self.partial_slots = np.zeros(0, dtype=np.int64)
         rest = ~whole
-        if images is not None and self.gather is None and _paged(c):
+        if images is not None:  # a class with images: its pages are staged (_pages_staged), not gathered
             slots, new = images.assign(rows)
             self.slots, self.new = slots[self.pages], new[self.pages]
             from_store = rest & (slots >= 0)
@@ -170,12 +170,11 @@ def fill_tensor(c: LaunchClass, t: LayerTensor, rows: ClassRows, store: torch.Te
     if rows.pages.size:
         if rows.slots is not None:
             _fill_pages_via_store(c, t, rows, view, store)
-        else:
+        elif rows.gather is not None:
             table, start = value_source(c, t, rows.rows, rows.page_rows(slice(None)))
-            if rows.gather is not None:
-                _fill_pages_direct(t.tensor, layout, rows.page_ids, start.view(-1, kbs), table, rows.gather)
-            else:
-                _fill_pages_staged(view, layout, rows.page_ids, start.view(-1, kbs), table)
+            _fill_pages_direct(t.tensor, layout, rows.page_ids, start.view(-1, kbs), table, rows.gather)
+        else:
+            _write_pages(c, t, rows, slice(None), view, rows.page_ids)
     if rows.partial.size:  # after the pages: a page this fill put in the store is there now
         blocks, s0, s1, _ = (x[rows.partial].tolist() for x in rows.rows.entries)
         for b, lo, hi, page in zip(blocks, s0, s1, rows.partial_slots.tolist()):
@@ -432,24 +431,26 @@ class PageImages:
         return grown
 
 
+def _write_pages(c: LaunchClass, t: LayerTensor, rows: ClassRows, which, dst, dst_pages: list[int]) -> None:
+    """The pages ``rows.pages[which]`` of tensor ``t``, from the value source
+    through the staging buffer, into pages ``dst_pages`` of ``dst`` (the
+    cache's canonical view or a ``PageImages`` store)."""
+    table, start = value_source(c, t, rows.rows, rows.page_rows(which))
+    _fill_pages_staged(dst, c.layout, dst_pages, start.view(-1, c.layout.slots_per_kernel_block), table)
+
+
 def _fill_pages_via_store(c: LaunchClass, t: LayerTensor, rows: ClassRows, view, store) -> None:
     """Whole pages copied from ``store`` (``PageImages``): pages new to it
     written there first, pages without one (slot -1) written directly; a run
     of consecutive blocks whose store pages are consecutive too is one copy."""
-    kbs = c.layout.slots_per_kernel_block
-    slots, new, ids = rows.slots, rows.new, rows.page_ids
+    slots, ids = rows.slots, rows.page_ids
     miss = slots < 0
-    build = np.flatnonzero(new | miss)
-    if build.size:  # only these pages need their value starts
-        table, start = value_source(c, t, rows.rows, rows.page_rows(build))
-        page_start = start.view(-1, kbs)
-        first = new[build]
-        if first.any():
-            _fill_pages_staged(store, c.layout, slots[build[first]].tolist(), page_start[torch.from_numpy(first)],
-                               table)
-        if not first.all():
-            _fill_pages_staged(view, c.layout, [ids[i] for i in build[~first]], page_start[torch.from_numpy(~first)],
-                               table)
+    new = np.flatnonzero(rows.new)
+    if new.size:
+        _write_pages(c, t, rows, new, store, slots[new].tolist())
+    if miss.any():
+        direct = np.flatnonzero(miss)
+        _write_pages(c, t, rows, direct, view, [ids[i] for i in direct])
     hit = np.flatnonzero(~miss).tolist()
     p = 0
     while p < len(hit):
@@ -494,14 +495,14 @@ class TorchBackend(FillBackend):
     """Fills with torch ops: CPU caches (vLLM's CPU platform), and the tests' reference.
 
     ``page_image_bytes``: the budget of ``PageImages`` over all launch classes
-    whose whole pages take the staged path (0: none).
+    whose whole pages take the staged path (None: ``PAGE_IMAGE_BYTES``, 0: none).
     """
 
     name = "torch"
 
-    def __init__(self, registry, page_image_bytes: int = PAGE_IMAGE_BYTES):
+    def __init__(self, registry, page_image_bytes: int | None = None):
         super().__init__(registry)
-        self.page_image_bytes = page_image_bytes
+        self.page_image_bytes = page_image_bytes = PAGE_IMAGE_BYTES if page_image_bytes is None else page_image_bytes
         staged = [c for c in registry.classes if _pages_staged(c)]
         per_page = sum(len(c.tensors) * c.layout.slots_per_kernel_block * c.layout.row_size * c.layout.itemsize
                        for c in staged)
@@ -532,13 +533,11 @@ class TorchBackend(FillBackend):
             entries = GroupFill(np.zeros(n, np.int64), local_base=k % pages * kbs, sequence=k // pages)
             rows = SlotRows(entries.normalized(kbs), self.registry.groups[c.group].dcp)
             with _writing(images):
-                slots, new = images.assign(rows)
-                w = np.flatnonzero(new)
-                sel = (rows.entries[3][w][:, None] + np.arange(kbs)).reshape(-1)
+                split = ClassRows(rows, c, images)  # every entry a whole page of block 0, never written
+                new = np.flatnonzero(split.new)
                 stores = images.reserve([canonical_view(t.tensor, c.layout) for t in c.tensors])
                 for t, store in zip(c.tensors, stores):
-                    table, start = value_source(c, t, rows, sel)
-                    _fill_pages_staged(store, c.layout, slots[w].tolist(), start.view(-1, kbs), table)
+                    _write_pages(c, t, split, new, store, split.slots[new].tolist())
         return 0
 
     def describe(self) -> str:
