@@ -1,8 +1,19 @@
 #!/usr/bin/env bash
 # One-shot GPU run for a machine with torch and triton but no vLLM and no
-# network (the lent H200): the test suite on CUDA, then the GPU check.
+# network (the lent H200): the whole test suite on CUDA, then the GPU check,
+# then a one-screen summary (failures by test id, the check's table).
 #   device run:  bash bench/device_check.sh        (results under $OUT)
-# kvfill is put on the path through a namespace shim, so nothing is installed.
+#
+# A lent GPU gives ~15 minutes in all, machine start included, so the run must
+# report everything the first time and fit in ~8 minutes, compiles included:
+#   * the suite runs to the end (no -x) under a time budget
+#     (KVFILL_TEST_BUDGET_S, default 240 s): tests past it are skipped and named
+#     in the summary; a hard limit 60 s past it kills a hung suite;
+#   * gpu_check.py runs whatever the suite did, under its own budget
+#     (KVFILL_CHECK_BUDGET_S, default 180 s; sections past it are named);
+#   * the exit status is non-zero if either failed.
+# PY names the python to run (default python3); kvfill is put on the path
+# through a namespace shim, so nothing is installed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-bench/results}
@@ -14,7 +25,64 @@ ln -s "$PWD/connector" "$site/kvfill/connector"
 ln -s "$PWD/bench" "$site/kvfill/bench"
 export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 PY=${PY:-python3}
+TEST_BUDGET=${KVFILL_TEST_BUDGET_S:-240}
+CHECK_BUDGET=${KVFILL_CHECK_BUDGET_S:-180}
+# Fewer fuzz examples than CI's 200: every example may compile new variants.
+export KVFILL_FUZZ_EXAMPLES=${KVFILL_FUZZ_EXAMPLES:-60}
+
+phases=()
+run_start=$SECONDS
+phase_start=$SECONDS
+end_phase() {  # name status
+  phases+=("$(printf '%-22s %4d s  (exit %s)' "$1" $((SECONDS - phase_start)) "$2")")
+  phase_start=$SECONDS
+}
+
+echo "== machine"
 nvidia-smi -L || true
-"$PY" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
-KVFILL_TEST_DEVICE=cuda "$PY" -m pytest -q -p no:cacheprovider -x tests 2>&1 | tee "$out/gpu-tests.log" | tail -15
-"$PY" bench/gpu_check.py --out "$out" 2>&1 | tee "$out/gpu-check.log"
+"$PY" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA device')"
+end_phase "machine" $?
+
+echo "== test suite on CUDA (budget ${TEST_BUDGET} s)"
+KVFILL_TEST_DEVICE=cuda KVFILL_TEST_BUDGET_S=$TEST_BUDGET \
+  timeout -k 10 $((TEST_BUDGET + 60)) \
+  "$PY" -m pytest -q -p no:cacheprovider -rfEs tests >"$out/gpu-tests.log" 2>&1
+tests_rc=$?
+tail -5 "$out/gpu-tests.log"
+end_phase "test suite" $tests_rc
+
+echo "== gpu_check (budget ${CHECK_BUDGET} s)"
+"$PY" bench/gpu_check.py --out "$out" --budget-s "$CHECK_BUDGET" >"$out/gpu-check.log" 2>&1
+check_rc=$?
+grep '^\[' "$out/gpu-check.log" | tail -30
+end_phase "gpu_check" $check_rc
+
+{
+  echo
+  echo "================ device check summary ================"
+  printf '%s\n' "${phases[@]}"
+  echo "total                  $((SECONDS - run_start)) s"
+  echo "-- tests (log: $out/gpu-tests.log)"
+  case $tests_rc in
+    0) echo "suite passed" ;;
+    124|137) echo "suite KILLED at the hard limit ($((TEST_BUDGET + 60)) s): the log shows how far it got" ;;
+    *) echo "suite FAILED (pytest exit $tests_rc)" ;;
+  esac
+  grep -E '^[0-9]+ (passed|failed)|^=+ .*(passed|failed|error).* =+$|^[0-9]+ (skipped|error)' "$out/gpu-tests.log" | tail -1
+  grep -E '^(FAILED|ERROR) ' "$out/gpu-tests.log" | cut -c1-160
+  budget_skips=$(grep -E "^BUDGET-SKIPPED " "$out/gpu-tests.log")
+  if [ -n "$budget_skips" ]; then
+    echo "skipped for the time budget:"
+    echo "$budget_skips" | cut -c1-160
+  fi
+  echo "-- gpu_check (log: $out/gpu-check.log)"
+  [ $check_rc -eq 0 ] || echo "gpu_check FAILED (exit $check_rc)"
+  if [ -s "$out/gpu-check-summary.txt" ]; then
+    cat "$out/gpu-check-summary.txt"
+  else
+    echo "no summary written; the log's last lines:"
+    tail -15 "$out/gpu-check.log"
+  fi
+} | tee "$out/device-check-summary.txt"
+
+[ $tests_rc -eq 0 ] && [ $check_rc -eq 0 ]

@@ -40,8 +40,8 @@ def _engine(layers, case, encoding, backend, std):
 
 def check_case(case, dtype, encoding, device, std):
     itemsize = torch.empty((), dtype=dtype).element_size()
-    g = torch.Generator().manual_seed(99)
-    host = torch.randint(0, 256, (case.nbytes(itemsize),), dtype=torch.uint8, generator=g)
+    g = torch.Generator(device="cpu").manual_seed(99)
+    host = torch.randint(0, 256, (case.nbytes(itemsize),), dtype=torch.uint8, generator=g, device="cpu")
     dev = host.to(device)
     entries = STATE_ENTRIES if case.state_list else SLOT_ENTRIES
     blocks, lo, hi, base = zip(*entries)

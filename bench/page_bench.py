@@ -46,8 +46,8 @@ def main(argv=None):
     per_request = a.planned // a.requests
     plan = {"g": GroupFill(ids, local_base=np.arange(ids.size) % per_request * slots)}
     layers = {f"model.layers.{i}.attn": cpu_kv_parts(c, dim) for i, c in enumerate(caches)}
-    g = torch.Generator().manual_seed(0)
-    bank = Bank({n: torch.randn(1, per_request * slots, 2 * heads * dim, generator=g).to(torch.bfloat16)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    bank = Bank({n: torch.randn(1, per_request * slots, 2 * heads * dim, generator=g, device="cpu").to(torch.bfloat16)
                  for n in layers})
     rows = []
     nbytes = 0

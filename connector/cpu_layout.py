@@ -52,9 +52,9 @@ def layout_matches(isa: str, dtype: torch.dtype, heads: int, slots: int, head_si
 
     scratch = torch.zeros(2, heads, slots, 2 * head_size, dtype=dtype)
     key_cache, value_cache = scratch.view(2, heads, 2 * slots, head_size).chunk(2, dim=2)
-    g = torch.Generator().manual_seed(0)
-    key = torch.randn(2, heads, head_size, generator=g).to(dtype)
-    value = torch.randn(2, heads, head_size, generator=g).to(dtype)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    key = torch.randn(2, heads, head_size, generator=g, device="cpu").to(dtype)
+    value = torch.randn(2, heads, head_size, generator=g, device="cpu").to(dtype)
     where = [1, slots - 1]  # block 1: its second and last slot
     try:
         ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache,

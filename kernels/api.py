@@ -215,7 +215,10 @@ def fill_blocks(
     ``release_captured_fills()`` (``kvfill.kernels.capture``).
     """
     tensors = _flatten(caches)
-    if tensors and stream_capturing():  # before any conversion: host ids are refused
+    # Before any conversion: host ids are refused under capture.  Not while
+    # Dynamo traces (vLLM compiles with fullgraph=True): it cannot trace the
+    # capture query, and the op checks again when it runs.
+    if tensors and not torch.compiler.is_compiling() and stream_capturing():
         check_capture_ids(block_ids, tensors[0].device)
     if isinstance(block_ids, torch.Tensor):
         ids = block_ids.to(torch.int64)  # validated inside the op (traceable here)

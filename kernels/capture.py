@@ -24,9 +24,18 @@ import torch
 INT32_MAX = 2**31 - 1
 
 
+def cuda_available() -> bool:
+    """``torch.cuda.is_available()``; its own name so a CPU test can report
+    CUDA here alone (patching torch's breaks torch.compile's own probes)."""
+    return torch.cuda.is_available()
+
+
 def stream_capturing() -> bool:
-    """Whether the current CUDA stream is capturing a graph (False without CUDA)."""
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    """Whether the current CUDA stream is capturing a graph (False without CUDA).
+
+    Not traceable by Dynamo (a torch function returning a bool): callers
+    skip it while ``torch.compiler.is_compiling()``."""
+    return cuda_available() and torch.cuda.is_current_stream_capturing()
 
 
 def check_capture_ids(block_ids, device: torch.device) -> None:

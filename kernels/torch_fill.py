@@ -172,7 +172,7 @@ def fill_tensor(c: LaunchClass, t: LayerTensor, rows: ClassRows, store: torch.Te
             _fill_pages_via_store(c, t, rows, view, store)
         elif rows.gather is not None:
             table, start = value_source(c, t, rows.rows, rows.page_rows(slice(None)))
-            _fill_pages_direct(t.tensor, layout, rows.page_ids, start.view(-1, kbs), table, rows.gather)
+            _fill_pages_direct(t.tensor, layout, rows.page_ids, start.view(-1, kbs), table)
         else:
             _write_pages(c, t, rows, slice(None), view, rows.page_ids)
     if rows.partial.size:  # after the pages: a page this fill put in the store is there now
@@ -218,14 +218,21 @@ class PageGather(NamedTuple):
 
 
 @functools.lru_cache(maxsize=64)
-def _page_gather(layout: Layout) -> PageGather | None:
+def _page_gather(layout: Layout, device: torch.device | None = None) -> PageGather | None:
     """How to write whole kernel-block pages with ``index_select`` straight into
     the cache, when the page holds its innermost element dim (size ``run``,
     stride 1) in rows of one contiguous region that includes the slot dim -
     vLLM CPU's ``(2, num_blocks, H, N, D)``: each of K and V is one contiguous
-    ``[H, N, D]`` region.  None for other layouts.  Cached: a function of the
-    layout only, asked for every tensor of every fill.
+    ``[H, N, D]`` region.  None for other layouts.  Its index tensors are on
+    ``device`` (None: the CPU, whatever torch's default device is).  Cached: a
+    function of the layout and device only, asked for every tensor of every fill.
     """
+    if device is not None:
+        host = _page_gather(layout)
+        if host is None:
+            return None
+        return host._replace(elem_off=host.elem_off.to(device), slot=host.slot.to(device),
+                             loop_val=host.loop_val.to(device))
     if not layout.elem_shape or layout.elem_strides[-1] != 1 or layout.kernel_split != 1:
         return None
     run = layout.elem_shape[-1]
@@ -245,24 +252,26 @@ def _page_gather(layout: Layout) -> PageGather | None:
         return None
     loops = [d for d in dims if d not in region]
     # Rows of the region in memory order: their slot and element value offset.
-    grids = torch.meshgrid(*[torch.arange(sz) for sz, _, _ in region], indexing="ij")
+    grids = torch.meshgrid(*[torch.arange(sz, device="cpu") for sz, _, _ in region], indexing="ij")
     # Start from a grid-shaped zero: a region holding only the slot dim still has one row per slot.
     elem_off = sum((g * m for g, (_, _, m) in zip(grids, region) if m is not None), torch.zeros_like(grids[0]))
     slot = next(g for g, (_, _, m) in zip(grids, region) if m is None)
-    loop_grids = torch.meshgrid(*[torch.arange(sz) for sz, _, _ in loops], indexing="ij") if loops else []
-    loop_mem = sum((g * st for g, (_, st, _) in zip(loop_grids, loops)), torch.zeros((), dtype=torch.int64))
-    loop_val = sum((g * m for g, (_, _, m) in zip(loop_grids, loops)), torch.zeros((), dtype=torch.int64))
+    loop_grids = (torch.meshgrid(*[torch.arange(sz, device="cpu") for sz, _, _ in loops], indexing="ij")
+                  if loops else [])
+    zero = torch.zeros((), dtype=torch.int64, device="cpu")
+    loop_mem = sum((g * st for g, (_, st, _) in zip(loop_grids, loops)), zero)
+    loop_val = sum((g * m for g, (_, _, m) in zip(loop_grids, loops)), zero)
     num_rows = elem_off.numel()
     return PageGather(run, elem_off.reshape(-1).long(), slot.reshape(-1), loop_mem.reshape(-1).tolist(),
                       loop_val.reshape(-1), layout.block_stride == num_rows * run)
 
 
-def _fill_pages_direct(cache, layout: Layout, ids: list[int], page_start, table, gather: PageGather) -> None:
+def _fill_pages_direct(cache, layout: Layout, ids: list[int], page_start, table) -> None:
     """Fill (normal, replay) of whole pages ``ids`` in one pass (no staging
     buffer), for layouts whose page regions of consecutive blocks are adjacent
-    (``gather.adjacent``); ``page_start[i, s]``: the value-source start of
-    page i's slot s."""
-    run, elem_off, slot, loop_mem, loop_val, _ = gather
+    (``_page_gather(layout).adjacent``); ``page_start[i, s]``: the value-source
+    start of page i's slot s."""
+    run, elem_off, slot, loop_mem, loop_val, _ = _page_gather(layout, page_start.device)
     windows = table.unfold(0, run, 1)  # window k = table[k : k + run]
     # Value index of every row of every region of every page: [regions, pages, rows].
     idx = (page_start[:, slot][None, :, :] + elem_off[None, None, :] + loop_val[:, None, None]).contiguous()

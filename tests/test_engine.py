@@ -122,6 +122,31 @@ def test_fill_blocks_is_a_custom_op_that_compiles():
     assert (t[[1, 3]] == 0.5).all() and (t[[0, 2]] == 0).all()
 
 
+def test_fill_blocks_compiles_with_fullgraph_where_cuda_is_available(monkeypatch):
+    """On a GPU machine Dynamo must not trace the capture query (a torch
+    function returning a bool, which fullgraph=True refuses); the op asks
+    it when it runs.  Simulated: CUDA reported available to kvfill's capture
+    check, torch's own capture query answering False at run time."""
+    from kvfill.kernels import capture
+
+    monkeypatch.setattr(capture, "cuda_available", lambda: True)
+    monkeypatch.setattr(torch.cuda.graphs, "_cuda_isCurrentStreamCapturing", lambda: False)
+    torch._dynamo.reset()
+    buf = poisoned_buffer(4 * 2 * 4 * 8 * 4, seed=3)
+    poison = buf.clone()
+    t = buf.view(torch.float32).view(4, 2, 4, 8)
+
+    @torch.compile(fullgraph=True, backend="aot_eager")
+    def step(cache, ids):
+        fill_blocks([cache], ids, mean=0.5, backend="torch")
+        return cache[1].sum()
+
+    assert step(t, torch.tensor([1, 3])).item() == pytest.approx(0.5 * 2 * 4 * 8)
+    assert (t[[1, 3]] == 0.5).all()
+    pages = buf.view(4, -1)
+    assert torch.equal(pages[[0, 2]], poison.view(4, -1)[[0, 2]])
+
+
 def test_custom_op_schema_declares_the_mutation():
     schema = torch.ops.kvfill.fill_blocks.default._schema
     assert schema.arguments[0].alias_info is not None and schema.arguments[0].alias_info.is_write

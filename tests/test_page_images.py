@@ -95,8 +95,9 @@ def test_no_budget_keeps_no_images():
 
 
 def test_replay_keeps_a_page_per_sequence_and_position():
-    g = torch.Generator().manual_seed(1)
-    bank = Bank({f"l{i}": torch.randn(2, 40, 2 * HEADS * DIM, generator=g).to(torch.bfloat16) for i in range(LAYERS)})
+    g = torch.Generator(device="cpu").manual_seed(1)
+    bank = Bank({f"l{i}": torch.randn(2, 40, 2 * HEADS * DIM, generator=g, device="cpu").to(torch.bfloat16)
+                 for i in range(LAYERS)})
     a = GroupFill([2, 3], local_base=[0, 8], sequence=[0, 0])
     b = GroupFill([4, 5, 6], slot_end=[8, 8, 4], local_base=[0, 8, 16], sequence=[1, 1, 1])
     c = GroupFill([7, 8], slot_end=[8, 6], local_base=[0, 8], sequence=[0, 0])

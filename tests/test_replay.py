@@ -28,7 +28,7 @@ DTYPES = [
 def random_bank(layers, case, dtype, seqs=SEQS, positions=POSITIONS, seed=5) -> Bank:
     """Random bits per layer, ``[S, N, layer row]`` in ``dtype`` (any bit
     pattern: replay moves bits, it never decodes them)."""
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(device="cpu").manual_seed(seed)
     out = {}
     for name, caches_ in layers.items():
         tensors = caches_ if isinstance(caches_, list) else [caches_]
@@ -144,7 +144,7 @@ def test_replay_ranks_reassembled_equal_single_rank_replay(world, interleave, ba
     """Each rank replays the rows of its tokens' global positions: token t on
     rank (t // I) % W equals token t of the W = 1 replay (positions past the
     recorded N wrap the same way on every rank)."""
-    g = torch.Generator().manual_seed(3)
+    g = torch.Generator(device="cpu").manual_seed(3)
     bank = Bank({f"layer.{i}": torch.randn(2, 40, HEADS * C, generator=g, device="cpu").to(torch.float16)
                  for i in range(2)})
 
