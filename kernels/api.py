@@ -7,7 +7,9 @@ from typing import Mapping, Sequence
 import numpy as np
 import torch
 
-from .capture import check_capture_ids, stream_capturing, whole_block_entries
+from .capture import (  # noqa: F401  (captured_engines, release_captured_fills: public here too)
+    captured_engines, check_capture_ids, pin, pinned, release_captured_fills, stream_capturing, whole_block_entries,
+)
 from .engine import FillEngine
 from .layout import default_slot_dim
 from .plan import GroupFill
@@ -40,10 +42,6 @@ def _ids_array(block_ids) -> np.ndarray:
 # caches; clear_engine_cache() drops them.
 _ENGINES: OrderedDict = OrderedDict()
 _MAX_ENGINES = 8
-# Engines whose fills were captured into CUDA graphs (capture.py: lifetime).
-_CAPTURED: dict = {}
-
-
 def clear_engine_cache() -> None:
     """Drop the engines (and cache references) kept for repeated calls.
 
@@ -54,17 +52,6 @@ def clear_engine_cache() -> None:
 def num_cached_engines() -> int:
     """How many engines recent ``fill_blocks``/``verify_blocks`` calls keep."""
     return len(_ENGINES)
-
-
-def captured_engines() -> tuple[FillEngine, ...]:
-    """The engines pinned by fills captured into CUDA graphs."""
-    return tuple(_CAPTURED.values())
-
-
-def release_captured_fills() -> None:
-    """Unpin the engines of captured fills.  Call it only once no graph that
-    holds such a fill can replay: the graph addresses the engine's tables."""
-    _CAPTURED.clear()
 
 
 def _key(tensors, block_dim, mean, std, seed, backend) -> tuple:
@@ -80,14 +67,14 @@ def _engine(tensors, block_dim, mean, std, seed, backend, *, capturing=False) ->
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"caches[{i}]: expected a torch.Tensor, got {type(t).__name__}")
     key = _key(tensors, block_dim, mean, std, seed, backend)
-    engine = _ENGINES.get(key) or _CAPTURED.get(key)
+    engine = _ENGINES.get(key) or pinned(key)
     if capturing:
         if engine is None:
             raise RuntimeError(
                 "fill_blocks under CUDA graph capture needs a warm-up call with the same caches "
                 "and arguments before capture (registration cannot be captured)"
             )
-        _CAPTURED[key] = engine  # the graph addresses its tables: pinned
+        pin(key, engine)  # the graph addresses its tables
         return engine
     if engine is not None:
         if key in _ENGINES:

@@ -12,16 +12,48 @@ Contract of a captured ``fill_blocks`` (README, "CUDA graphs"):
   host-built one: the i-th id holds tokens ``[i * S, (i + 1) * S)``; a
   repeated id keeps its first position; an id outside ``[0, num_blocks)`` -
   including one past int32 - writes nothing.  The ids are read at replay.
-* The graph holds raw addresses of the engine's layer table and value table.
-  The engine of a captured fill is pinned: neither the engine cache's eviction
-  nor ``clear_engine_cache()`` drops it, only ``release_captured_fills()``,
-  which must not be called while a graph that holds such a fill may replay.
+* The graph holds raw addresses of the engine's layer table and value table
+  (and, replaying, its device copy of the bank).  The engine of a captured
+  fill is pinned: neither the engine cache's eviction nor
+  ``clear_engine_cache()`` drops it, only ``release_captured_fills()``, which
+  must not be called while a graph that holds such a fill may replay.
+
+The same holds for a user-held ``FillEngine`` whose ``fill_device_entries``
+is captured (the only way to capture a replay fill): it must have been warmed
+up (``FillEngine.warmup()``: a first launch would load a module, which capture
+forbids), and capturing pins it until ``release_captured_fills()``, so
+dropping the last reference to it does not free what the graph reads.
 """
 from __future__ import annotations
 
 import torch
 
 INT32_MAX = 2**31 - 1
+
+# Engines whose fills were captured into CUDA graphs, by key: fill_blocks'
+# engine-cache key, or ("engine", id) for a user-held engine.
+_PINNED: dict = {}
+
+
+def pin(key, engine) -> None:
+    """Keep ``engine`` alive until ``release_captured_fills()``: a captured graph addresses its tables."""
+    _PINNED[key] = engine
+
+
+def pinned(key):
+    """The engine pinned under ``key``, or None."""
+    return _PINNED.get(key)
+
+
+def captured_engines() -> tuple:
+    """The engines pinned by fills captured into CUDA graphs (each once)."""
+    return tuple({id(e): e for e in _PINNED.values()}.values())
+
+
+def release_captured_fills() -> None:
+    """Unpin the engines of captured fills.  Call it only once no graph that
+    holds such a fill can replay: the graph addresses the engine's tables."""
+    _PINNED.clear()
 
 
 def cuda_available() -> bool:

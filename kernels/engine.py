@@ -19,6 +19,7 @@ import torch
 from . import values as V
 from .backend import make_backend
 from .bank import Bank
+from .capture import pin, stream_capturing
 from .plan import FillPlan, GroupFill
 from .registry import CacheGroup, RegisteredGroup, Registry
 from .verify import VerifyReport, read_plan, verify_plan
@@ -78,6 +79,7 @@ class FillEngine:
         self.values = values if values is not None else V.ValueSpec(mean, std, seed)
         self._registry = Registry(groups, self.values, layer_ids or {}, bank)
         self._backend = make_backend(backend, self._registry, page_image_bytes)
+        self._warmed = False
 
     # ------------------------------------------------------------ questions
     @property
@@ -180,7 +182,9 @@ class FillEngine:
         if not _is_int(num_positions) or num_positions < 0:
             raise ValueError(f"num_positions must be an int >= 0, got {num_positions!r}")
         with self._on_device():
-            return self._backend.warmup(int(num_positions))
+            launches = self._backend.warmup(int(num_positions))
+        self._warmed = True
+        return launches
 
     def fill_device_entries(self, group: str, entries: torch.Tensor) -> int:
         """Fill from a plan already on the device, without host validation or sync.
@@ -191,7 +195,19 @@ class FillEngine:
         block id is outside ``[0, num_blocks)`` and clamps slot ranges to the
         block, so a bad entry writes nothing instead of raising.  Triton backend
         only.  Returns the number of launches issued.
+
+        Under CUDA graph capture (``capture.py``) the engine must have been
+        warmed up (``warmup()``) - a first launch would load a module - and
+        is pinned until ``release_captured_fills()``: the graph reads its
+        layer table and bank copy, so dropping the engine must not free them.
         """
+        if stream_capturing():
+            if not self._warmed:
+                raise RuntimeError(
+                    "fill_device_entries under CUDA graph capture needs engine.warmup() before capture "
+                    "(a first launch compiles and loads a module, which capture forbids)"
+                )
+            pin(("engine", id(self)), self)
         with self._on_device():
             return self._backend.fill_device_entries(group, entries)
 

@@ -19,6 +19,7 @@ stores along a contiguous row can be vectorised.
 """
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -43,7 +44,8 @@ MODE_CODE = {V.ZERO: 0, V.CONSTANT: 1, V.NORMAL: 2, V.REPLAY: 3}
 # the interpreter, whose cost is per tile, not per element.
 TILE_NUMEL = 16384 if INTERPRETED else 4096
 MAX_TILE_ELEMS = 1024  # widest tile along a token row
-MAX_LAYERS_PER_LAUNCH = 65535  # layers are the grid's y dimension: CUDA's limit
+MAX_LAYERS_PER_LAUNCH = 65535
+ENTRY_ALIGN_BYTES = 16  # Triton's pointer specialisation: aligned to 16 bytes or not  # layers are the grid's y dimension: CUDA's limit
 
 
 @triton.jit
@@ -316,16 +318,22 @@ class TritonBackend(FillBackend):
     def fill(self, plan: Mapping[str, GroupFill]) -> int:
         # One upload of the whole plan: int32 [n, 4] ([n, 5] with replay
         # sequences), pinned when the target is a GPU.
-        order = list(plan)
-        host = np.concatenate([plan[g].columns(self.entry_cols == 5) for g in order]).astype(np.int32)
-        host_t = torch.from_numpy(host)
+        # Each group's rows start 16-byte aligned (replay entries are 20 bytes):
+        # Triton specialises a pointer on its 16-byte alignment, so a slice off
+        # it would compile another variant than warmup's, at the first fill or
+        # under capture.  Padding rows are never launched.
+        step = ENTRY_ALIGN_BYTES // math.gcd(ENTRY_ALIGN_BYTES, 4 * self.entry_cols)
+        parts, rows, pos = [], {}, 0
+        for g in plan:
+            cols = plan[g].columns(self.entry_cols == 5).astype(np.int32)
+            pad = -len(cols) % step
+            parts += [cols, np.zeros((pad, self.entry_cols), dtype=np.int32)]
+            rows[g] = slice(pos, pos + len(cols))
+            pos += len(cols) + pad
+        host_t = torch.from_numpy(np.concatenate(parts))
         if self.registry.device.type == "cuda":
             host_t = host_t.pin_memory()
         entries = host_t.to(self.registry.device, non_blocking=True)
-        rows, pos = {}, 0
-        for g in order:
-            rows[g] = slice(pos, pos + plan[g].num_entries)
-            pos += plan[g].num_entries
         launches = 0
         for cl in self._launches:
             if cl.cls.group in rows:

@@ -123,3 +123,49 @@ def test_capture_with_the_caches_on_another_device_is_refused(capture, monkeypat
     with pytest.raises(RuntimeError, match=r"caches' device \(cuda:1\) must be the current device \(cuda:0\)"):
         fill_blocks([c], torch.tensor([1]), **KW)
     assert torch.equal(buf, poison)
+
+
+def replay_engine_over(c, seed=4):
+    from kvfill.kernels import Bank, CacheGroup
+
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    bank = Bank({"l": torch.randn(2, 40, 2 * 8, generator=g, device="cpu").to(torch.bfloat16)})
+    return FillEngine({"g": CacheGroup({"l": c})}, bank=bank, backend="triton")
+
+
+def test_a_captured_replay_fill_pins_its_user_held_engine(capture):
+    """A replay fill is captured through a user's FillEngine
+    (``fill_device_entries``); the graph reads the engine's layer table and
+    bank copy, so dropping the user's reference must not free them."""
+    buf, c = cache(seed=7)
+    ref_buf, ref = cache(seed=7)
+    eng = replay_engine_over(c)
+    eng.warmup()
+    engine_ref = weakref.ref(eng)
+    entries = torch.tensor([[2, 0, 4, 0, 1], [4, 0, 4, 4, 0]], dtype=torch.int32)
+    capture.on = True
+    assert eng.fill_device_entries("g", entries) == 1  # "recorded into the graph"
+    capture.on = False
+    del eng
+    gc.collect()
+    assert engine_ref() is not None, "the captured replay fill's engine (layer table, bank copy) was freed"
+    assert captured_engines() == (engine_ref(),)
+    from kvfill.kernels import GroupFill
+
+    host = replay_engine_over(ref)
+    host.fill({"g": GroupFill([2, 4], local_base=[0, 4], sequence=[1, 0])})
+    assert torch.equal(buf, ref_buf)
+    release_captured_fills()
+    gc.collect()
+    assert engine_ref() is None and captured_engines() == ()
+
+
+def test_capturing_an_engine_that_was_not_warmed_up_is_refused(capture):
+    buf, c = cache(seed=8)
+    poison = buf.clone()
+    eng = replay_engine_over(c)
+    capture.on = True
+    with pytest.raises(RuntimeError, match=r"fill_device_entries under CUDA graph capture needs engine.warmup\(\)"):
+        eng.fill_device_entries("g", torch.tensor([[2, 0, 4, 0, 1]], dtype=torch.int32))
+    capture.on = False
+    assert torch.equal(buf, poison) and captured_engines() == ()

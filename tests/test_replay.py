@@ -367,3 +367,39 @@ def test_device_built_replay_entries_stay_inside_the_bank():
     for slot in range(2):
         assert torch.equal(cache[2, :, slot].reshape(-1).cpu(), rows[1, slot])
     assert (cache[1, :, 4:] == 0).all() and (cache[[0, 3]] == 0).all()
+
+
+def test_every_groups_replay_entries_launch_with_warmups_specialisation(monkeypatch):
+    """Triton specialises the entries pointer on its 16-byte alignment; each
+    group's entries are a slice of one upload of 20-byte rows, so a slice
+    starting off a 16-byte boundary would compile a variant warmup never
+    launched - at the first replaying step of a hybrid model, or under
+    capture.  The key is Triton's own (``get_tensor_specialization``)."""
+    from triton.backends.compiler import BaseBackend
+
+    from kvfill.kernels import triton_fill
+
+    keys = []
+    real = triton_fill.launch_fill
+
+    def spy(entries, *args, **kwargs):
+        keys.append((entries.shape[1], BaseBackend.get_tensor_specialization(entries, align=True)))
+        return real(entries, *args, **kwargs)
+
+    monkeypatch.setattr(triton_fill, "launch_fill", spy)
+    bufs = [poisoned_buffer(NUM_BLOCKS * 2 * 8 * 8 * 2, seed=s) for s in (1, 2, 3)]
+    layers = {f"l{i}": b.view(torch.bfloat16).view(NUM_BLOCKS, 2, 8, 8) for i, b in enumerate(bufs)}
+    g = torch.Generator(device="cpu").manual_seed(2)
+    bank = Bank({n: torch.randn(2, 24, 2 * 8, generator=g, device="cpu").to(torch.bfloat16) for n in layers})
+    groups = {n: CacheGroup({n: t}) for n, t in layers.items()}
+    eng = FillEngine(groups, bank=bank, backend="triton")
+    eng.warmup()
+    warm = set(keys)
+    keys.clear()
+    # 1, 2 and 3 entries: without padding the 2nd and 3rd groups' slices start 20 and 60 bytes in.
+    plan = {"l0": GroupFill([1], local_base=[0], sequence=[1]),
+            "l1": GroupFill([2, 3], local_base=[0, 8], sequence=[0, 1]),
+            "l2": GroupFill([4, 0, 5], local_base=[0, 8, 16], sequence=[1, 0, 1])}
+    eng.fill(plan)
+    assert len(keys) == 3 and set(keys) <= warm, f"fill launched {keys}, warmup compiled {warm}"
+    assert eng.verify(plan).ok
