@@ -153,7 +153,7 @@ def write_json(path, payload):
 
 def table(rows, columns) -> str:
     """Fixed-width text table of dict rows."""
-    widths = {c: max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in columns}
+    widths = {c: max([len(c)] + [len(str(r.get(c, ""))) for r in rows]) for c in columns}
     lines = ["  ".join(c.rjust(widths[c]) for c in columns)]
     lines += ["  ".join(str(r.get(c, "")).rjust(widths[c]) for c in columns) for r in rows]
     return "\n".join(lines)

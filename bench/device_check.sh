@@ -7,10 +7,11 @@
 # A lent GPU gives ~15 minutes in all, machine start included, so the run must
 # report everything the first time and fit in ~8 minutes, compiles included:
 #   * the suite runs to the end (no -x) under a time budget
-#     (KVFILL_TEST_BUDGET_S, default 240 s): tests past it are skipped and named
+#     (KVFILL_TEST_BUDGET_S, default 210 s): tests past it are skipped and named
 #     in the summary; a hard limit 60 s past it kills a hung suite;
 #   * gpu_check.py runs whatever the suite did, under its own budget
-#     (KVFILL_CHECK_BUDGET_S, default 180 s; sections past it are named);
+#     (KVFILL_CHECK_BUDGET_S, default 170 s; sections past it are named; a hard
+#     limit 90 s past it);
 #   * the exit status is non-zero if either failed.
 # PY names the python to run (default python3); kvfill is put on the path
 # through a namespace shim, so nothing is installed.
@@ -19,14 +20,15 @@ cd "$(dirname "$0")/.."
 out=${OUT:-bench/results}
 mkdir -p "$out"
 site=$(mktemp -d)
+trap 'rm -rf "$site"' EXIT
 mkdir -p "$site/kvfill"
 ln -s "$PWD/kernels" "$site/kvfill/kernels"
 ln -s "$PWD/connector" "$site/kvfill/connector"
 ln -s "$PWD/bench" "$site/kvfill/bench"
 export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 PY=${PY:-python3}
-TEST_BUDGET=${KVFILL_TEST_BUDGET_S:-240}
-CHECK_BUDGET=${KVFILL_CHECK_BUDGET_S:-180}
+TEST_BUDGET=${KVFILL_TEST_BUDGET_S:-210}
+CHECK_BUDGET=${KVFILL_CHECK_BUDGET_S:-170}
 # Fewer fuzz examples than CI's 200: every example may compile new variants.
 export KVFILL_FUZZ_EXAMPLES=${KVFILL_FUZZ_EXAMPLES:-60}
 
@@ -52,7 +54,8 @@ tail -5 "$out/gpu-tests.log"
 end_phase "test suite" $tests_rc
 
 echo "== gpu_check (budget ${CHECK_BUDGET} s)"
-"$PY" bench/gpu_check.py --out "$out" --budget-s "$CHECK_BUDGET" >"$out/gpu-check.log" 2>&1
+timeout -k 10 $((CHECK_BUDGET + 90)) \
+  "$PY" bench/gpu_check.py --out "$out" --budget-s "$CHECK_BUDGET" >"$out/gpu-check.log" 2>&1
 check_rc=$?
 grep '^\[' "$out/gpu-check.log" | tail -30
 end_phase "gpu_check" $check_rc
@@ -76,7 +79,11 @@ end_phase "gpu_check" $check_rc
     echo "$budget_skips" | cut -c1-160
   fi
   echo "-- gpu_check (log: $out/gpu-check.log)"
-  [ $check_rc -eq 0 ] || echo "gpu_check FAILED (exit $check_rc)"
+  case $check_rc in
+    0) ;;
+    124|137) echo "gpu_check KILLED at the hard limit ($((CHECK_BUDGET + 90)) s)" ;;
+    *) echo "gpu_check FAILED (exit $check_rc)" ;;
+  esac
   if [ -s "$out/gpu-check-summary.txt" ]; then
     cat "$out/gpu-check-summary.txt"
   else

@@ -11,11 +11,43 @@ def test_gpu_check_smoke_run_is_byte_exact(tmp_path, capsys):
     failures = gpu_check.main(["--smoke", "--out", str(tmp_path), "--device", "cpu"])
     assert failures == 0
     out = capsys.readouterr().out
-    assert "260/260 cases byte-exact" in out and "perf rows verified: 5/5" in out
+    assert "correctness: constant 130/130, normal 130/130, replay 130/130 cases byte-exact" in out
+    assert "perf rows verified: 5/5" in out
     assert "replay / normal bandwidth (goal >= 0.9): {'1MiB L2 R16': " in out
     import json
 
-    assert list(json.loads((tmp_path / "gpu_check.json").read_text())["replay_over_normal_bandwidth"]) == ["1MiB L2 R16"]
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert list(report["replay_over_normal_bandwidth"]) == ["1MiB L2 R16"]
+    assert report["skipped_for_budget"] == []
+    # The summary file device_check.sh prints last: the same lines and the table.
+    summary = (tmp_path / "gpu-check-summary.txt").read_text()
+    assert "replay 130/130 cases byte-exact" in summary and "launch-bound R4 L3" in summary
+
+
+def test_gpu_check_replay_rows_fail_when_the_kernel_replays_nothing(tmp_path, monkeypatch, capsys):
+    from kvfill.kernels import triton_fill
+
+    real = triton_fill.launch_fill
+    monkeypatch.setattr(triton_fill, "launch_fill",
+                        lambda entries, *a, **kw: None if a[5] == "replay" else real(entries, *a, **kw))
+    monkeypatch.setattr(gpu_check.LZ, "CASES", gpu_check.LZ.CASES[:2])
+    failures = gpu_check.main(["--smoke", "--out", str(tmp_path), "--device", "cpu", "--sizes", "1"])
+    out = capsys.readouterr().out
+    # u8-packed holds no values (zero mode, never replayed): its two cases still match.
+    assert "correctness: constant 20/20, normal 20/20, replay 2/20 cases byte-exact" in out
+    assert "MISMATCH std-LBHNC fp32 replay" in out
+    assert failures == 18
+
+
+def test_gpu_check_names_what_its_budget_skipped(tmp_path, capsys):
+    assert gpu_check.main(["--smoke", "--out", str(tmp_path), "--device", "cpu", "--budget-s", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "SKIPPED for the budget (0 s): " in out
+    assert "correctness std-LBHNC constant (all dtypes)" in out and "perf 1 MiB replay" in out
+    import json
+
+    skipped = json.loads((tmp_path / "gpu_check.json").read_text())["skipped_for_budget"]
+    assert len(skipped) == 13 * 3 + 3 + 3 + 2
 
 
 def test_gpu_check_fails_when_a_perf_row_is_not_verified(tmp_path, monkeypatch, capsys):

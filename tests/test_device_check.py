@@ -1,0 +1,84 @@
+"""bench/device_check.sh, the one-shot GPU run, driven on the CPU with a
+stand-in python: the suite runs to its end under a budget, gpu_check runs
+whatever the suite did, the exit status says whether either failed, and the
+summary comes last (failures by test id, then the check's table)."""
+import os
+import pathlib
+import stat
+import subprocess
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+# Answers like the real commands: versions, a pytest run, gpu_check; it records
+# each call's arguments and the budget it was given.
+FAKE_PY = r"""#!/usr/bin/env bash
+echo "$* | budget=${KVFILL_TEST_BUDGET_S:-} device=${KVFILL_TEST_DEVICE:-}" >> "$CALLS"
+case "$1 $2" in
+  "-c "*) echo "torch 0.0 triton 0.0 stand-in";;
+  "-m pytest")
+    echo "FAILED tests/test_engine.py::test_fill_blocks_compiles - torch._dynamo.exc.Unsupported"
+    echo "BUDGET-SKIPPED tests/test_fuzz.py: 4 tests, from test_random_plans"
+    echo "1 failed, 41 passed, 4 skipped in 12.0s"
+    exit "$PYTEST_RC";;
+  "bench/gpu_check.py "*)
+    printf 'correctness: constant 130/130, normal 130/130, replay 130/130 cases byte-exact\n  case  mode  impl\n' \
+      > "$OUT/gpu-check-summary.txt"
+    echo "[   1.0s] wrote gpu_check.json"
+    exit "$CHECK_RC";;
+esac
+"""
+
+
+def run_device_check(tmp_path, pytest_rc, check_rc):
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_PY)
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    out = tmp_path / "out"
+    env = {**os.environ, "PY": str(fake), "OUT": str(out), "CALLS": str(tmp_path / "calls"),
+           "PYTEST_RC": str(pytest_rc), "CHECK_RC": str(check_rc), "KVFILL_TEST_BUDGET_S": "30",
+           "PATH": os.environ["PATH"]}
+    proc = subprocess.run(["bash", str(ROOT / "bench" / "device_check.sh")], env=env, capture_output=True,
+                          text=True, timeout=60)
+    return proc, (tmp_path / "calls").read_text().splitlines(), out
+
+
+def test_failing_tests_make_the_run_fail_and_gpu_check_still_runs(tmp_path):
+    proc, calls, out = run_device_check(tmp_path, pytest_rc=1, check_rc=0)
+    assert proc.returncode != 0, proc.stdout
+    pytest_call = next(c for c in calls if c.startswith("-m pytest"))
+    assert " -x" not in pytest_call.split("|")[0], "the suite must not stop at its first failure"
+    assert "budget=30 device=cuda" in pytest_call
+    assert any(c.startswith("bench/gpu_check.py") and "--budget-s" in c for c in calls), calls
+    summary = proc.stdout[proc.stdout.index("device check summary"):]
+    assert "suite FAILED (pytest exit 1)" in summary
+    assert "FAILED tests/test_engine.py::test_fill_blocks_compiles" in summary
+    assert "BUDGET-SKIPPED tests/test_fuzz.py: 4 tests" in summary
+    assert "1 failed, 41 passed, 4 skipped" in summary
+    # The check's table comes last, after the failures.
+    assert summary.index("FAILED tests/") < summary.index("replay 130/130 cases byte-exact")
+    assert summary.rstrip().endswith("case  mode  impl")
+    for phase in ("machine", "test suite", "gpu_check"):
+        assert any(line.startswith(phase) and line.rstrip().split()[-1] for line in summary.splitlines())
+    assert (out / "device-check-summary.txt").read_text().endswith(summary)
+
+
+@pytest.mark.parametrize("pytest_rc, check_rc, ok", [(0, 0, True), (0, 3, False)])
+def test_exit_status_counts_the_check_too(tmp_path, pytest_rc, check_rc, ok):
+    proc, _, _ = run_device_check(tmp_path, pytest_rc, check_rc)
+    assert (proc.returncode == 0) == ok, proc.stdout
+    if not ok:
+        assert f"gpu_check FAILED (exit {check_rc})" in proc.stdout
+
+
+def test_the_suite_budget_skips_and_names_what_it_could_not_run(tmp_path):
+    import sys
+
+    env = {**os.environ, "KVFILL_TEST_BUDGET_S": "1e-9"}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
+                           "tests/test_devices.py", "-k", "generator"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:]
+    assert "BUDGET-SKIPPED tests/test_devices.py: 2 tests, from test_every_generator" in proc.stdout
+    assert "2 skipped" in proc.stdout and "passed" not in proc.stdout
