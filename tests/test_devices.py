@@ -53,13 +53,14 @@ def test_torch_backend_writes_the_same_bytes_whatever_the_default_device(replay)
         cache = torch.randint(0, 256, (2 * B * N * H * D * 2,), dtype=torch.uint8, generator=g, device="cpu")
         view = cache.view(torch.bfloat16).view(2, B, N, H, D)
         bank = host_bank() if replay else None
+        before = torch.get_default_device()  # cuda in a GPU run (conftest)
         torch.set_default_device(default)
         try:
             eng = fa_engine(view, bank)
             eng.warmup(3 * N)
             eng.fill(fa_plan(replay))
         finally:
-            torch.set_default_device("cpu")
+            torch.set_default_device(before)
         assert eng.verify(fa_plan(replay)).ok
         return cache
 
