@@ -4,6 +4,7 @@ same prompts from replayed KV, and compare with real prefill token for token.
     python bench/replay_e2e.py                     # 4 prompts x 256 tokens, 16 greedy tokens
     python bench/replay_e2e.py --prompts 8 --prompt-len 1024 --output-len 32 --json out/replay-e2e.json
     python bench/replay_e2e.py --serve             # the same through vLLM's OpenAI server, one server per run
+    python bench/replay_e2e.py --shared-prefix 256 --prompt-len 300   # prefix caching on, decoys first
 
 Runs, each in its own process on the same prompts (greedy, top-1 logprob per
 generated token):
@@ -19,6 +20,13 @@ time (``/v1/completions`` with the prompt's token ids, ``logprobs: 1``).  The cl
 replay's greedy outputs equal prefill's, logprobs within ``--tolerance``,
 while the synthetic fills' outputs differ.  The bank covers every filled
 position (N = the prompt length), so no position wraps.
+
+``--shared-prefix K``: vLLM's default prefix caching on, and before the
+recorded prompts each run generates from a decoy per prompt - its first K
+tokens, then other tokens - that was not recorded.  The recorded prompts then
+reuse the decoys' cached blocks of their first K tokens, so replay must have
+filled those with the recorded prompt's rows (a block's rows are chosen by
+its own token prefix, ``kvfill/kernels/bank.py``).
 """
 from __future__ import annotations
 
@@ -67,6 +75,12 @@ def connector_config(run: str, bank: str) -> dict | None:
     return {"kv_connector": "KVFillConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra}
 
 
+def decoys(ids: list[list[int]], shared: int) -> list[list[int]]:
+    """Per prompt, an unrecorded one with its first ``shared`` tokens and its
+    other tokens reversed."""
+    return [t[:shared] + t[shared:][::-1] for t in ids]
+
+
 def run_one(a) -> dict:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -85,9 +99,13 @@ def run_one(a) -> dict:
     if kt is not None:
         kw["kv_transfer_config"] = kt
     llm = LLM(model=a.model, dtype=a.dtype, skip_tokenizer_init=True, enforce_eager=True, max_model_len=max_model_len(a),
-              max_num_batched_tokens=batched, disable_log_stats=True, enable_prefix_caching=False, seed=0,
+              max_num_batched_tokens=batched, disable_log_stats=True, enable_prefix_caching=bool(a.shared_prefix),
+              seed=0,
               **{"max_num_seqs": len(ids), **kw})
     params = SamplingParams(max_tokens=a.output_len, temperature=0.0, logprobs=1, ignore_eos=True, detokenize=False)
+    if a.shared_prefix:
+        llm.generate([TokensPrompt(prompt_token_ids=d) for d in decoys(ids, a.shared_prefix)],
+                     SamplingParams(max_tokens=1, ignore_eos=True, detokenize=False), use_tqdm=False)
     outs = llm.generate([TokensPrompt(prompt_token_ids=t) for t in ids], params, use_tqdm=False)
     rows = []
     for o in outs:
@@ -165,6 +183,9 @@ def main(argv=None) -> int:
                    help="the Gemma3 model alternating sliding-window (256) and full attention: two KV cache groups")
     p.add_argument("--serve", action="store_true",
                    help="through vLLM's OpenAI server (one per run, loopback), not the offline engine")
+    p.add_argument("--shared-prefix", type=int, default=0, metavar="K",
+                   help="prefix caching on; each run first generates from unrecorded decoys sharing each prompt's "
+                        "first K tokens (offline runs only)")
     p.add_argument("--json", default=None)
     p.add_argument("--only", default=None, help=argparse.SUPPRESS)
     p.add_argument("--bank", default=None, help=argparse.SUPPRESS)
@@ -173,6 +194,10 @@ def main(argv=None) -> int:
     out_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "out", "replay-e2e")
     default = "tiny-gemma3-hybrid" if a.hybrid else "tiny-llama-peaked"
     a.model = os.path.abspath(a.model or os.path.join(out_dir, "..", default))
+    if a.shared_prefix and not 0 < a.shared_prefix < a.prompt_len - 1:
+        p.error(f"--shared-prefix {a.shared_prefix}: expected 0 < K < --prompt-len - 1 ({a.prompt_len - 1})")
+    if a.shared_prefix and a.serve:
+        p.error("--shared-prefix runs the offline engine; drop --serve")
     if a.only:
         print_result(run_one(a))
         return 0
@@ -193,14 +218,17 @@ def main(argv=None) -> int:
             results[run] = serve_one(a, run, bank, prompts_file, out_dir)
             continue
         cmd = [sys.executable, os.path.abspath(__file__), "--only", run, "--bank", bank, "--prompts-file",
-               prompts_file, "--model", a.model, "--dtype", a.dtype, "--prompt-len", str(a.prompt_len), "--output-len", str(a.output_len)]
+               prompts_file, "--model", a.model, "--dtype", a.dtype, "--prompt-len", str(a.prompt_len),
+               "--output-len", str(a.output_len), "--shared-prefix", str(a.shared_prefix)]
         print(f"running {run} ...", flush=True)
         results[run] = child_result(cmd, run, timeout=900)
     rows = [compare(results["prefill"], results[r]) for r in RUNS[1:] if r in results]
     from kvfill.bench.common import table
 
+    shared = (f"; prefix caching on, after decoys sharing the first {a.shared_prefix} tokens"
+              if a.shared_prefix else "")
     print(f"\n{'vllm serve, ' if a.serve else ''}{a.prompts} prompts x {a.prompt_len} tokens, {a.output_len} greedy tokens; model "
-          f"{os.path.basename(a.model)}, {a.dtype}; replay bank recorded over the same prompts")
+          f"{os.path.basename(a.model)}, {a.dtype}; replay bank recorded over the same prompts{shared}")
     print(table(rows, ["run", "prompts_identical", "tokens_equal_to_prefill", "max_abs_logprob_diff"]))
     replay = next(r for r in rows if r["run"] == "replay")
     synthetic = [r for r in rows if r["run"] in ("normal", "constant")]

@@ -6,6 +6,7 @@ object, validated once when the connector is built.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
@@ -77,6 +78,8 @@ class FillOptions:
         if self.record_dir is not None:
             if not isinstance(self.record_dir, str) or not self.record_dir:
                 raise OptionError("record_dir", self.record_dir, "a directory path")
+            if os.path.exists(self.record_dir) and not os.path.isdir(self.record_dir):
+                raise OptionError("record_dir", self.record_dir, "a directory path (it names an existing file)")
             if isinstance(self.record_positions, bool) or not isinstance(self.record_positions, int) \
                     or self.record_positions < 1:
                 raise OptionError("record_positions", self.record_positions, "an int >= 1 with record_dir")
@@ -97,6 +100,11 @@ class FillOptions:
                                             "(record one with `python -m kvfill.record`)")
         if mode != "replay" and self.bank is not None:
             raise OptionError("fill_mode", self.fill_mode, "'replay' (or unset) with a bank")
+        if mode == "replay" and self.startup_fill:
+            # A startup fill writes every block before any request exists: no
+            # prompt prefix picks its rows, and the requests' own fills skip it.
+            raise OptionError("startup_fill", self.startup_fill,
+                              "false with 'bank' (replay fills each request's blocks with its own rows)")
         index = None
         if self.bank is not None:
             if not isinstance(self.bank, str):
@@ -107,6 +115,14 @@ class FillOptions:
                 raise OptionError("bank", self.bank, f"a readable kvfill bank ({exc})") from None
         object.__setattr__(self, "fill_mode", mode)
         object.__setattr__(self, "bank_index", index)
+
+    def check_max_model_len(self, max_model_len: int) -> None:
+        """Refuse what the engine's ``max_model_len`` makes impossible: a
+        request never has more positions, so recording past it saves nothing."""
+        if self.recording and max_model_len and self.record_positions > max_model_len:
+            raise OptionError("record_positions", self.record_positions,
+                              f"an int <= the engine's max_model_len ({max_model_len}): no prompt can have more "
+                              f"positions, so nothing would be recorded")
 
     @property
     def replay(self) -> bool:

@@ -125,6 +125,7 @@ class GroupSelection:
     token_lo: int
     token_hi: int
     whole: bool = False
+    sequences: Any = None  # replaying: the bank sequence of each of block_ids (None: the request's)
 
 
 @dataclass(slots=True)
@@ -182,6 +183,7 @@ class Planner:
         num_external: int | None = None,
         skip_groups: Collection[int] = (),
         sequence: int = 0,
+        sequences_at: Callable[[np.ndarray], np.ndarray] | None = None,
     ) -> RequestSelection:
         """Select the external blocks of one request in every group.
 
@@ -195,7 +197,11 @@ class Planner:
         scheduler trimmed); default: up to the last prompt token.
         ``skip_groups``: indices of groups not to fill (filled at startup):
         they get an empty selection and their tables are not looked at.
-        ``sequence``: the bank sequence a replay fill writes for this request.
+        ``sequence``: the bank sequence a replay fill writes for this request;
+        ``sequences_at``: instead, per block, ``ends -> sequences`` where a
+        block's end is the position after its last selected token
+        (``BankIndex.sequences_for`` of the prompt: a block's rows are a
+        function of the tokens up to its end, as prefix caching needs).
         """
         if not (isinstance(num_tokens, int) and isinstance(num_local_computed, int)):
             raise ValueError(f"request {req_id!r}: token counts must be ints")
@@ -248,6 +254,8 @@ class Planner:
                     whole=self.granularity == Granularity.BLOCK,
                 )
             )
+        if sequences_at is not None:
+            _assign_sequences(self.groups, selections, sequences_at)
         return RequestSelection(req_id, hi - lo, tuple(selections), sequence)
 
     def for_rank(self, rank: int) -> "Planner":
@@ -288,6 +296,24 @@ class Planner:
         return FillPlan(out)
 
 
+def _assign_sequences(groups: Sequence[GroupGeometry], selections: list[GroupSelection],
+                      sequences_at: Callable[[np.ndarray], np.ndarray]) -> None:
+    """Each token-range selection's per-block sequences, from one call of
+    ``sequences_at`` over the distinct block ends of all groups."""
+    ends = {}
+    for gi, (geo, sel) in enumerate(zip(groups, selections)):
+        if sel.whole or not len(sel.block_ids):
+            continue
+        k = sel.first_block + np.arange(len(sel.block_ids), dtype=np.int64)
+        ends[gi] = np.minimum((k + 1) * geo.span, sel.token_hi)
+    if not ends:
+        return
+    uniq = np.unique(np.concatenate(list(ends.values())))
+    seqs = np.asarray(sequences_at(uniq), dtype=np.int64)
+    for gi, e in ends.items():
+        selections[gi].sequences = seqs[np.searchsorted(uniq, e)]
+
+
 def _rank_entries(geo: GroupGeometry, sels: Sequence[GroupSelection], sequences: Sequence[int],
                   null_block_id: int) -> GroupFill:
     """One group's entries on ``geo.dcp.rank``, request after request (each
@@ -318,7 +344,11 @@ def _rank_entries(geo: GroupGeometry, sels: Sequence[GroupSelection], sequences:
         start = np.where(whole, 0, np.clip(llo - base, 0, bs))
         end = np.where(whole, bs, np.clip(lhi - base, 0, bs))
     keep = (ids != null_block_id) & (end > start)
-    seq = np.asarray(sequences, np.int64).reshape(num_req)[req]
+    if any(g.sequences is not None for g in sels):
+        seq = np.concatenate([np.asarray(g.sequences, np.int64) if g.sequences is not None
+                              else np.full(len(g.block_ids), s, np.int64) for g, s in zip(sels, sequences)])
+    else:
+        seq = np.asarray(sequences, np.int64).reshape(num_req)[req]
     return GroupFill(ids[keep], start[keep], end[keep], base[keep], seq[keep])
 
 

@@ -4,7 +4,8 @@ Every new request's prompt minus its last token is reported as external; once
 vLLM has allocated its blocks, the planner selects the external blocks of
 every group (again after a preemption, unless ``refill_on_preemption`` is
 off, so a preempted request is not prefilled for real).  Replaying, each
-request is given its bank sequence (``BankIndex.sequence_for`` its prompt).
+block is given the bank sequence its token prefix picks
+(``BankIndex.sequences_for``), so requests sharing a cached block agree on it.
 The step's selections travel to the workers as ``KVFillConnectorMetadata``.
 
 Record role (``record_dir``, used by ``kvfill.record``): nothing is granted;
@@ -69,9 +70,13 @@ class KVFillScheduler:
         # Startup-filled groups are skipped before planning: their tables are
         # never looked at, so a table shorter than the prompt cannot raise.
         index = self.options.bank_index
+        sequence, sequences_at = 0, None
+        if index is not None:  # a block replays the sequence its own token prefix picks (bank.py)
+            prompt = request.prompt_token_ids or ()
+            sequence = index.sequence_for(prompt)
+            sequences_at = lambda ends: index.sequences_for(prompt, ends)  # noqa: E731
         sel = select_request(self.planner, request, blocks, num_external_tokens, num_local,
-                             skip_groups=self.startup_groups,
-                             sequence=index.sequence_for(request.prompt_token_ids or ()) if index else 0)
+                             skip_groups=self.startup_groups, sequence=sequence, sequences_at=sequences_at)
         if any(len(g.block_ids) for g in sel.groups):
             self.pending[request.request_id] = sel
 

@@ -174,7 +174,7 @@ def _block_ids(blocks) -> list[int]:
 
 def select_request(
     planner: Planner, request: Any, kv_blocks: Any, num_external_tokens: int, num_local: int | None = None,
-    skip_groups: Any = (), sequence: int = 0,
+    skip_groups: Any = (), sequence: int = 0, sequences_at: Any = None,
 ) -> RequestSelection:
     """Planner selection from vLLM's scheduler objects.
 
@@ -183,10 +183,12 @@ def select_request(
     scheduler granted; ``num_local``: the locally computed prefix the
     connector was asked about (default ``num_tokens - 1 - num_external_tokens``,
     exact unless the scheduler trimmed the grant); ``skip_groups``: groups not
-    to fill; ``sequence``: the bank sequence it replays.  Only the selected
+    to fill; ``sequence``, ``sequences_at``: the bank sequences it replays
+    (``Planner.select``).  Only the selected
     blocks' ids are read.
     """
     if num_local is None:
         num_local = request.num_tokens - 1 - num_external_tokens
     return planner.select(request.request_id, request.num_tokens, num_local, kv_blocks.blocks, _block_ids,
-                          num_external=num_external_tokens, skip_groups=skip_groups, sequence=sequence)
+                          num_external=num_external_tokens, skip_groups=skip_groups, sequence=sequence,
+                          sequences_at=sequences_at)

@@ -43,6 +43,8 @@ class KVFillConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
         super().__init__(vllm_config, role, kv_cache_config)
         self.options = FillOptions.from_extra_config(vllm_config.kv_transfer_config.kv_connector_extra_config)
+        model_config = getattr(vllm_config, "model_config", None)
+        self.options.check_max_model_len(int(getattr(model_config, "max_model_len", 0) or 0))
         self.scheduler: KVFillScheduler | None = None
         self.worker: KVFillWorker | None = None
         if role == KVConnectorRole.SCHEDULER:

@@ -23,6 +23,7 @@ from vllm.logger import init_logger
 from kvfill.kernels import Bank, CacheGroup, FillEngine, FillPlan
 from kvfill.kernels.bank import dtype_name
 
+from .bank_checks import nonfinite_warning, provenance_mismatches
 from .cpu_layout import attention_isa, cpu_kv_parts, layout_matches
 from .metadata import KVFillConnectorMetadata, KVFillStats
 from .options import FillOptions
@@ -63,6 +64,7 @@ class KVFillWorker:
         self.on_cpu = _platform_is_cpu()
         model_config = getattr(vllm_config, "model_config", None)
         self.max_model_len = int(getattr(model_config, "max_model_len", 0) or 0)  # positions a request can have
+        self.model = str(getattr(model_config, "model", ""))
         self.cpu_layout_warned = False
         self.encodings = {name: layer_encoding(spec, cache_dtype) for name, spec in specs.items()}
         # Raw backing buffers laid out by the layer itself (HiSparse): no block dim to address.
@@ -98,6 +100,12 @@ class KVFillWorker:
                                  page_image_bytes=0 if self.options.recording else self.options.page_image_mib << 20)
         if bank is not None:
             logger.info("KVFillConnector: replaying %s", bank.describe())
+            for line in provenance_mismatches(bank.metadata, model=self.model, max_model_len=self.max_model_len,
+                                              kv_cache_dtype=self.cache_dtype):
+                logger.warning("KVFillConnector: %s", line)
+            line = nonfinite_warning(bank.source, bank.count_nonfinite())
+            if line:
+                logger.warning("KVFillConnector: %s", line)
         self.planner = self._with_cache_slots(self.planner, self.engine)
         # Compile the kernels (GPU) or write the page images of every position a
         # request can have (CPU) now, not in the first filling step.

@@ -20,8 +20,9 @@ Schema (one safetensors file, ``BANK_FORMAT`` version ``BANK_VERSION``)
   (``[[H, D], [H, D]]``) and ``(2, B, N, H, D)`` (``[[2, H, D]]``) order the
   elements alike but are refused too.
 * ``__metadata__`` (strings): ``format``, ``version``, ``num_sequences``,
-  ``num_positions``, ``sequence_keys`` (JSON list: the key of each sequence's
-  first N prompt tokens, ``sequence_key``), ``layers`` (JSON: name ->
+  ``num_positions`` (both must equal every layer tensor's ``S`` and ``N``),
+  ``sequence_tokens`` (JSON list of S lists: each sequence's first N prompt
+  token ids; may be empty for a bank of no known prompts), ``layers`` (JSON: name ->
   ``{"dtype", "row", "value_dtype", "parts"}``: storage dtype, row elements,
   the float dtype the bytes encode, e.g. ``float8_e4m3fn`` for a ``uint8`` fp8
   cache, and the logical element dims of each registered tensor of the layer
@@ -29,7 +30,10 @@ Schema (one safetensors file, ``BANK_FORMAT`` version ``BANK_VERSION``)
   128]]`` for vLLM CPU's K and V views - what "the element order" means for
   this bank) and provenance written by the recorder
   (``model``, ``dtype``, ``kv_cache_dtype``, ``block_size``,
-  ``vllm_version``, ``prompts_sha256``, ...), kept as given.
+  ``max_model_len``, ``vllm_version``, ``prompts_sha256``, ...), kept as given.
+* Version 2 added ``sequence_tokens`` (version 1 held only a hash of each
+  sequence's tokens, too little for the prefix rule below); a version-1 bank
+  is refused with how to re-record it.
 
 Replay rule
 -----------
@@ -37,25 +41,33 @@ The value of (layer, position t, element e) for a request replaying sequence
 ``s`` is ``bank[layer][s, t mod N, e]``: positions past the recorded ``N``
 wrap.  A wrapped key was rotated (RoPE) for position ``t mod N``, not ``t``:
 attention over it is that of a repeated context, not of one long one; record
-``N`` at least as long as the benchmark's inputs to avoid it.  The sequence of
-a request is ``Bank.sequence_for(prompt)``: the recorded sequence whose first
-``N`` prompt tokens equal the request's, else a hash of the prompt modulo
-``S`` - the same prompt always replays the same sequence.
+``N`` at least as long as the benchmark's inputs to avoid it.
+
+Which sequence a block replays: a function of the tokens up to that block's
+end, as real KV is (what makes vLLM's prefix caching correct).  For the
+block of a request ending at position ``E`` (exclusive): the lowest-numbered
+recorded sequence whose tokens equal the request's prompt at every position
+below ``min(E, N)``; if none, ``sha256(prompt[:E]) mod S``
+(``BankIndex.sequences_for``).  So two requests that share a cached block
+agree on its rows, a recorded prompt replays its own sequence whatever ran
+before it, and a prompt that shares a recorded prompt's beginning replays
+that prompt's rows there.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
-from dataclasses import dataclass
+import tempfile
 from typing import Mapping, Sequence
 
 import numpy as np
 import torch
 
 BANK_FORMAT = "kvfill-bank"
-BANK_VERSION = "1"
-_RESERVED_META = ("format", "version", "num_sequences", "num_positions", "sequence_keys", "layers")
+BANK_VERSION = "2"
+_RESERVED_META = ("format", "version", "num_sequences", "num_positions", "sequence_tokens", "layers")
 
 
 class BankError(ValueError):
@@ -72,38 +84,65 @@ def sequence_key(token_ids: Sequence[int] | np.ndarray) -> str:
     return hashlib.sha256(ids.tobytes()).hexdigest()[:16]
 
 
-@dataclass(frozen=True)
 class BankIndex:
-    """What choosing a request's sequence needs: the bank's shape and sequence
-    keys, read from the metadata alone (the scheduler never loads rows)."""
+    """What choosing a block's sequence needs: the bank's shape and each
+    recorded sequence's first N token ids, read from the metadata alone (the
+    scheduler never loads rows)."""
 
-    num_sequences: int
-    num_positions: int
-    sequence_keys: tuple[str, ...] = ()
+    def __init__(self, num_sequences: int, num_positions: int, sequence_tokens=()):
+        self.num_sequences, self.num_positions = int(num_sequences), int(num_positions)
+        tokens = np.asarray(sequence_tokens, dtype=np.int64)
+        self.tokens = tokens.reshape(len(sequence_tokens), -1) if len(sequence_tokens) else None
+
+    def sequences_for(self, prompt_token_ids: Sequence[int] | np.ndarray, ends) -> np.ndarray:
+        """The sequence the block ending at each of ``ends`` (positions,
+        exclusive, <= the prompt's length) replays: the module docstring's rule."""
+        ids = np.asarray(prompt_token_ids, dtype=np.int64).reshape(-1)
+        ends = np.asarray(ends, dtype=np.int64).reshape(-1)
+        out = np.full(ends.size, -1, dtype=np.int64)
+        if self.tokens is not None and ends.size:
+            m = min(ids.size, self.num_positions)
+            differs = self.tokens[:, :m] != ids[None, :m]
+            # Positions each recorded sequence agrees with the prompt from the start.
+            agree = np.where(differs.any(axis=1), differs.argmax(axis=1), m)
+            need = np.minimum(ends, self.num_positions)
+            ok = agree[None, :] >= need[:, None]  # [ends, sequences]
+            out = np.where(ok.any(axis=1), ok.argmax(axis=1), -1)
+        todo = np.flatnonzero(out < 0)
+        if todo.size:
+            # One pass of SHA-256 over the prompt, a digest at every end asked for.
+            order = todo[np.argsort(ends[todo], kind="stable")]
+            h, pos = hashlib.sha256(), 0
+            for k in order:
+                e = int(ends[k])
+                h.update(np.ascontiguousarray(ids[pos:e]).tobytes())
+                pos = e
+                out[k] = int.from_bytes(h.copy().digest()[:8], "little") % self.num_sequences
+        return out
 
     def sequence_for(self, prompt_token_ids: Sequence[int] | np.ndarray) -> int:
-        """The sequence a request with this prompt replays (module docstring)."""
-        ids = np.asarray(prompt_token_ids, dtype=np.int64)
-        if ids.size >= self.num_positions and self.sequence_keys:
-            key = sequence_key(ids[: self.num_positions])
-            if key in self.sequence_keys:
-                return self.sequence_keys.index(key)
-        digest = hashlib.sha256(np.ascontiguousarray(ids).tobytes()).digest()
-        return int.from_bytes(digest[:8], "little") % self.num_sequences
+        """The sequence of a block ending at the prompt's end."""
+        n = len(prompt_token_ids)
+        return int(self.sequences_for(prompt_token_ids, [n])[0])
 
     @classmethod
     def read(cls, path: str | os.PathLike) -> "BankIndex":
-        """The index of a bank file, from its metadata alone."""
-        meta = _read_metadata(os.fspath(path))
-        return cls(int(meta["num_sequences"]), int(meta["num_positions"]),
-                   tuple(json.loads(meta.get("sequence_keys", "[]"))))
+        """The index of a bank file, from its metadata alone, after checking
+        it against the file's tensors; BankError naming the file and key."""
+        path = os.fspath(path)
+        meta = _read_metadata(path)
+        num_sequences = _meta_int(meta, "num_sequences", path)
+        num_positions = _meta_int(meta, "num_positions", path)
+        _check_shapes(path, num_sequences, num_positions)
+        return cls(num_sequences, num_positions, _meta_tokens(meta, path, num_sequences, num_positions))
 
 
 class Bank:
     """Recorded rows per layer, ``[S, N, R]`` each (see the module docstring).
 
-    ``layers``: layer name -> tensor (host memory as given); ``sequence_keys``:
-    ``sequence_key`` of each sequence's first N prompt tokens (optional);
+    ``layers``: layer name -> tensor (host memory as given); ``sequence_tokens``:
+    each sequence's first N prompt token ids (optional: without them every
+    block replays a sequence chosen by a hash of its prefix);
     ``value_dtypes``: layer -> the float dtype its bytes encode (``dtype_name``);
     ``metadata``: provenance strings.
     """
@@ -112,7 +151,7 @@ class Bank:
         self,
         layers: Mapping[str, torch.Tensor],
         *,
-        sequence_keys: Sequence[str] = (),
+        sequence_tokens: Sequence[Sequence[int]] = (),
         value_dtypes: Mapping[str, str] | None = None,
         parts: Mapping[str, Sequence[Sequence[int]]] | None = None,
         metadata: Mapping[str, str] | None = None,
@@ -131,9 +170,12 @@ class Bank:
             raise BankError(f"{source}: layers disagree on [sequences, positions]: {shapes}")
         self.layers = dict(layers)
         self.num_sequences, self.num_positions = next(iter(shapes.values()))
-        self.sequence_keys = tuple(sequence_keys)
-        if self.sequence_keys and len(self.sequence_keys) != self.num_sequences:
-            raise BankError(f"{source}: {len(self.sequence_keys)} sequence keys for {self.num_sequences} sequences")
+        self.sequence_tokens = tuple(tuple(int(x) for x in t) for t in sequence_tokens)
+        if self.sequence_tokens and (len(self.sequence_tokens) != self.num_sequences
+                                     or {len(t) for t in self.sequence_tokens} != {self.num_positions}):
+            raise BankError(f"{source}: sequence_tokens must be {self.num_sequences} lists of {self.num_positions} "
+                            f"token ids, got {len(self.sequence_tokens)} of lengths "
+                            f"{sorted({len(t) for t in self.sequence_tokens})}")
         self.value_dtypes = dict(value_dtypes or {})
         self.parts = {n: [list(p) for p in v] for n, v in (parts or {}).items()}
         self.metadata = {k: str(v) for k, v in (metadata or {}).items()}
@@ -151,7 +193,7 @@ class Bank:
 
     @property
     def index(self) -> BankIndex:
-        return BankIndex(self.num_sequences, self.num_positions, self.sequence_keys)
+        return BankIndex(self.num_sequences, self.num_positions, self.sequence_tokens)
 
     def sequence_for(self, prompt_token_ids: Sequence[int] | np.ndarray) -> int:
         return self.index.sequence_for(prompt_token_ids)
@@ -190,44 +232,90 @@ class Bank:
                             f"layer); record the bank on this platform and attention backend")
         return t
 
+    def count_nonfinite(self) -> dict[str, int]:
+        """Layer -> how many of its recorded values are NaN or infinite
+        (decoded through the layer's value dtype; layers of raw bits are not
+        counted).  A bank holding them replays them silently otherwise."""
+        out = {}
+        for name, t in self.layers.items():
+            vdtype = self.value_dtypes.get(name) or dtype_name(t.dtype)
+            target = getattr(torch, vdtype, None)
+            if not isinstance(target, torch.dtype) or not target.is_floating_point:
+                continue
+            flat = t.reshape(-1)
+            if t.dtype != target:
+                if t.element_size() != torch.empty((), dtype=target, device="cpu").element_size():
+                    continue
+                flat = flat.view(target)
+            bad = 0
+            for a in range(0, flat.numel(), 1 << 24):  # bounded temporaries
+                bad += int((~torch.isfinite(flat[a:a + (1 << 24)].float())).sum())
+            if bad:
+                out[name] = bad
+        return out
+
     # ------------------------------------------------------------ files
     def save(self, path: str | os.PathLike) -> None:
+        """Write the bank atomically (a temporary file in the same directory,
+        then a rename: a failed write leaves any earlier file whole), with the
+        mode the umask gives a new file."""
         from safetensors.torch import save_file
 
+        path = os.fspath(path)
         meta = dict(self.metadata)
         meta.update(
             format=BANK_FORMAT,
             version=BANK_VERSION,
             num_sequences=str(self.num_sequences),
             num_positions=str(self.num_positions),
-            sequence_keys=json.dumps(list(self.sequence_keys)),
+            sequence_tokens=json.dumps([list(t) for t in self.sequence_tokens]),
             layers=json.dumps({
                 n: {"dtype": dtype_name(t.dtype), "row": t.shape[2],
                     "value_dtype": self.value_dtypes.get(n, ""), "parts": self.parts.get(n, [])}
                 for n, t in self.layers.items()
             }),
         )
-        save_file({n: t.contiguous() for n, t in self.layers.items()}, os.fspath(path), metadata=meta)
+        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp",
+                                   dir=os.path.dirname(os.path.abspath(path)))
+        os.close(fd)
+        try:
+            save_file({n: t.contiguous() for n, t in self.layers.items()}, tmp, metadata=meta)
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp, 0o666 & ~umask)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "Bank":
-        """Read a bank file into host memory; BankError when it is not a bank
-        of this format or larger than the host's available memory."""
+        """Read a bank file into memory this process owns (not a mapping of
+        the file: rewriting or truncating it later changes nothing here);
+        BankError when it is not a well-formed bank of this format, its
+        metadata disagrees with its tensors, or it is larger than the host's
+        available memory."""
         from safetensors import safe_open
 
         path = os.fspath(path)
+        index = BankIndex.read(path)
         meta = _read_metadata(path)
         size, free = os.path.getsize(path), free_bytes(torch.device("cpu"))
         if free is not None and size > free:
             raise BankError(f"{path}: {size / 2**30:.2f} GiB does not fit the host's {free / 2**30:.2f} GiB "
                             f"available memory")
         with safe_open(path, framework="pt", device="cpu") as f:
-            layers = {n: f.get_tensor(n) for n in f.keys()}
-        info = json.loads(meta.get("layers", "{}"))
+            layers = {n: f.get_tensor(n).clone() for n in f.keys()}
+        info = _meta_json(meta, "layers", path, dict, "an object: layer -> {dtype, row, value_dtype, parts}")
+        for name, v in info.items():
+            if not isinstance(v, dict) or not isinstance(v.get("parts", []), list):
+                raise BankError(f"{path}: metadata 'layers'[{name!r}] is {v!r}; expected an object with "
+                                f"'dtype', 'row', 'value_dtype' and a 'parts' list")
         return cls(
             layers,
-            sequence_keys=json.loads(meta.get("sequence_keys", "[]")),
-            value_dtypes={n: v.get("value_dtype", "") for n, v in info.items()},
+            sequence_tokens=index.tokens.tolist() if index.tokens is not None else (),
+            value_dtypes={n: str(v.get("value_dtype", "")) for n, v in info.items()},
             parts={n: v["parts"] for n, v in info.items() if v.get("parts")},
             metadata={k: v for k, v in meta.items() if k not in _RESERVED_META},
             source=path,
@@ -236,8 +324,12 @@ class Bank:
 
 def _read_metadata(path: str) -> dict[str, str]:
     """A bank file's ``__metadata__`` (no rows read); BankError for anything else."""
-    if not os.path.isfile(path):
+    if not os.path.exists(path):
         raise BankError(f"bank {path!r} does not exist; record one with `python -m kvfill.record`")
+    if os.path.isdir(path):
+        raise BankError(f"bank {path!r} is a directory; expected a bank file (`python -m kvfill.record --out`)")
+    if not os.path.isfile(path):
+        raise BankError(f"bank {path!r} is not a regular file; expected a bank file")
     from safetensors import safe_open
     try:
         with safe_open(path, framework="pt", device="cpu") as f:
@@ -248,8 +340,59 @@ def _read_metadata(path: str) -> dict[str, str]:
         raise BankError(f"{path}: not a kvfill bank (metadata format {meta.get('format')!r}, "
                         f"expected {BANK_FORMAT!r})")
     if meta.get("version") != BANK_VERSION:
-        raise BankError(f"{path}: bank version {meta.get('version')!r}; this kvfill reads version {BANK_VERSION!r}")
+        raise BankError(f"{path}: bank version {meta.get('version')!r}; this kvfill reads version {BANK_VERSION!r}"
+                        f" - record the bank again with `python -m kvfill.record`")
     return meta
+
+
+def _meta_int(meta: Mapping[str, str], key: str, path: str) -> int:
+    raw = meta.get(key)
+    try:
+        value = int(raw)
+    except (TypeError, ValueError):
+        value = None
+    if value is None or value < 1 or str(value) != str(raw).strip():
+        raise BankError(f"{path}: metadata {key!r} is {raw!r}; expected an int >= 1")
+    return value
+
+
+def _meta_json(meta: Mapping[str, str], key: str, path: str, kind: type, expected: str):
+    raw = meta.get(key)
+    if raw is None:
+        raise BankError(f"{path}: metadata {key!r} is missing; expected {expected}")
+    try:
+        value = json.loads(raw)
+    except ValueError as exc:
+        raise BankError(f"{path}: metadata {key!r} is not JSON ({exc}); expected {expected}") from None
+    if not isinstance(value, kind):
+        raise BankError(f"{path}: metadata {key!r} is a {type(value).__name__}; expected {expected}")
+    return value
+
+
+def _meta_tokens(meta: Mapping[str, str], path: str, num_sequences: int, num_positions: int) -> list:
+    what = f"[] or {num_sequences} lists of {num_positions} token ids"
+    tokens = _meta_json(meta, "sequence_tokens", path, list, what)
+    if tokens and (len(tokens) != num_sequences
+                   or any(not isinstance(t, list) or len(t) != num_positions for t in tokens)
+                   or any(isinstance(x, bool) or not isinstance(x, int) for t in tokens for x in t)):
+        raise BankError(f"{path}: metadata 'sequence_tokens' holds {len(tokens)} entries; expected {what}")
+    return tokens
+
+
+def _check_shapes(path: str, num_sequences: int, num_positions: int) -> None:
+    """Every tensor of the file is ``[num_sequences, num_positions, row]`` (read from the header)."""
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt", device="cpu") as f:
+        names = list(f.keys())
+        if not names:
+            raise BankError(f"{path}: holds no layers")
+        for name in names:
+            shape = list(f.get_slice(name).get_shape())
+            if len(shape) != 3 or shape[:2] != [num_sequences, num_positions]:
+                raise BankError(f"{path}: layer {name!r} has shape {shape}, but the metadata says "
+                                f"num_sequences={num_sequences}, num_positions={num_positions} "
+                                f"(expected [{num_sequences}, {num_positions}, row])")
 
 
 def free_bytes(device: torch.device) -> int | None:

@@ -3,14 +3,21 @@
     python -m kvfill.record --model MODEL --prompts FILE --out BANK [--positions N] [--budget-gib G]
     kvfill-record ...                        (the same, installed as a console script)
 
-Runs vLLM's engine with real prefill over the prompts (FILE: one prompt per
-line) with ``KVFillConnector`` in its record role: after the forward that
+Runs vLLM's engine with real prefill over the prompts (FILE: UTF-8 text, one
+prompt per line) with ``KVFillConnector`` in its record role: after the forward that
 completes a prompt's position ``N - 1``, the worker reads every attention
 layer's rows ``[0, N)`` from the request's own blocks (``wait_for_save``) and
 saves them.  The rows are assembled into one bank file (``kvfill.kernels.bank``:
 safetensors, per layer ``[prompts, N, row]`` in the cache's storage dtype,
 layout-independent element order, provenance in the metadata).  Replay it with
 ``kv_connector_extra_config: {"fill_mode": "replay", "bank": BANK}``.
+
+Every input (``--out``'s folder, the prompts file, the budget, the prompts'
+lengths against ``--positions`` and ``--max-model-len``) is checked before
+vLLM starts: a RecordError names the value, and nothing is written.  The rows
+are recorded into a work folder beside ``--out`` (``kvfill-record-*``),
+removed at the end, on an error, on Ctrl-C and on SIGTERM; only when the bank
+cannot be written at the end is it kept, and the error says where.
 
 The size is estimated from the model's config before vLLM starts (prompts x N x
 layers x row bytes) and checked against ``--budget-gib``; the bank actually
@@ -19,13 +26,18 @@ written is checked again.  Record with tensor and decode-context parallel size
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import hashlib
+import io
 import json
+import math
 import os
 import shutil
+import signal
 import tempfile
+import threading
 from typing import Sequence
 
 import torch
@@ -36,6 +48,11 @@ from kvfill.kernels.bank import sequence_key
 
 class RecordError(ValueError):
     """Bad input to the recorder: names the value and what was expected."""
+
+
+class _WriteFailed(RecordError):
+    """The recorded bank could not be written to ``--out``: the work folder is
+    kept (recording again costs a whole vLLM run) and the message names it."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +73,13 @@ class Estimate:
 
 _KV_DTYPE_BYTES = {"fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "fp8_inc": 1, "fp8_ds_mla": 1}
 _DTYPE_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2}
+# transformers' ``layer_types`` of layers a bank does not hold: recurrent state
+# (linear_attention: Mamba, GDN, lightning attention; "mamba" is its legacy
+# name), short convolutions, MoE-only layers (nemotron_h) and chunked-local
+# attention (replayed with the synthetic fill, never recorded).  Full and
+# sliding attention are recorded; a type not named here counts too, so the
+# estimate errs on the budget's side.
+_UNBANKED_LAYER_TYPES = frozenset({"linear_attention", "mamba", "conv", "moe", "chunked_attention"})
 
 
 def estimate(model: str, sequences: int, positions: int, dtype: str = "auto", kv_cache_dtype: str = "auto"
@@ -68,8 +92,8 @@ def estimate(model: str, sequences: int, positions: int, dtype: str = "auto", kv
     text = getattr(cfg, "get_text_config", lambda: cfg)()
     layers = text.num_hidden_layers
     types = getattr(text, "layer_types", None)
-    if types:  # hybrid models: only attention layers hold KV rows
-        layers = sum(1 for t in types if "attention" in t)
+    if types:  # hybrid models: only the layers a bank holds
+        layers = sum(1 for t in types if t not in _UNBANKED_LAYER_TYPES)
     if kv_cache_dtype in _KV_DTYPE_BYTES:
         itemsize = 1
     else:
@@ -84,30 +108,112 @@ def estimate(model: str, sequences: int, positions: int, dtype: str = "auto", kv
     return Estimate(sequences, positions, layers * row * itemsize, layers)
 
 
-def read_prompts(path: str) -> list[str]:
-    """One prompt per non-empty line."""
-    if not os.path.isfile(path):
+def check_budget(budget_gib: float | None) -> None:
+    """A budget compares with nothing when NaN, refuses every bank when <= 0
+    and none when infinite: each is a mistake, refused before anything runs."""
+    if budget_gib is not None and not (math.isfinite(budget_gib) and budget_gib > 0):
+        raise RecordError(f"--budget-gib {budget_gib} is invalid; expected a finite number of GiB > 0")
+
+
+def check_out(out: str) -> None:
+    """``--out`` can take the bank, checked before vLLM starts: found after the
+    run, a bad path cost the whole run (and the work folder is made beside it)."""
+    if os.path.isdir(out) or out.endswith(("/", os.sep)):
+        raise RecordError(f"--out {out!r} is a directory; expected the path of the bank file to write "
+                          f"(e.g. {os.path.join(out, 'bank.safetensors')!r})")
+    if os.path.exists(out) and not os.path.isfile(out):
+        raise RecordError(f"--out {out!r} exists and is not a regular file; expected the path of the bank file")
+    folder = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(folder):
+        what = "is not a directory" if os.path.exists(folder) else "does not exist"
+        raise RecordError(f"--out {out!r}: its folder {folder!r} {what}; expected an existing folder "
+                          f"(create it first)")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise RecordError(f"--out {out!r}: its folder {folder!r} is not writable; expected a folder the "
+                          f"recorder can write the bank (and its work folder) in")
+
+
+def check_max_model_len(max_model_len: int | None, positions: int | None) -> None:
+    """vLLM takes prompts of at most ``max_model_len - 1`` tokens (one
+    position is left for the token it generates): N must fit that."""
+    if max_model_len is None:
+        return
+    if max_model_len < 2:
+        raise RecordError(f"--max-model-len {max_model_len} is invalid; expected an int >= 2 "
+                          f"(a prompt token and the one generated)")
+    if positions is not None and positions > max_model_len - 1:
+        raise RecordError(f"--positions {positions} is over --max-model-len {max_model_len}: vLLM takes prompts "
+                          f"of at most {max_model_len - 1} tokens (one position is left for the token it "
+                          f"generates); expected --positions <= {max_model_len - 1} or a larger --max-model-len")
+
+
+def _check_text_file(path: str) -> None:
+    if not os.path.exists(path):
         raise RecordError(f"--prompts {path!r} does not exist; expected a text file with one prompt per line")
-    with open(path, encoding="utf-8") as f:
-        prompts = [line.rstrip("\n") for line in f if line.strip()]
+    if os.path.isdir(path):
+        raise RecordError(f"--prompts {path!r} is a directory; expected a text file with one prompt per line")
+    if not os.path.isfile(path):  # a device (/dev/zero), pipe or socket: maybe endless, never a prompts file
+        raise RecordError(f"--prompts {path!r} is not a regular file; expected a text file with one prompt per line")
+
+
+def read_prompt_lines(path: str) -> list[tuple[int, str]]:
+    """(line number in the file, prompt) of each non-blank line: errors about a
+    prompt name the line a person sees in an editor, blank lines counted."""
+    _check_text_file(path)
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as exc:
+        raise RecordError(f"--prompts {path!r} cannot be read ({exc.strerror}); expected a readable text file"
+                          ) from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise RecordError(f"--prompts {path!r} is not UTF-8 text: line {line} holds bytes that are not UTF-8 "
+                          f"(0x{data[exc.start]:02x} at file offset {exc.start}); expected UTF-8 text, one prompt "
+                          f"per line") from None
+    lines = io.StringIO(text, newline=None)  # \n, \r\n and \r end a line, as in open()'s text mode
+    prompts = [(no, line.rstrip("\n")) for no, line in enumerate(lines, 1) if line.strip()]
     if not prompts:
         raise RecordError(f"--prompts {path!r} holds no prompt; expected one prompt per line")
     return prompts
 
 
-def choose_positions(token_ids: Sequence[Sequence[int]], positions: int | None) -> int:
+def read_prompts(path: str) -> list[str]:
+    """One prompt per non-empty line."""
+    return [prompt for _, prompt in read_prompt_lines(path)]
+
+
+def choose_positions(token_ids: Sequence[Sequence[int]], positions: int | None,
+                     line_numbers: Sequence[int] | None = None) -> int:
     """N: the given positions (every prompt must have that many tokens) or the
-    shortest prompt's length."""
+    shortest prompt's length.  ``line_numbers``: each prompt's line in the file
+    (default 1, 2, ...), named in the error."""
     lengths = [len(t) for t in token_ids]
+    lines = list(line_numbers or range(1, len(lengths) + 1))
     if positions is None:
         return min(lengths)
     if positions < 1:
         raise RecordError(f"--positions {positions} is invalid; expected an int >= 1")
-    short = [i + 1 for i, n in enumerate(lengths) if n < positions]
+    short = [i for i, n in enumerate(lengths) if n < positions][:5]
     if short:
-        raise RecordError(f"--positions {positions}: prompt line(s) {short[:5]} have fewer tokens "
-                          f"({[lengths[i - 1] for i in short[:5]]}); expected every prompt to have >= {positions}")
+        raise RecordError(f"--positions {positions}: prompt line(s) {[lines[i] for i in short]} have fewer tokens "
+                          f"({[lengths[i] for i in short]}); expected every prompt to have >= {positions}")
     return positions
+
+
+def check_prompt_lengths(token_ids: Sequence[Sequence[int]], line_numbers: Sequence[int],
+                         max_model_len: int | None) -> None:
+    """Every prompt fits ``--max-model-len`` (``check_max_model_len``):
+    found by vLLM, it would fail after the engine started."""
+    if max_model_len is None:  # the default fits the longest prompt
+        return
+    long = [(no, len(t)) for no, t in zip(line_numbers, token_ids) if len(t) > max_model_len - 1][:5]
+    if long:
+        raise RecordError(f"--max-model-len {max_model_len}: prompt line(s) {[no for no, _ in long]} have "
+                          f"{[n for _, n in long]} tokens; vLLM takes at most {max_model_len - 1} (one position "
+                          f"is left for the token it generates); expected shorter prompts or a larger --max-model-len")
 
 
 def record(
@@ -128,10 +234,15 @@ def record(
     """Record the bank (module docstring); returns it after writing ``out``."""
     from transformers import AutoTokenizer
 
-    prompts = read_prompts(prompts_file)
+    check_budget(budget_gib)
+    check_out(out)
+    check_max_model_len(max_model_len, positions)
+    lines = read_prompt_lines(prompts_file)
+    line_numbers = [no for no, _ in lines]
     tok = AutoTokenizer.from_pretrained(tokenizer or model)
-    ids = [list(tok(p).input_ids) for p in prompts]
-    n = choose_positions(ids, positions)
+    ids = [list(tok(p).input_ids) for _, p in lines]
+    n = choose_positions(ids, positions, line_numbers)
+    check_prompt_lengths(ids, line_numbers, max_model_len)
     unique, seen = [], set()
     for t in ids:
         key = sequence_key(t[:n])
@@ -146,64 +257,131 @@ def record(
     if budget is not None and est.nbytes > budget:
         raise RecordError(f"the bank would take ~{est.nbytes / 2**30:.3f} GiB, over --budget-gib {budget_gib}; "
                           f"record fewer prompts or --positions")
-
-    work = tempfile.mkdtemp(prefix="kvfill-record-", dir=os.path.dirname(os.path.abspath(out)) or ".")
-    try:
-        _run_vllm(model, unique, n, work, dtype, kv_cache_dtype, block_size, max_model_len, llm_kwargs or {})
-        layers: dict[str, list[torch.Tensor]] = {}
-        value_dtypes: dict[str, str] = {}
-        parts: dict[str, list] = {}
-        from safetensors import safe_open
-
-        for t in unique:
-            path = os.path.join(work, f"{sequence_key(t[:n])}.safetensors")
-            if not os.path.isfile(path):
-                raise RuntimeError(f"vLLM ran, but no rows were recorded for a prompt of {len(t)} tokens ({path})")
-            with safe_open(path, framework="pt") as f:
-                value_dtypes = json.loads(f.metadata()["value_dtypes"])
-                parts = json.loads(f.metadata().get("parts", "{}"))
-                for name in f.keys():
-                    layers.setdefault(name, []).append(f.get_tensor(name))
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-
-    import vllm
-
-    with open(prompts_file, "rb") as f:
+    with open(prompts_file, "rb") as f:  # the prompts recorded, not the file as it is after the run
         prompts_sha = hashlib.sha256(f.read()).hexdigest()
-    first = next(iter(layers.values()))[0]
-    meta = {
-        "model": model,
-        "dtype": str(first.dtype).removeprefix("torch."),
-        "kv_cache_dtype": kv_cache_dtype,
-        "block_size": str(block_size or "auto"),
-        "max_model_len": str(max_model_len or "auto"),
-        "vllm_version": getattr(vllm, "__version__", "unknown"),
-        "prompts_file": os.path.basename(prompts_file),
-        "prompts_sha256": prompts_sha,
-        "tokenizer": tokenizer or model,
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    }
-    bank = Bank({name: torch.stack(rows) for name, rows in layers.items()},
-                sequence_keys=[sequence_key(t[:n]) for t in unique],
-                value_dtypes={k: v for k, v in value_dtypes.items() if k in layers},
-                parts={k: v for k, v in parts.items() if k in layers}, metadata=meta, source=out)
-    if budget is not None and bank.nbytes > budget:
-        raise RecordError(f"the recorded bank takes {bank.nbytes / 2**30:.3f} GiB, over --budget-gib {budget_gib}; "
-                          f"nothing written")
-    bank.save(out)
+
+    with _sigterm_exits(), _work_dir(out) as work:
+        engine = _run_vllm(model, unique, n, work, dtype, kv_cache_dtype, block_size, max_model_len,
+                           llm_kwargs or {})
+        meta = {
+            "model": model,
+            "kv_cache_dtype": kv_cache_dtype,
+            **engine,  # what vLLM ran with: block_size, max_model_len, vllm_version
+            "prompts_file": os.path.basename(prompts_file),
+            "prompts_sha256": prompts_sha,
+            "tokenizer": tokenizer or model,
+            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        }
+        bank = _assemble(work, unique, n, meta, out)
+        if budget is not None and bank.nbytes > budget:
+            raise RecordError(f"the recorded bank takes {bank.nbytes / 2**30:.3f} GiB, over --budget-gib "
+                              f"{budget_gib}; nothing written")
+        _write(bank, out, work)
     log(f"wrote {bank.describe()}")
     return bank
 
 
-def _run_vllm(model, token_ids, n, record_dir, dtype, kv_cache_dtype, block_size, max_model_len, llm_kwargs) -> None:
-    """Real prefill of every prompt (one output token) with the record role on.
+@contextlib.contextmanager
+def _sigterm_exits():
+    """SIGTERM (``kill``, a job scheduler's stop) raises SystemExit while the
+    recorder runs, so the work folder is removed as on Ctrl-C; by default it
+    ends the process on the spot.  Only the main thread can handle signals,
+    and a handler the caller installed is left alone."""
+    if threading.current_thread() is not threading.main_thread() \
+            or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        yield
+        return
+
+    def stop(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one does not cut the cleanup short
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+@contextlib.contextmanager
+def _work_dir(out: str):
+    """A work folder beside ``out`` (the bank is moved, not copied, into
+    place), removed at the end unless the bank could not be written."""
+    try:
+        work = tempfile.mkdtemp(prefix="kvfill-record-", dir=os.path.dirname(os.path.abspath(out)))
+    except OSError as exc:
+        raise RecordError(f"--out {out!r}: cannot make the work folder beside it ({exc.strerror}); expected a "
+                          f"writable folder") from None
+    keep = False
+    try:
+        yield work
+    except _WriteFailed:
+        keep = True
+        raise
+    finally:
+        if not keep:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _rows_path(work: str, token_ids: Sequence[int], n: int) -> str:
+    """Where the worker saves a prompt's rows (``KVFillWorker.record``)."""
+    return os.path.join(work, f"{sequence_key(token_ids[:n])}.safetensors")
+
+
+def _assemble(work: str, unique: list, n: int, meta: dict, out: str) -> Bank:
+    """The bank of the rows recorded in ``work``, one file per prompt."""
+    from safetensors import safe_open
+
+    layers: dict[str, list[torch.Tensor]] = {}
+    value_dtypes: dict[str, str] = {}
+    parts: dict[str, list] = {}
+    for t in unique:
+        path = _rows_path(work, t, n)
+        if not os.path.isfile(path):
+            raise RuntimeError(f"vLLM ran, but no rows were recorded for a prompt of {len(t)} tokens ({path})")
+        with safe_open(path, framework="pt") as f:
+            value_dtypes = json.loads(f.metadata()["value_dtypes"])
+            parts = json.loads(f.metadata().get("parts", "{}"))
+            for name in f.keys():
+                layers.setdefault(name, []).append(f.get_tensor(name))
+    first = next(iter(layers.values()))[0]
+    meta = {**meta, "dtype": str(first.dtype).removeprefix("torch.")}
+    bank = Bank({name: torch.stack(rows) for name, rows in layers.items()},
+                sequence_tokens=[t[:n] for t in unique],
+                value_dtypes={k: v for k, v in value_dtypes.items() if k in layers},
+                parts={k: v for k, v in parts.items() if k in layers}, metadata=meta, source=out)
+    return bank
+
+
+def _write(bank: Bank, out: str, work: str) -> None:
+    """Saved in the work folder, then renamed to ``out`` (one filesystem):
+    ``out`` is replaced whole or not at all, and a failure keeps what the
+    run recorded - the rows, or the saved bank - and says where."""
+    staged = os.path.join(work, "bank.safetensors")
+    try:
+        bank.save(staged)
+    except Exception as exc:  # OSError, or safetensors' own error for an I/O failure
+        raise _WriteFailed(f"saving the bank failed ({exc}); nothing written to --out {out!r}; the recorded rows "
+                           f"are kept in {work!r} (one .safetensors file per prompt)") from exc
+    try:
+        os.replace(staged, out)
+    except OSError as exc:
+        raise _WriteFailed(f"--out {out!r} cannot be written ({exc.strerror}); the recorded bank is kept at "
+                           f"{staged!r}: move it into place") from exc
+
+
+def _run_vllm(model, token_ids, n, record_dir, dtype, kv_cache_dtype, block_size, max_model_len, llm_kwargs
+              ) -> dict[str, str]:
+    """Real prefill of every prompt (one output token) with the record role on;
+    returns the run's provenance: the vLLM version, and the max_model_len and
+    cache block size vLLM ran with (its own values when not given).
 
     ``max_model_len``: give the serving run's to get its bits exactly: vLLM
     CPU's attention rounds differently with it, so the KV of positions past
     the first block differs in the last bits from a run with another one."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    import vllm
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -235,4 +413,9 @@ def _run_vllm(model, token_ids, n, record_dir, dtype, kv_cache_dtype, block_size
     llm = LLM(**kw)
     params = SamplingParams(max_tokens=1, ignore_eos=True, detokenize=False, temperature=0.0)
     llm.generate([TokensPrompt(prompt_token_ids=t) for t in token_ids], params, use_tqdm=False)
+    config = llm.llm_engine.vllm_config
+    used = {"block_size": str(config.cache_config.block_size),
+            "max_model_len": str(config.model_config.max_model_len),
+            "vllm_version": getattr(vllm, "__version__", "unknown")}
     del llm
+    return used

@@ -11,11 +11,11 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="kvfill-record", description="Record real KV rows of prompts into a bank "
                                 "for kvfill's replay fill (fill_mode 'replay').")
     p.add_argument("--model", required=True, help="model folder or name vLLM loads")
-    p.add_argument("--prompts", required=True, help="text file, one prompt per line")
-    p.add_argument("--out", required=True, help="bank file to write (.safetensors)")
+    p.add_argument("--prompts", required=True, help="UTF-8 text file, one prompt per line (blank lines skipped)")
+    p.add_argument("--out", required=True, help="bank file to write (.safetensors), in an existing writable folder")
     p.add_argument("--positions", type=int, default=None,
                    help="positions N recorded per prompt (default: the shortest prompt's token count)")
-    p.add_argument("--budget-gib", type=float, default=None, help="refuse a bank larger than this")
+    p.add_argument("--budget-gib", type=float, default=None, help="refuse a bank larger than this (GiB > 0)")
     p.add_argument("--dtype", default="auto", help="vLLM's --dtype")
     p.add_argument("--kv-cache-dtype", default="auto", help="vLLM's --kv-cache-dtype (the bank's storage dtype)")
     p.add_argument("--block-size", type=int, default=None, help="vLLM's --block-size (the bank does not depend on it)")
@@ -31,6 +31,9 @@ def main(argv=None) -> int:
     except RecordError as exc:
         print(f"kvfill-record: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # the work folder is already removed
+        print("kvfill-record: interrupted; nothing written", file=sys.stderr)
+        return 130
     return 0
 
 

@@ -189,3 +189,4 @@ def test_the_recorder_runs_with_a_max_model_len_above_its_batch_default(tmp_path
     bank = record(model, prompts, str(tmp_path / "b.safetensors"), max_model_len=3000)
     assert (bank.num_sequences, bank.num_positions) == (2, 40)
     assert bank.metadata["max_model_len"] == "3000" and bank.bytes_per_token == 4 * 2 * 8 * 128 * 2
+    assert bank.metadata["block_size"] == "128"  # vLLM CPU's default, read back from the engine (not "auto")

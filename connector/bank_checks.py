@@ -1,0 +1,33 @@
+"""What a serving run logs about the bank it replays: provenance that differs
+from the run's own settings, and recorded values that are not finite.
+
+Neither refuses the bank - a bank recorded with another ``max_model_len``
+still replays real KV, only not bit for bit - but the replayed bits depend on
+them (the README's replay section), so a mismatch is said at startup.
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+
+def provenance_mismatches(meta: Mapping[str, str], *, model: str, max_model_len: int,
+                          kv_cache_dtype: str) -> list[str]:
+    """One line per recorded setting that differs from the serving run's."""
+    serving = {"model": str(model), "max_model_len": str(max_model_len), "kv_cache_dtype": str(kv_cache_dtype)}
+    out = []
+    for key, value in serving.items():
+        recorded = meta.get(key)
+        if recorded is None or recorded == "auto" or recorded == value:
+            continue
+        out.append(f"the bank was recorded with {key}={recorded!r}, this run has {key}={value!r}: replayed rows "
+                   f"are real KV but not bit-identical to this run's prefill")
+    return out
+
+
+def nonfinite_warning(source: str, counts: Mapping[str, int]) -> str | None:
+    """A line naming the layers whose recorded rows hold NaN or inf (None: none do)."""
+    if not counts:
+        return None
+    worst = sorted(counts.items(), key=lambda kv: -kv[1])[:3]
+    return (f"{source}: {sum(counts.values())} recorded values are NaN or infinite in {len(counts)} layers "
+            f"(e.g. {', '.join(f'{n}: {c}' for n, c in worst)}); they are replayed as recorded")

@@ -1,0 +1,171 @@
+"""Replay under prefix caching: a block's rows are a function of the tokens up
+to its end (bank.py, "Which sequence a block replays"), so requests that share
+a cached block agree on it and a recorded prompt replays its own rows
+whatever ran before it."""
+import hashlib
+
+import numpy as np
+import pytest
+import torch
+
+from kvfill.kernels import Bank, BankIndex, DcpGeometry
+
+N = 64  # recorded positions
+
+
+def index_of(*recorded, num_sequences=None):
+    tokens = [list(t[:N]) for t in recorded]
+    return BankIndex(num_sequences or len(tokens), N, tokens)
+
+
+def prompt(seed, n=N):
+    return np.random.default_rng(seed).integers(1, 30000, n).tolist()
+
+
+def test_a_recorded_prompt_replays_its_own_sequence_at_every_block_end():
+    b = prompt(1, 100)  # longer than the recording: its blocks past N wrap in its own sequence
+    idx = index_of(prompt(0), b, prompt(2))
+    assert idx.sequences_for(b, [16, 32, 64, 80, 99]).tolist() == [1] * 5
+    assert idx.sequence_for(b) == 1
+
+
+def test_a_prompt_sharing_a_recorded_beginning_replays_it_there_and_its_own_prefix_hash_after():
+    b = prompt(1)
+    a = b[:32] + prompt(9, 40)
+    idx = index_of(prompt(0), b, prompt(2), num_sequences=3)
+    got = idx.sequences_for(a, [16, 32, 48, 72])
+    assert got[:2].tolist() == [1, 1], "blocks inside the shared beginning hold the recorded rows"
+    for e, s in zip([48, 72], got[2:]):
+        digest = hashlib.sha256(np.asarray(a[:e], dtype=np.int64).tobytes()).digest()
+        assert s == int.from_bytes(digest[:8], "little") % 3
+
+
+def test_two_prompts_sharing_a_prefix_agree_on_every_block_inside_it():
+    idx = index_of(prompt(0), prompt(1), prompt(2), num_sequences=3)
+    rng = np.random.default_rng(5)
+    for trial in range(30):
+        shared = int(rng.integers(1, 90))
+        x = prompt(100 + trial, shared) + prompt(200 + trial, 20)
+        y = x[:shared] + prompt(300 + trial, 20)
+        ends = np.arange(1, shared + 1)
+        assert np.array_equal(idx.sequences_for(x, ends), idx.sequences_for(y, ends))
+
+
+def test_recorded_prompts_with_a_common_beginning_share_the_lowest_numbered_one_there():
+    b0 = prompt(1)
+    b1 = b0[:40] + prompt(3, N - 40)
+    idx = index_of(prompt(0), b0, b1)
+    assert idx.sequences_for(b1, [16, 40, 41, 64]).tolist() == [1, 1, 2, 2]
+    assert idx.sequences_for(b0, [16, 40, 41, 64]).tolist() == [1, 1, 1, 1]
+
+
+def test_without_recorded_tokens_blocks_spread_over_the_sequences_by_prefix_hash():
+    idx = BankIndex(4, N)
+    picks = {int(idx.sequences_for(prompt(s, 30), [30])[0]) for s in range(60)}
+    assert picks == {0, 1, 2, 3}
+
+
+def test_the_planner_asks_each_block_for_the_sequence_of_its_end():
+    from kvfill.connector.planner import GroupGeometry, GroupKind, Planner
+
+    geos = [GroupGeometry("full", GroupKind.FULL_ATTENTION, 4),
+            GroupGeometry("dcp", GroupKind.FULL_ATTENTION, 4, DcpGeometry(2, 0, 1))]
+    asked = []
+
+    def sequences_at(ends):
+        asked.append(ends.tolist())
+        return ends % 7
+
+    planner = Planner(geos)
+    sel = planner.select("r", 19, 5, [list(range(10, 15)), list(range(20, 23))], sequences_at=sequences_at)
+    # tokens [5, 18): full blocks 1..4 end at 8, 12, 16, 18; DCP span 8: blocks 0..2 end at 8, 16, 18
+    assert asked == [[8, 12, 16, 18]]
+    assert list(sel.groups[0].sequences) == [8 % 7, 12 % 7, 16 % 7, 18 % 7]
+    assert list(sel.groups[1].sequences) == [8 % 7, 16 % 7, 18 % 7]
+    plan = planner.plan([sel])
+    assert plan.groups["full"].sequence.tolist() == [1, 5, 2, 4]
+
+
+# ---------------------------------------------------------------- through vLLM
+BS = 16
+LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+
+
+def _bank_file(tmp_path, recorded, heads=2, head_size=8, sequences=3):
+    pytest.importorskip("safetensors")
+    g = torch.Generator(device="cpu").manual_seed(11)
+    rows = {n: torch.randn(sequences, N, 2 * heads * head_size, generator=g, device="cpu").to(torch.bfloat16)
+            for n in LAYERS}
+    tokens = [list(t[:N]) for t in recorded] + [prompt(50 + i) for i in range(sequences - len(recorded))]
+    path = tmp_path / "bank.safetensors"
+    Bank(rows, sequence_tokens=tokens).save(path)
+    return str(path), rows
+
+
+def _old_rule(ids, num_sequences):
+    digest = hashlib.sha256(np.asarray(ids, dtype=np.int64).tobytes()).digest()
+    return int.from_bytes(digest[:8], "little") % num_sequences
+
+
+def test_prefix_cached_blocks_of_an_unrecorded_prompt_hold_the_recorded_prompts_rows(tmp_path):
+    """vLLM's scheduler with prefix caching: A (not recorded, shares B's first
+    32 tokens) runs first; B (recorded) then reuses A's two cached blocks.
+    Every position of B must hold B's recorded row, the shared blocks included."""
+    pytest.importorskip("vllm")
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    from vllm_harness import make_harness
+
+    b = prompt(1, N)
+    tail = 0
+    while _old_rule(b[:32] + prompt(700 + tail, 18), 3) == 0:  # a whole-prompt pick would differ from B's
+        tail += 1
+    a = b[:32] + prompt(700 + tail, 18)
+    path, rows = _bank_file(tmp_path, [b])
+    spec = FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=8, dtype=torch.bfloat16)
+    h = make_harness(tmp_path, [(LAYERS, spec)], extra={"bank": path}, prefix_caching=True)
+    h.add("a", a, max_tokens=1)
+    out, _ = h.step()
+    a_blocks = list(out.scheduled_new_reqs[0].block_ids[0])
+    h.step()
+    assert "a" not in h.scheduler.requests
+    h.add("b", b, max_tokens=2)
+    out, meta = h.step()
+    table = h.block_table("b")[0]
+    assert table[:2] == a_blocks[:2], "B did not reuse A's two cached blocks"
+    engine = h.worker.worker.engine
+    from kvfill.kernels import GroupFill
+
+    group = next(iter(engine.groups))
+    k = np.arange(len(b) - 1) // BS
+    used = sorted(set(k.tolist()))
+    plan = {group: GroupFill([table[i] for i in used], slot_end=[min(BS, len(b) - 1 - i * BS) for i in used],
+                             local_base=[i * BS for i in used], sequence=[0] * len(used))}
+    report = engine.verify(plan)
+    assert report.ok, f"B's blocks hold other rows than B's recorded ones: {report}"
+
+
+def test_a_bank_with_startup_fill_is_refused_naming_both_keys(tmp_path):
+    from kvfill.connector.options import FillOptions, OptionError
+
+    path, _ = _bank_file(tmp_path, [prompt(1)])
+    with pytest.raises(OptionError, match=r"\['startup_fill'\] = True is invalid; expected false with 'bank'"):
+        FillOptions.from_extra_config({"bank": path, "startup_fill": True})
+
+
+@pytest.mark.cpu_only
+def test_replay_after_prefix_cached_decoys_equals_real_prefill_end_to_end(tmp_path):
+    """vLLM CPU end to end, prefix caching on: unrecorded decoys sharing each
+    recorded prompt's first 256 tokens (two 128-token blocks) run first; the
+    recorded prompts then reuse the decoys' blocks and still decode exactly as
+    real prefill does (with a whole-prompt sequence choice: 0/3 here)."""
+    import json
+
+    pytest.importorskip("vllm")
+    from kvfill.bench import replay_e2e
+
+    out = tmp_path / "prefix.json"
+    rc = replay_e2e.main(["--prompts", "3", "--prompt-len", "300", "--output-len", "4", "--shared-prefix", "256",
+                          "--runs", "replay", "--tolerance", "1e-4", "--json", str(out)])
+    rows = {r["run"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rc == 0, rows
+    assert rows["replay"]["tokens_equal_to_prefill"] == "12/12" and rows["replay"]["max_abs_logprob_diff"] <= 1e-4

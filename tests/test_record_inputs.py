@@ -1,0 +1,301 @@
+"""The recorder's inputs fail safely: every bad input is a RecordError that
+names the value and what was expected, found before vLLM starts, with
+nothing written; a bank that cannot be written at the end keeps what the run
+recorded; SIGTERM cleans up as Ctrl-C does.  vLLM never starts here:
+``_run_vllm`` is replaced by one that writes rows where the worker would."""
+import errno
+import json
+import os
+import re
+import select
+import signal
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kvfill.bench.models import make_tokenizer
+from kvfill.kernels import Bank
+import kvfill.record as recorder
+from kvfill.record import RecordError, estimate
+from kvfill.record.__main__ import main
+
+LAYER = "model.layers.0.self_attn.attn"
+TINY_LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2,
+              "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "vocab_size": 1024, "dtype": "bfloat16"}
+
+
+@pytest.fixture
+def model(tmp_path):
+    """A tiny Llama's config.json and a word-level tokenizer: all the
+    recorder reads before vLLM starts."""
+    path = tmp_path / "model"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(TINY_LLAMA))
+    return make_tokenizer(str(path))
+
+
+@pytest.fixture
+def out_dir(tmp_path):
+    """The folder of --out, empty: what it holds afterwards is what the recorder left."""
+    path = tmp_path / "out"
+    path.mkdir()
+    return path
+
+
+def words(n, start=3):
+    return " ".join(f"w{t}" for t in range(start, start + n))  # one token per word
+
+
+def write_prompts(path, lines):
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+@pytest.fixture
+def prompts(tmp_path):
+    return write_prompts(tmp_path / "p.txt", [words(40), words(30, start=100)])
+
+
+def write_rows(work, token_ids, n):
+    """A prompt's rows as ``KVFillWorker.record`` saves them."""
+    from safetensors.torch import save_file
+
+    save_file({LAYER: torch.zeros(n, 32, dtype=torch.bfloat16)}, recorder._rows_path(work, token_ids, n),
+              metadata={"value_dtypes": "{}", "parts": "{}"})
+
+
+def fake_vllm(monkeypatch, during=None):
+    """``_run_vllm`` replaced: calls ``during(work)``, then writes every
+    prompt's rows; returns the work folders it ran in."""
+    runs = []
+
+    def run(model, token_ids, n, work, *rest):
+        runs.append(work)
+        if during:
+            during(work)
+        for t in token_ids:
+            write_rows(work, t, n)
+        return {"block_size": "128", "max_model_len": str(max(map(len, token_ids)) + 16), "vllm_version": "fake"}
+
+    monkeypatch.setattr(recorder, "_run_vllm", run)
+    return runs
+
+
+@pytest.fixture
+def no_vllm(monkeypatch):
+    """vLLM must not start: the input is refused before."""
+    monkeypatch.setattr(recorder, "_run_vllm", lambda *a: pytest.fail("vLLM started before the input was refused"))
+
+
+def test_a_recording_writes_the_bank_and_removes_its_work_folder(model, prompts, out_dir, monkeypatch):
+    fake_vllm(monkeypatch)
+    bank = recorder.record(model, prompts, str(out_dir / "b.safetensors"), log=lambda msg: None)
+    assert os.listdir(out_dir) == ["b.safetensors"]
+    assert Bank.load(out_dir / "b.safetensors").num_sequences == bank.num_sequences == 2
+
+
+# ------------------------------------------------------------------ --out
+def test_an_existing_directory_as_out_is_refused_before_vllm_starts(model, prompts, out_dir, no_vllm):
+    with pytest.raises(RecordError, match=rf"--out '{re.escape(str(out_dir))}' is a directory; expected the path "
+                                          rf"of the bank file"):
+        recorder.record(model, prompts, str(out_dir))
+    assert os.listdir(out_dir) == []
+
+
+def test_a_missing_folder_of_out_is_named_before_vllm_starts(model, prompts, out_dir, no_vllm):
+    missing = out_dir / "missing"
+    with pytest.raises(RecordError, match=rf"its folder '{re.escape(str(missing))}' does not exist; expected an "
+                                          rf"existing folder"):
+        recorder.record(model, prompts, str(missing / "b.safetensors"))
+    assert os.listdir(out_dir) == []
+
+
+def test_an_unwritable_folder_of_out_is_refused_before_vllm_starts(model, prompts, out_dir, no_vllm, monkeypatch):
+    # os.access stands in for a read-only folder: tests may run as root, whom no mode stops.
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode, **kw: str(p) != str(out_dir) and real_access(p, mode, **kw))
+    with pytest.raises(RecordError, match=rf"its folder '{re.escape(str(out_dir))}' is not writable"):
+        recorder.record(model, prompts, str(out_dir / "b.safetensors"))
+    assert os.listdir(out_dir) == []
+
+
+def test_the_saved_bank_is_kept_and_named_when_out_cannot_be_written(model, prompts, out_dir, monkeypatch):
+    """--out became a directory during the run: the bank saved in the work
+    folder stays there, named in the error, instead of the run's rows being lost."""
+    out = out_dir / "b.safetensors"
+    runs = fake_vllm(monkeypatch, during=lambda work: os.mkdir(out))
+    with pytest.raises(RecordError, match=r"--out .* cannot be written .*; the recorded bank is kept at") as exc:
+        recorder.record(model, prompts, str(out), log=lambda msg: None)
+    kept = os.path.join(runs[0], "bank.safetensors")
+    assert repr(kept) in str(exc.value)
+    assert Bank.load(kept).num_sequences == 2
+
+
+def test_the_recorded_rows_are_kept_and_named_when_the_bank_cannot_be_saved(model, prompts, out_dir, monkeypatch):
+    def disk_full(self, path):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    runs = fake_vllm(monkeypatch)
+    monkeypatch.setattr(Bank, "save", disk_full)
+    with pytest.raises(RecordError, match=r"saving the bank failed \(.*No space left on device\); nothing written") \
+            as exc:
+        recorder.record(model, prompts, str(out_dir / "b.safetensors"), log=lambda msg: None)
+    assert f"the recorded rows are kept in {runs[0]!r}" in str(exc.value)
+    assert len([f for f in os.listdir(runs[0]) if f.endswith(".safetensors")]) == 2
+    assert not (out_dir / "b.safetensors").exists()
+
+
+# ------------------------------------------------------------------ other inputs
+def test_a_prompts_file_that_is_not_utf8_is_named_with_its_line(model, tmp_path, out_dir, no_vllm):
+    path = tmp_path / "p.txt"
+    path.write_bytes(words(40).encode() + b"\n\n" + b"w3 \xff w4\n")
+    with pytest.raises(RecordError, match=rf"--prompts '{re.escape(str(path))}' is not UTF-8 text: line 3 holds "
+                                          rf"bytes that are not UTF-8 \(0xff at file offset \d+\); expected UTF-8 "
+                                          rf"text"):
+        recorder.record(model, str(path), str(out_dir / "b.safetensors"))
+    assert os.listdir(out_dir) == []
+
+
+def test_a_directory_as_prompts_is_called_a_directory(model, tmp_path, out_dir, no_vllm):
+    with pytest.raises(RecordError, match=rf"--prompts '{re.escape(str(tmp_path))}' is a directory; expected a "
+                                          rf"text file"):
+        recorder.record(model, str(tmp_path), str(out_dir / "b.safetensors"))
+
+
+def test_a_device_as_prompts_is_called_not_a_regular_file(model, out_dir, no_vllm):
+    with pytest.raises(RecordError, match=r"--prompts '/dev/zero' is not a regular file; expected a text file"):
+        recorder.record(model, "/dev/zero", str(out_dir / "b.safetensors"))
+
+
+@pytest.mark.parametrize("budget", ["nan", "inf", "-1", "0"])
+def test_a_budget_that_is_nan_infinite_or_not_positive_is_refused(model, prompts, out_dir, no_vllm, capsys, budget):
+    rc = main(["--model", model, "--prompts", prompts, "--out", str(out_dir / "b.safetensors"),
+               "--budget-gib", budget])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"--budget-gib {float(budget)} is invalid; expected a finite number of GiB > 0" in err, err
+    assert os.listdir(out_dir) == []
+
+
+def test_positions_beyond_max_model_len_are_refused_before_vllm_starts(model, tmp_path, out_dir, no_vllm):
+    prompts = write_prompts(tmp_path / "p.txt", [words(60), words(60, start=100)])
+    with pytest.raises(RecordError, match=r"--positions 50 is over --max-model-len 40: vLLM takes prompts of at "
+                                          r"most 39 tokens .*; expected --positions <= 39"):
+        recorder.record(model, prompts, str(out_dir / "b.safetensors"), positions=50, max_model_len=40)
+
+
+def test_prompts_longer_than_max_model_len_are_named_by_line_before_vllm_starts(model, tmp_path, out_dir, no_vllm):
+    """vLLM refuses a prompt of max_model_len tokens (no room for the token
+    it generates): 39 tokens fit --max-model-len 40, 40 do not."""
+    prompts = write_prompts(tmp_path / "p.txt", [words(30), "", words(40, start=100), words(39, start=200)])
+    with pytest.raises(RecordError, match=r"--max-model-len 40: prompt line\(s\) \[3\] have \[40\] tokens; "
+                                          r"vLLM takes at most 39"):
+        recorder.record(model, prompts, str(out_dir / "b.safetensors"), positions=20, max_model_len=40)
+
+
+def test_a_short_prompt_is_named_by_its_line_in_the_file(model, tmp_path, out_dir, no_vllm):
+    """Blank lines count: the line number is the one an editor shows."""
+    prompts = write_prompts(tmp_path / "p.txt", [words(40), "", "  ", words(17, start=100)])
+    with pytest.raises(RecordError, match=r"--positions 30: prompt line\(s\) \[4\] have fewer tokens \(\[17\]\)"):
+        recorder.record(model, prompts, str(out_dir / "b.safetensors"), positions=30)
+
+
+# ------------------------------------------------------------------ SIGTERM
+SIGTERM_CHILD = """
+import os, sys, time
+import kvfill.record as recorder
+
+def run(model, token_ids, n, work, *rest):
+    open(os.path.join(work, "rows.safetensors.part"), "w").close()
+    print(work, flush=True)
+    time.sleep(120)
+
+recorder._run_vllm = run
+recorder.record(sys.argv[1], sys.argv[2], sys.argv[3], log=lambda msg: None)
+"""
+
+
+def test_sigterm_during_recording_removes_the_work_folder(model, prompts, out_dir):
+    proc = subprocess.Popen([sys.executable, "-c", SIGTERM_CHILD, model, prompts, str(out_dir / "b.safetensors")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], 120)
+        work = proc.stdout.readline().strip() if ready else ""
+        if not os.path.isdir(work):
+            proc.kill()
+            pytest.fail(f"the recorder did not start its (fake) vLLM run: {proc.communicate()[1][-2000:]}")
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert rc != 0
+    assert not os.path.exists(work) and os.listdir(out_dir) == []
+
+
+@pytest.fixture
+def default_sigterm():
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    yield
+    signal.signal(signal.SIGTERM, previous)
+
+
+def test_the_recorder_handles_sigterm_only_while_it_runs(model, prompts, out_dir, monkeypatch, default_sigterm):
+    during = []
+    fake_vllm(monkeypatch, during=lambda work: during.append(signal.getsignal(signal.SIGTERM)))
+    recorder.record(model, prompts, str(out_dir / "b.safetensors"), log=lambda msg: None)
+    assert during[0] not in (signal.SIG_DFL, signal.SIG_IGN, None)
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+# ------------------------------------------------------------------ provenance
+def test_the_bank_names_the_max_model_len_and_block_size_vllm_ran_with(model, prompts, out_dir, monkeypatch):
+    """Not "auto": the values the engine resolved, read back from it (here a
+    stand-in of vLLM's LLM; test_record.py checks the real one)."""
+    vllm = pytest.importorskip("vllm")
+
+    class EngineStandIn:
+        def __init__(self, **kw):
+            self.kw = kw
+            self.llm_engine = SimpleNamespace(vllm_config=SimpleNamespace(
+                cache_config=SimpleNamespace(block_size=128),
+                model_config=SimpleNamespace(max_model_len=kw["max_model_len"])))
+
+        def generate(self, prompts, params, use_tqdm):
+            extra = self.kw["kv_transfer_config"]["kv_connector_extra_config"]
+            for p in prompts:
+                write_rows(extra["record_dir"], p["prompt_token_ids"], extra["record_positions"])
+
+    monkeypatch.setattr(vllm, "LLM", EngineStandIn)
+    bank = recorder.record(model, prompts, str(out_dir / "b.safetensors"), log=lambda msg: None)
+    assert (bank.metadata["max_model_len"], bank.metadata["block_size"]) == ("56", "128")  # the longest prompt + 16
+
+
+# ------------------------------------------------------------------ estimate
+def write_config(path, config):
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(config))
+    return str(path)
+
+
+def test_the_estimate_counts_only_the_full_attention_layers_of_a_linear_attention_hybrid(tmp_path):
+    """Qwen3-Next: 3 of every 4 layers are linear attention (recurrent state,
+    not in a bank)."""
+    types = ["linear_attention"] * 3 + ["full_attention"]
+    model = write_config(tmp_path / "qwen3-next", {
+        "model_type": "qwen3_next", "num_hidden_layers": 8, "layer_types": types * 2, "hidden_size": 64,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 1024, "dtype": "bfloat16"})
+    est = estimate(model, 3, 100)
+    assert (est.layers, est.bytes_per_token) == (2, 2 * (2 * 2 * 16) * 2)  # layers x K+V row x bf16
+
+
+def test_the_estimate_counts_sliding_and_full_attention_layers(tmp_path):
+    model = write_config(tmp_path / "gemma3", {
+        "model_type": "gemma3_text", "num_hidden_layers": 6, "sliding_window": 256, "hidden_size": 64,
+        "layer_types": ["sliding_attention"] * 5 + ["full_attention"], "num_attention_heads": 4,
+        "num_key_value_heads": 1, "head_dim": 16, "vocab_size": 1024, "dtype": "bfloat16"})
+    assert estimate(model, 1, 10).layers == 6
