@@ -8,7 +8,7 @@ whose (block, head) pages hold K transposed ``[D, N]`` then V ``[N, D]``
 (``connector/cpu_layout.py``); kvfill registers the K and V views, as the
 connector does.  Whole pages of both are gathered head-major into a small
 staging buffer and written with one strided copy per run of consecutive
-blocks (for K a transposing one: ``torch_fill._fill_pages_staged``).  Normal and replay (a bank of recorded rows, one
+blocks (for K a transposing one: ``torch_pages.fill_pages_staged``).  Normal and replay (a bank of recorded rows, one
 sequence covering the positions) are timed beside a constant fill and a memset
 of the same bytes, in one run.
 """

@@ -27,6 +27,7 @@ def compile_ptx(layout, mode: str, arch: int = 90) -> str:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from kvfill.kernels import triton_backend as tb
     from kvfill.kernels import triton_fill as tf
 
     bits = {1: "u8", 2: "i16", 4: "i32", 8: "i64"}[layout.itemsize]
@@ -38,7 +39,7 @@ def compile_ptx(layout, mode: str, arch: int = 90) -> str:
     align = 16 // layout.itemsize
     if mode == "replay":  # a bank whose rows are the layer's rows, 16-byte aligned, sequences per entry
         consts = tf.kernel_constexprs(layout, mode, align, entry_cols=5, bank_row=layout.row_size,
-                                      bank_align=tf._pow2_dividing([layout.row_size], align))
+                                      bank_align=tb.pow2_dividing([layout.row_size], align))
     else:
         consts = tf.kernel_constexprs(layout, mode, layer_align=align)
     names = list(sig) + list(consts)

@@ -3,13 +3,15 @@
 The engine ties the pieces together, each in its own file:
 
     registry.py   caches -> layouts -> launch classes (once, at construction)
-    backend.py    the backend, chosen once: triton_fill.py (GPU) or torch_fill.py (CPU)
+    backend.py    the backends' interface; one is chosen once, here (``make_backend``):
+                  triton_backend.py (GPU) or torch_fill.py (CPU)
     plan.py       the plan format; every plan is validated here before any write
     verify.py     recompute what planned slots must hold and compare bits
 """
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
@@ -17,11 +19,12 @@ import numpy as np
 import torch
 
 from . import values as V
-from .backend import make_backend
+from .backend import BACKENDS, FillBackend
 from .bank import Bank
 from .capture import pin, stream_capturing
 from .plan import FillPlan, GroupFill
 from .registry import CacheGroup, RegisteredGroup, Registry
+from .torch_fill import TorchBackend
 from .verify import VerifyReport, read_plan, verify_plan
 
 
@@ -56,7 +59,7 @@ class FillEngine:
     index for the value function (default: registration order).
     ``page_image_bytes`` (torch backend): how much memory on the caches'
     device may keep whole pages already written, to copy them for later requests at the same
-    positions (``torch_fill.PageImages``; None: 1 GiB, 0: none).
+    positions (``page_images.PageImages``; None: 1 GiB, 0: none).
     """
 
     def __init__(
@@ -233,6 +236,26 @@ class FillEngine:
         Synchronises with the device (reads the caches back).
         """
         return verify_plan(self._registry, self._checked(plan), max_report=max_report)
+
+
+def make_backend(name: str, registry: Registry, page_image_bytes: int | None = None) -> FillBackend:
+    """``auto``: Triton for GPU caches, torch for CPU caches.  ``page_image_bytes``:
+    the torch backend's ``PageImages`` budget (None: its default)."""
+    if name not in BACKENDS:
+        raise ValueError(f"backend {name!r} is not one of {BACKENDS}")
+    on_cpu = registry.device.type == "cpu"
+    if name == "auto":
+        name = "torch" if on_cpu else "triton"
+    if name == "torch":
+        return TorchBackend(registry, page_image_bytes)
+    if on_cpu and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            "backend 'triton' on CPU tensors needs TRITON_INTERPRET=1 set before kvfill "
+            "is imported; use backend 'torch' (or 'auto') for CPU caches"
+        )
+    from .triton_backend import TritonBackend  # imported late: TRITON_INTERPRET must be set first
+
+    return TritonBackend(registry)
 
 
 def _is_int(x) -> bool:

@@ -1,114 +1,49 @@
 """Torch backend: the same fill as the Triton kernel, with torch ops.
 
 Used for CPU caches (vLLM's CPU platform) and as the reference in tests.  It
-expands the plan into one row per planned slot, builds the rows' bits from the
-same value table (a row is a window of the table starting at the row's hashed
-offset) and writes them through the canonical strided view ``[num_blocks, r,
-slots_per_kernel_block, *elem_shape]``.  How each entry is written is worked
-out once per launch class and fill (``ClassRows``).  Whole pages whose rows
-form contiguous regions (``(2, num_blocks, H, N, D)`` views) are gathered from
-the table straight into the cache, one ``index_select`` per region and run of
-consecutive blocks; other whole pages (vLLM CPU's transposed K pages) are
-copied from ``PageImages`` - the same pages written once, by the staging path,
-into a store - and so are partial blocks whose page the store holds; other
-large entries one strided ``copy_`` each; many small ones chunked
-``index_put_``.  The bytes are identical to the Triton path's by construction.
+expands the plan into one row per planned slot (``slot_rows``), builds the
+rows' bits from the same value table (a row is a window of the table starting
+at the row's hashed offset) and writes them through the canonical strided view
+``[num_blocks, r, slots_per_kernel_block, *elem_shape]``.  This module decides
+how each entry is written, once per launch class and fill (``ClassRows``), and
+dispatches it: whole pages to ``torch_pages`` (gathered straight into the
+cache, or staged) or copied from ``page_images`` - and so are partial blocks
+whose page the store holds; other large entries to ``torch_pages``, one
+strided ``copy_`` each; many small ones are chunked ``index_put_`` here.  The
+bytes are identical to the Triton path's by construction.
 """
 from __future__ import annotations
 
-import contextlib
-import functools
-import math
-from typing import Mapping, NamedTuple
+from typing import Mapping
 
 import numpy as np
 import torch
 
-from . import values as V
+from . import torch_pages
 from .backend import FillBackend
-from .dcp import DcpGeometry
-from .layout import Layout, canonical_view
+from .layout import canonical_view
+from .page_images import PAGE_IMAGE_BYTES, PageImages, writing
 from .plan import GroupFill
 from .registry import LaunchClass, LayerTensor
+from .slot_rows import SlotRows, value_source
 
-
-class SlotRows:
-    """A group's normalized entries expanded to one row per planned slot (host arrays)."""
-
-    def __init__(self, entries: GroupFill, dcp: DcpGeometry):
-        blocks, start, end = entries.block_ids, entries.slot_start, entries.slot_end
-        counts = end - start
-        n = int(counts.sum())
-        entry = np.repeat(np.arange(blocks.size), counts)
-        first = np.cumsum(counts) - counts
-        slot = start[entry] + (np.arange(n, dtype=np.int64) - first[entry])
-        self.num_rows = n
-        self.entries = (blocks, start, end, first)  # per entry; its rows are [first, first + end - start)
-        self.entry_base = entries.local_base          # per entry: the rank-local position of slot 0
-        self.entry_sequence = entries.sequence
-        self.block = blocks[entry]
-        self.slot = slot
-        self.position = dcp.global_positions(entries.local_base[entry] + slot)
-        self.sequence = entries.sequence[entry]
-        self._device_index: dict = {}
-
-    def index(self, layout: Layout, device: torch.device):
-        """Index tensors (block, kernel sub-block, slot-in-kernel-block)."""
-        key = (layout.slots_per_kernel_block, torch.device(device))
-        idx = self._device_index.get(key)
-        if idx is None:
-            kbs = layout.slots_per_kernel_block
-            idx = tuple(
-                torch.from_numpy(a).to(device)
-                for a in (self.block, self.slot // kbs, self.slot % kbs)
-            )
-            self._device_index[key] = idx
-        return idx
-
-
-def value_source(c: LaunchClass, t: LayerTensor, rows: SlotRows,
-                 sel: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Where tensor ``t``'s planned rows come from: ``(source, start)``, row
-    ``i`` being ``source[start[i] : start[i] + row_size]``, or every element
-    ``source[0]`` when ``start`` is None (constant, zero).  ``sel``: the
-    starts of these rows only (indices into ``rows``, in that order).
-
-    normal: the class's value table at the rows' hashed offsets; replay: the
-    layer's bank rows flattened, row ``(sequence, position mod N)``, from the
-    tensor's element offset within the layer's row.
-    """
-    position = rows.position if sel is None else rows.position[sel]
-    if c.mode == V.REPLAY:
-        seqs, positions, layer_row = t.bank.shape
-        sequence = rows.sequence if sel is None else rows.sequence[sel]
-        start = (sequence * positions + position % positions) * layer_row + t.elem_offset
-        return t.bank.reshape(-1), torch.from_numpy(start).to(t.bank.device)
-    if c.mode == V.NORMAL:
-        return c.table, torch.from_numpy(V.row_offsets(t.key, position, t.elem_offset)).to(c.table.device)
-    return c.table, None
-
-
-def expected_rows(rows: SlotRows, layout: Layout, source: torch.Tensor, start: torch.Tensor | None) -> torch.Tensor:
-    """Bits every planned slot must hold (``value_source``): ``[num_rows, row_size]`` or a scalar."""
-    if start is None:
-        return source[0]
-    windows = source.unfold(0, layout.row_size, 1)  # window k = source[k : k + row]
-    return windows[start]
-
-
-CHUNK_BYTES = 4 << 20  # rows gathered per step: stays in cache, no big temporaries
+# Entries this large (bytes) are written one strided copy each: per-call overhead
+# (~10 us) is small next to the copy, and a copy beats index_put ~2x on whole
+# pages of >= 256 KiB (measured: 512 KiB pages 2.2x faster, 64 KiB pages 1.5x slower).
+PER_ENTRY_BYTES = 256 << 10
 
 
 class ClassRows:
     """One launch class's planned rows, split by the path that writes them:
     the same for every tensor of the class, so worked out once per fill.
 
-    ``pages``: the entries that are whole pages of >= PAGE_BYTES with a value
-    start (normal, replay; a request's every block but its last), written a
-    run of blocks at a time - gathered straight into the cache where a
-    layout's page regions are adjacent (``gather``), else through the staging
-    buffer or, with ``PageImages``, copied from its store (``slots``: each
-    page's page there, -1: none; ``new``: written there first by this fill).
+    ``pages``: the entries that are whole pages of >= ``torch_pages.PAGE_BYTES``
+    with a value start (normal, replay; a request's every block but its
+    last), written a run of blocks at a time - gathered straight into the
+    cache where a layout's page regions are adjacent (``gather``), else
+    through the staging buffer or, with ``PageImages``, copied from its store
+    (``slots``: each page's page there, -1: none; ``new``: written there
+    first by this fill).
     ``partial``: the other entries whose page the store holds, copied from it
     (``partial_slots``).  ``rest``: the other entries, large ones one strided copy each
     (``per_entry``), small ones gathered chunk by chunk into one reused
@@ -122,15 +57,15 @@ class ClassRows:
         blocks, s0, s1, first = rows.entries
         kbs = layout.slots_per_kernel_block
         row_bytes = layout.row_size * layout.itemsize
-        whole = ((s0 == 0) & (s1 == kbs)) if _paged(c) else np.zeros(blocks.size, dtype=bool)
+        whole = ((s0 == 0) & (s1 == kbs)) if torch_pages.paged(c) else np.zeros(blocks.size, dtype=bool)
         self.pages = np.flatnonzero(whole)
         self.page_ids = blocks[self.pages].tolist()
-        gather = _page_gather(layout) if self.pages.size else None
+        gather = torch_pages.page_gather(layout) if self.pages.size else None
         self.gather = gather if gather is not None and gather.adjacent else None
         self.slots = self.new = None
         self.partial = self.partial_slots = np.zeros(0, dtype=np.int64)
         rest = ~whole
-        if images is not None:  # a class with images: its pages are staged (_pages_staged), not gathered
+        if images is not None:  # a class with images: its pages are staged (torch_pages.pages_staged), not gathered
             slots, new = images.assign(rows)
             self.slots, self.new = slots[self.pages], new[self.pages]
             from_store = rest & (slots >= 0)
@@ -172,7 +107,7 @@ def fill_tensor(c: LaunchClass, t: LayerTensor, rows: ClassRows, store: torch.Te
             _fill_pages_via_store(c, t, rows, view, store)
         elif rows.gather is not None:
             table, start = value_source(c, t, rows.rows, rows.page_rows(slice(None)))
-            _fill_pages_direct(t.tensor, layout, rows.page_ids, start.view(-1, kbs), table)
+            torch_pages.fill_pages_direct(t.tensor, layout, rows.page_ids, start.view(-1, kbs), table)
         else:
             _write_pages(c, t, rows, slice(None), view, rows.page_ids)
     if rows.partial.size:  # after the pages: a page this fill put in the store is there now
@@ -183,7 +118,8 @@ def fill_tensor(c: LaunchClass, t: LayerTensor, rows: ClassRows, store: torch.Te
         return
     table, start = value_source(c, t, rows.rows, rows.rest_rows)
     if rows.per_entry:
-        _fill_per_entry(view, layout, rows, table, start)
+        blocks, s0, s1, _ = (x[rows.rest].tolist() for x in rows.rows.entries)
+        torch_pages.fill_per_entry(view, layout, zip(blocks, s0, s1, rows.rest_first.tolist()), table, start)
         return
     idx = rows.rest_index(t.tensor.device)
     if start is None:
@@ -191,7 +127,7 @@ def fill_tensor(c: LaunchClass, t: LayerTensor, rows: ClassRows, store: torch.Te
         return
     n = idx[0].numel()
     windows = table.unfold(0, layout.row_size, 1)
-    chunk = max(1, CHUNK_BYTES // (layout.row_size * layout.itemsize))
+    chunk = max(1, torch_pages.CHUNK_BYTES // (layout.row_size * layout.itemsize))
     buf = torch.empty(min(chunk, n), layout.row_size, dtype=table.dtype, device=view.device)
     for a in range(0, n, chunk):
         b = min(a + chunk, n)
@@ -199,253 +135,12 @@ def fill_tensor(c: LaunchClass, t: LayerTensor, rows: ClassRows, store: torch.Te
         view.index_put_(tuple(i[a:b] for i in idx), vals.view(b - a, *layout.elem_shape))
 
 
-PAGE_BYTES = 64 << 10  # whole pages this large go a run of blocks per call (few calls per step)
-# Entries this large (bytes) are written one strided copy each: per-call overhead
-# (~10 us) is small next to the copy, and a copy beats index_put ~2x on whole
-# pages of >= 256 KiB (measured: 512 KiB pages 2.2x faster, 64 KiB pages 1.5x slower).
-PER_ENTRY_BYTES = 256 << 10
-
-
-class PageGather(NamedTuple):
-    """How a layout's whole pages are gathered straight into the cache."""
-
-    run: int                  # elements of the innermost (stride 1) element dim: one row
-    elem_off: torch.Tensor    # [rows] value-index offset of each row of a region (slot part excluded)
-    slot: torch.Tensor        # [rows] slot of each row of a region
-    loop_mem: list[int]       # per region of a page: its element offset from the page
-    loop_val: torch.Tensor    # [regions] per region: its value-index offset
-    adjacent: bool            # a region of block b + 1 directly follows block b's: a run of blocks is one call
-
-
-@functools.lru_cache(maxsize=64)
-def _page_gather(layout: Layout, device: torch.device | None = None) -> PageGather | None:
-    """How to write whole kernel-block pages with ``index_select`` straight into
-    the cache, when the page holds its innermost element dim (size ``run``,
-    stride 1) in rows of one contiguous region that includes the slot dim -
-    vLLM CPU's ``(2, num_blocks, H, N, D)``: each of K and V is one contiguous
-    ``[H, N, D]`` region.  None for other layouts.  Its index tensors are on
-    ``device`` (None: the CPU, whatever torch's default device is).  Cached: a
-    function of the layout and device only, asked for every tensor of every fill.
-    """
-    if device is not None:
-        host = _page_gather(layout)
-        if host is None:
-            return None
-        return host._replace(elem_off=host.elem_off.to(device), slot=host.slot.to(device),
-                             loop_val=host.loop_val.to(device))
-    if not layout.elem_shape or layout.elem_strides[-1] != 1 or layout.kernel_split != 1:
-        return None
-    run = layout.elem_shape[-1]
-    mult = [1] * len(layout.elem_shape)  # value-index multiplier of each element dim (row-major)
-    for i in range(len(mult) - 2, -1, -1):
-        mult[i] = mult[i + 1] * layout.elem_shape[i + 1]
-    dims = [(layout.slots_per_kernel_block, layout.slot_stride, None)]
-    dims += [(sz, st, m) for sz, st, m in zip(layout.elem_shape[:-1], layout.elem_strides[:-1], mult[:-1])]
-    dims.sort(key=lambda d: -d[1])
-    region, expected = [], run
-    for d in reversed(dims):  # innermost first: contiguous while strides continue the run
-        if d[1] != expected:
-            break
-        region.insert(0, d)
-        expected *= d[0]
-    if not any(m is None for _, _, m in region):
-        return None
-    loops = [d for d in dims if d not in region]
-    # Rows of the region in memory order: their slot and element value offset.
-    grids = torch.meshgrid(*[torch.arange(sz, device="cpu") for sz, _, _ in region], indexing="ij")
-    # Start from a grid-shaped zero: a region holding only the slot dim still has one row per slot.
-    elem_off = sum((g * m for g, (_, _, m) in zip(grids, region) if m is not None), torch.zeros_like(grids[0]))
-    slot = next(g for g, (_, _, m) in zip(grids, region) if m is None)
-    loop_grids = (torch.meshgrid(*[torch.arange(sz, device="cpu") for sz, _, _ in loops], indexing="ij")
-                  if loops else [])
-    zero = torch.zeros((), dtype=torch.int64, device="cpu")
-    loop_mem = sum((g * st for g, (_, st, _) in zip(loop_grids, loops)), zero)
-    loop_val = sum((g * m for g, (_, _, m) in zip(loop_grids, loops)), zero)
-    num_rows = elem_off.numel()
-    return PageGather(run, elem_off.reshape(-1).long(), slot.reshape(-1), loop_mem.reshape(-1).tolist(),
-                      loop_val.reshape(-1), layout.block_stride == num_rows * run)
-
-
-def _fill_pages_direct(cache, layout: Layout, ids: list[int], page_start, table) -> None:
-    """Fill (normal, replay) of whole pages ``ids`` in one pass (no staging
-    buffer), for layouts whose page regions of consecutive blocks are adjacent
-    (``_page_gather(layout).adjacent``); ``page_start[i, s]``: the value-source
-    start of page i's slot s."""
-    run, elem_off, slot, loop_mem, loop_val, _ = _page_gather(layout, page_start.device)
-    windows = table.unfold(0, run, 1)  # window k = table[k : k + run]
-    # Value index of every row of every region of every page: [regions, pages, rows].
-    idx = (page_start[:, slot][None, :, :] + elem_off[None, None, :] + loop_val[:, None, None]).contiguous()
-    bits = cache.view(V.BITS_DTYPE[layout.itemsize]) if cache.dim() else cache
-    base = cache.storage_offset()
-    num_rows = elem_off.numel()
-    # A region of block b + 1 directly follows block b's (K and V
-    # [num_blocks, H, N, D] each): a run of consecutive block ids is one
-    # contiguous region, one index_select for the whole run.
-    p = 0
-    while p < len(ids):
-        q = p + 1
-        while q < len(ids) and ids[q] == ids[q - 1] + 1:
-            q += 1
-        page = base + ids[p] * layout.block_stride
-        for r, off in enumerate(loop_mem):
-            out = bits.as_strided(((q - p) * num_rows, run), (run, 1), page + off)
-            torch.index_select(windows, 0, idx[r, p:q].reshape(-1), out=out)
-        p = q
-
-
-def _fill_pages_staged(view, layout: Layout, ids: list[int], page_start, table) -> None:
-    """Fill of whole pages through a small staging buffer, for layouts whose
-    pages are not one row-contiguous region (vLLM CPU: K pages transposed, V
-    pages between them), where a direct gather takes a call per head.
-
-    Up to CHUNK_BYTES of consecutive pages at a time: one ``index_select``
-    gathers them as ``[pages, *outer element dims, slots, last element dim]``
-    (windows of the last dim), then one strided copy writes them - with the
-    slot dim next to the last element dim, a transposed destination reads
-    the staging at a short stride.  ``page_start[i, s]``: the value-source
-    start of page i's slot s.
-    """
-    kbs = layout.slots_per_kernel_block
-    *outer, last = layout.elem_shape
-    num_outer = math.prod(outer)
-    windows = table.unfold(0, last, 1)
-    outer_off = torch.arange(num_outer, device=page_start.device).view(1, num_outer, 1) * last
-    # the canonical view [pages, kbs, *outer, last] seen as [pages, *outer, kbs, last]
-    perm = (0, *range(2, 2 + len(outer)), 1, 1 + len(layout.elem_shape))
-    per_chunk = max(1, CHUNK_BYTES // (kbs * layout.row_size * layout.itemsize))
-    buf = torch.empty(min(per_chunk, len(ids)) * layout.row_size * kbs // last, last, dtype=table.dtype,
-                      device=view.device)
-    p = 0
-    while p < len(ids):
-        q = p + 1
-        while q < len(ids) and q - p < per_chunk and ids[q] == ids[q - 1] + 1:
-            q += 1
-        idx = (page_start[p:q].view(q - p, 1, kbs) + outer_off).reshape(-1)
-        vals = torch.index_select(windows, 0, idx, out=buf[: idx.numel()])
-        dst = view[ids[p]: ids[q - 1] + 1, 0].permute(perm)
-        dst.copy_(vals.view(dst.shape))
-        p = q
-
-
-PAGE_IMAGE_BYTES = 1 << 30  # default budget of PageImages, per engine
-
-
-class PageImages:
-    """Whole pages a launch class has written, kept to be copied again.
-
-    A whole page's bytes are a function of its slots' positions - the
-    rank-local position of slot 0 (the entry's ``local_base``) - and, when
-    replaying, of the sequence; not of the request or the block.  Every
-    request of a benchmark starts at position 0, so its whole pages are the
-    first request's again.  Where the page path would gather and transpose
-    (vLLM CPU's K pages, ``_fill_pages_staged``: ~0.3 ns per element on one
-    core), a page already written is copied from a store instead, at memcpy
-    speed (``bench/page_bench.py``).
-
-    One index per class, ``(sequence, local_base) -> page of the store``, and
-    a store per tensor: ``[capacity, *canonical page]`` with compact strides
-    in the order of the cache's, so a copy between them runs over contiguous
-    spans on both sides.  A new page is written into the store (the staged
-    path, the same bytes) before it is copied; pages past ``capacity`` are
-    written directly, as without a store.  A partial block (a request's last)
-    copies its slots from its page when the store has it.  Stores grow with
-    the pages assigned (doubling), so only pages in use take memory, and a
-    fill that raises forgets the pages it assigned; ``TorchBackend.warmup``
-    writes the pages of every position up front.
-    """
-
-    def __init__(self, c: LaunchClass, capacity: int):
-        self.capacity = capacity
-        self.replay = c.mode == V.REPLAY
-        self.slots_per_page = c.layout.slots_per_kernel_block
-        self.limit: int | None = None  # rank-local positions past which no page is kept (set by warmup)
-        self.index: dict[tuple[int, int], int] = {}
-        self.stores: dict[int, torch.Tensor] = {}  # tensor -> store of >= num_pages pages
-        self._added: list[tuple[int, int]] = []  # keys assigned by the fill in progress
-
-    @property
-    def num_pages(self) -> int:
-        return len(self.index)
-
-    def nbytes(self) -> int:
-        """Memory the pages written so far take, over the class's stores."""
-        return sum(self.num_pages * st.stride(0) * st.element_size() for st in self.stores.values())
-
-    def assign(self, rows: SlotRows) -> tuple[np.ndarray, np.ndarray]:
-        """Per entry of ``rows``: its page in the store (-1: none) and whether
-        this fill writes that page first.  Whole pages get a page while the
-        store has room (and below ``limit``); other entries (a request's last,
-        partial block) are copied from their page when it is there, written by
-        this or an earlier fill (or ``TorchBackend.warmup``), never written on
-        their own.  New pages count as written once ``commit`` is called."""
-        blocks, s0, s1, _ = rows.entries
-        slots = np.full(blocks.size, -1, dtype=np.int64)
-        new = np.zeros(blocks.size, dtype=bool)
-        whole = (s0 == 0) & (s1 == self.slots_per_page)
-        limit = self.limit
-        for order, create in ((np.flatnonzero(whole), True), (np.flatnonzero(~whole), False)):
-            seqs = rows.entry_sequence[order].tolist() if self.replay else [0] * order.size
-            for i, key in zip(order.tolist(), zip(seqs, rows.entry_base[order].tolist())):
-                page = self.index.get(key)
-                if page is None and create and len(self.index) < self.capacity and (
-                        limit is None or key[1] + self.slots_per_page <= limit):
-                    page = self.index[key] = len(self.index)
-                    self._added.append(key)
-                    new[i] = True
-                if page is not None:
-                    slots[i] = page
-        return slots, new
-
-    def commit(self) -> None:
-        """The pages assigned since the last commit are written in every store."""
-        self._added.clear()
-
-    def rollback(self) -> None:
-        """Forget the pages assigned since the last commit (a fill that raised
-        before writing them): no later fill copies a page never written."""
-        for key in self._added:
-            del self.index[key]
-        self._added.clear()
-
-    def reserve(self, views: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Every tensor's store (``views``: the tensors' canonical views),
-        grown to hold the pages assigned so far: twice its pages or more, up
-        to ``capacity``, so only pages in use take memory."""
-        return [self._store(i, view) for i, view in enumerate(views)]
-
-    def _store(self, i: int, view: torch.Tensor) -> torch.Tensor:
-        """Tensor ``i``'s store: ``[pages, *canonical page]`` with compact strides in the order of ``view``'s."""
-        st = self.stores.get(i)
-        have = 0 if st is None else st.shape[0]
-        if have >= self.num_pages:
-            return st
-        inner = sorted(range(1, view.dim()), key=view.stride)
-        strides, span = [0] * view.dim(), 1
-        for d in inner:
-            strides[d] = span
-            span *= view.shape[d]
-        strides[0] = span
-        pages = min(self.capacity, max(self.num_pages, 2 * have))
-        try:
-            grown = torch.empty(pages * span, dtype=view.dtype, device=view.device)
-        except RuntimeError as exc:
-            raise MemoryError(
-                f"page images: allocating {pages * span * view.element_size() / 2**20:.0f} MiB for {pages} pages "
-                f"of a store failed ({exc}); the page image budget is more than this host can give - lower "
-                f"page_image_bytes (the connector's page_image_mib; 0 keeps none)") from None
-        grown = grown.as_strided((pages, *view.shape[1:]), strides)
-        if have:
-            grown[:have].copy_(st)
-        self.stores[i] = grown
-        return grown
-
-
 def _write_pages(c: LaunchClass, t: LayerTensor, rows: ClassRows, which, dst, dst_pages: list[int]) -> None:
     """The pages ``rows.pages[which]`` of tensor ``t``, from the value source
     through the staging buffer, into pages ``dst_pages`` of ``dst`` (the
     cache's canonical view or a ``PageImages`` store)."""
     table, start = value_source(c, t, rows.rows, rows.page_rows(which))
-    _fill_pages_staged(dst, c.layout, dst_pages, start.view(-1, c.layout.slots_per_kernel_block), table)
+    torch_pages.fill_pages_staged(dst, c.layout, dst_pages, start.view(-1, c.layout.slots_per_kernel_block), table)
 
 
 def _fill_pages_via_store(c: LaunchClass, t: LayerTensor, rows: ClassRows, view, store) -> None:
@@ -471,35 +166,6 @@ def _fill_pages_via_store(c: LaunchClass, t: LayerTensor, rows: ClassRows, view,
         p = q
 
 
-def _fill_per_entry(view, layout: Layout, rows: ClassRows, table, start) -> None:
-    """One copy (or fill) per rest entry, split at kernel blocks; ``start``:
-    the rest rows' value starts."""
-    kbs = layout.slots_per_kernel_block
-    windows = table.unfold(0, layout.row_size, 1) if start is not None else None
-    buf = None
-    if windows is not None:
-        buf = torch.empty(kbs, layout.row_size, dtype=table.dtype, device=view.device)
-    blocks, s0, s1, _ = (x[rows.rest].tolist() for x in rows.rows.entries)
-    for b, s, end, a in zip(blocks, s0, s1, rows.rest_first.tolist()):
-        while s < end:  # one piece per kernel block the slot range crosses
-            j, lo = divmod(s, kbs)
-            n = min(kbs - lo, end - s)
-            dst = view[b, j, lo : lo + n]
-            if windows is None:
-                dst.fill_(table[0])
-            else:
-                vals = torch.index_select(windows, 0, start[a : a + n], out=buf[:n])
-                dst.copy_(vals.view(n, *layout.elem_shape))
-            a += n
-            s += n
-
-
-def read_rows(cache: torch.Tensor, layout: Layout, rows: SlotRows) -> torch.Tensor:
-    """The bits held by the planned slots: ``[num_rows, row_size]``."""
-    view = canonical_view(cache, layout)
-    return view[rows.index(layout, cache.device)].reshape(rows.num_rows, layout.row_size)
-
-
 class TorchBackend(FillBackend):
     """Fills with torch ops: CPU caches (vLLM's CPU platform), and the tests' reference.
 
@@ -512,7 +178,7 @@ class TorchBackend(FillBackend):
     def __init__(self, registry, page_image_bytes: int | None = None):
         super().__init__(registry)
         self.page_image_bytes = page_image_bytes = PAGE_IMAGE_BYTES if page_image_bytes is None else page_image_bytes
-        staged = [c for c in registry.classes if _pages_staged(c)]
+        staged = [c for c in registry.classes if torch_pages.pages_staged(c)]
         per_page = sum(len(c.tensors) * c.layout.slots_per_kernel_block * c.layout.row_size * c.layout.itemsize
                        for c in staged)
         capacity = page_image_bytes // per_page if per_page else 0
@@ -541,7 +207,7 @@ class TorchBackend(FillBackend):
             k = np.arange(n, dtype=np.int64)
             entries = GroupFill(np.zeros(n, np.int64), local_base=k % pages * kbs, sequence=k // pages)
             rows = SlotRows(entries.normalized(kbs), self.registry.groups[c.group].dcp)
-            with _writing(images):
+            with writing(images):
                 split = ClassRows(rows, c, images)  # every entry a whole page of block 0, never written
                 new = np.flatnonzero(split.new)
                 stores = images.reserve([canonical_view(t.tensor, c.layout) for t in c.tensors])
@@ -565,7 +231,7 @@ class TorchBackend(FillBackend):
             if r is None:
                 continue
             images = self.images.get(id(c))
-            with _writing(images):
+            with writing(images):
                 split = ClassRows(r, c, images)
                 stores = [None] * len(c.tensors)
                 if split.slots is not None:
@@ -574,30 +240,3 @@ class TorchBackend(FillBackend):
                     fill_tensor(c, t, split, store)
         return 0
 
-
-@contextlib.contextmanager
-def _writing(images: PageImages | None):
-    """Pages assigned inside count as written only if nothing raised."""
-    try:
-        yield
-    except BaseException:
-        if images is not None:
-            images.rollback()
-        raise
-    if images is not None:
-        images.commit()
-
-
-def _paged(c: LaunchClass) -> bool:
-    """Whether whole pages of this class are written a run of blocks at a time (``ClassRows.pages``)."""
-    layout = c.layout
-    return (c.mode in (V.NORMAL, V.REPLAY) and bool(layout.elem_shape) and layout.kernel_split == 1
-            and layout.slots_per_kernel_block * layout.row_size * layout.itemsize >= PAGE_BYTES)
-
-
-def _pages_staged(c: LaunchClass) -> bool:
-    """Whether this class's whole pages go through ``_fill_pages_staged`` (where ``PageImages`` pay)."""
-    if not _paged(c):
-        return False
-    gather = _page_gather(c.layout)
-    return gather is None or not gather.adjacent

@@ -1,4 +1,5 @@
-"""Triton scatter-fill: the planned slots of many layers of one geometry per launch.
+"""Triton scatter-fill kernel and its launch: the planned slots of many layers
+of one geometry per launch.
 
 Imported lazily: under ``TRITON_INTERPRET=1`` (CPU tests) the variable must be
 set before the ``@triton.jit`` definition below runs.
@@ -9,34 +10,21 @@ replay sequence) and the layer's row of the layer table, then stores 2-D tiles
 ``[TILE_SLOTS slots, TILE_ELEMS elements]`` of raw storage bits.  No float math
 runs here: values are gathered from a small table of pre-encoded bits
 (``values.py``) or, replaying, from the layer's bank rows (``bank.py``), so
-every backend stores the same bytes.
-
-Layers are addressed as element offsets from one typed reference pointer (the
-class's lowest-addressed tensor) rather than as raw integer addresses: Triton
-knows the reference's alignment from its argument specialisation, and
-``LAYER_ALIGN`` (checked on the host) tells it the offsets' alignment, so the
-stores along a contiguous row can be vectorised.
+every backend stores the same bytes.  Layers are element offsets from one
+typed reference pointer, aligned to ``LAYER_ALIGN``; how a launch class is
+addressed and its launches issued is ``triton_backend.py``'s.
 """
 from __future__ import annotations
 
-import math
 import os
 
 import torch
 import triton
 import triton.language as tl
 
-from dataclasses import dataclass
-from typing import Mapping
-
-import numpy as np
-
 from . import values as V
-from .backend import FillBackend
 from .dcp import DcpGeometry
 from .layout import Layout
-from .plan import GroupFill
-from .registry import LaunchClass, Registry
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 MODE_CODE = {V.ZERO: 0, V.CONSTANT: 1, V.NORMAL: 2, V.REPLAY: 3}
@@ -44,8 +32,7 @@ MODE_CODE = {V.ZERO: 0, V.CONSTANT: 1, V.NORMAL: 2, V.REPLAY: 3}
 # the interpreter, whose cost is per tile, not per element.
 TILE_NUMEL = 16384 if INTERPRETED else 4096
 MAX_TILE_ELEMS = 1024  # widest tile along a token row
-MAX_LAYERS_PER_LAUNCH = 65535
-ENTRY_ALIGN_BYTES = 16  # Triton's pointer specialisation: aligned to 16 bytes or not  # layers are the grid's y dimension: CUDA's limit
+MAX_LAYERS_PER_LAUNCH = 65535  # layers are the grid's y dimension: CUDA's limit
 
 
 @triton.jit
@@ -231,140 +218,3 @@ def launch_fill(
         dcp.world_size, dcp.rank, dcp.interleave, layout.num_blocks, seqs, positions,
         **kernel_constexprs(layout, mode, layer_align, entries.shape[1], bank_row, bank_align),
     )
-
-
-@dataclass(frozen=True)
-class _ClassLaunch:
-    """How one launch class is addressed: its rows of the layer table, the
-    reference tensor the layer offsets count from, their alignment, and what
-    the values are read from (a value table, or the reference bank rows)."""
-
-    cls: LaunchClass
-    layer_rows: slice
-    ref: torch.Tensor
-    layer_align: int
-    table: torch.Tensor
-    bank_shape: tuple[int, int, int] = (1, 1, 0)
-    bank_align: int = 1
-
-
-def _addressing(tensors: list[torch.Tensor], names: list[str], itemsize: int) -> tuple[torch.Tensor, int, list[int]]:
-    """(reference tensor as bits, offset alignment, element offset of each tensor)
-    for tensors of one element size addressed from the lowest-addressed one."""
-    ref_i = min(range(len(tensors)), key=lambda i: tensors[i].data_ptr())
-    offsets = []
-    for t, name in zip(tensors, names):
-        delta = t.data_ptr() - tensors[ref_i].data_ptr()
-        if delta % itemsize:
-            raise ValueError(
-                f"{name} starts {delta} bytes after {names[ref_i]}, not a "
-                f"multiple of its {itemsize}-byte elements; cannot address both in one launch"
-            )
-        offsets.append(delta // itemsize)
-    return tensors[ref_i].view(V.BITS_DTYPE[itemsize]), _pow2_dividing(offsets, 16 // itemsize), offsets
-
-
-def _pow2_dividing(values: list[int], limit: int) -> int:
-    """Largest power of two <= ``limit`` dividing every value."""
-    align = limit
-    while align > 1 and any(v % align for v in values):
-        align //= 2
-    return align
-
-
-class TritonBackend(FillBackend):
-    """One launch per launch class with planned entries: the launch count
-    depends on neither the number of layers nor the number of requests."""
-
-    name = "triton"
-
-    def __init__(self, registry: Registry):
-        super().__init__(registry)
-        rows: list[tuple[int, int, int]] = []
-        self._launches: list[_ClassLaunch] = []
-        for c in registry.classes:
-            if len(c.tensors) > MAX_LAYERS_PER_LAUNCH:
-                raise ValueError(
-                    f"group {c.group!r}: {len(c.tensors)} layer tensors of one geometry exceed the "
-                    f"{MAX_LAYERS_PER_LAUNCH} one launch can address (the grid's y dimension)"
-                )
-            itemsize = c.layout.itemsize
-            ref, align, offsets = _addressing([t.tensor for t in c.tensors],
-                                              [f"layer {t.layer!r}" for t in c.tensors], itemsize)
-            cl_rows = slice(len(rows), len(rows) + len(offsets))
-            if c.mode == V.REPLAY:
-                # Column 1 holds each layer's bank rows as an offset from the lowest-addressed ones.
-                bank, bank_align, bank_offsets = _addressing(
-                    [t.bank for t in c.tensors], [f"the bank rows of layer {t.layer!r}" for t in c.tensors], itemsize)
-                bank_align = _pow2_dividing([bank_align, c.bank_row, *(t.elem_offset for t in c.tensors)],
-                                            16 // itemsize)
-                seqs, positions, _ = c.tensors[0].bank.shape
-                self._launches.append(_ClassLaunch(c, cl_rows, ref, align, bank, (seqs, positions, c.bank_row),
-                                                   bank_align))
-                rows.extend((o, b, t.elem_offset) for o, b, t in zip(offsets, bank_offsets, c.tensors))
-            else:
-                self._launches.append(_ClassLaunch(c, cl_rows, ref, align, c.table))
-                rows.extend((o, t.key, t.elem_offset) for o, t in zip(offsets, c.tensors))
-        # Per layer tensor: (element offset from its class's reference, row key
-        # or bank offset, element offset in the row).
-        self.layer_table = torch.tensor(rows, dtype=torch.int64).reshape(-1, 3).to(registry.device)
-        self.entry_cols = 5 if any(c.mode == V.REPLAY for c in registry.classes) else 4
-
-    def _launch(self, cl: _ClassLaunch, entries: torch.Tensor) -> None:
-        c = cl.cls
-        launch_fill(entries, self.layer_table[cl.layer_rows], cl.ref, cl.layer_align, cl.table, c.layout, c.mode,
-                    self.registry.groups[c.group].dcp, cl.bank_shape, cl.bank_align)
-
-    def fill(self, plan: Mapping[str, GroupFill]) -> int:
-        # One upload of the whole plan: int32 [n, 4] ([n, 5] with replay
-        # sequences), pinned when the target is a GPU.
-        # Each group's rows start 16-byte aligned (replay entries are 20 bytes):
-        # Triton specialises a pointer on its 16-byte alignment, so a slice off
-        # it would compile another variant than warmup's, at the first fill or
-        # under capture.  Padding rows are never launched.
-        step = ENTRY_ALIGN_BYTES // math.gcd(ENTRY_ALIGN_BYTES, 4 * self.entry_cols)
-        parts, rows, pos = [], {}, 0
-        for g in plan:
-            cols = plan[g].columns(self.entry_cols == 5).astype(np.int32)
-            pad = -len(cols) % step
-            parts += [cols, np.zeros((pad, self.entry_cols), dtype=np.int32)]
-            rows[g] = slice(pos, pos + len(cols))
-            pos += len(cols) + pad
-        host_t = torch.from_numpy(np.concatenate(parts))
-        if self.registry.device.type == "cuda":
-            host_t = host_t.pin_memory()
-        entries = host_t.to(self.registry.device, non_blocking=True)
-        launches = 0
-        for cl in self._launches:
-            if cl.cls.group in rows:
-                self._launch(cl, entries[rows[cl.cls.group]])
-                launches += 1
-        return launches
-
-    def warmup(self, num_positions: int = 0) -> int:
-        """Launch every class once with one empty entry (slots [0, 0)); a
-        replaying engine also with a 4-column entry (device-built plans
-        without sequences), so neither variant compiles under graph capture."""
-        launches = 0
-        for cols in sorted({self.entry_cols, 4}):
-            empty = torch.zeros(1, cols, dtype=torch.int32, device=self.registry.device)
-            for cl in self._launches:
-                self._launch(cl, empty)
-                launches += 1
-        return launches
-
-    def fill_device_entries(self, group: str, entries: torch.Tensor) -> int:
-        self.registry.group(group)
-        if entries.dtype != torch.int32 or entries.dim() != 2 or entries.shape[1] not in (4, 5):
-            raise ValueError(f"entries must be int32 [n, 4] or [n, 5] (with replay sequences), got "
-                             f"{entries.dtype} {tuple(entries.shape)}")
-        if not entries.is_contiguous():  # the kernel reads entry i at offset ENTRY_COLS * i
-            raise ValueError(f"entries must be contiguous, got strides {entries.stride()}")
-        if entries.device != self.registry.device:
-            raise ValueError(f"entries are on {entries.device}, the caches on {self.registry.device}")
-        launches = 0
-        for cl in self._launches:
-            if cl.cls.group == group:
-                self._launch(cl, entries)
-                launches += 1
-        return launches

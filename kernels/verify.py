@@ -1,7 +1,7 @@
 """Verify: recompute what every planned slot must hold and compare bits.
 
 Independent of the backend that wrote the caches: expected rows come from the
-value function or the bank (``torch_fill.expected_rows``), actual rows are read back
+value function or the bank (``slot_rows.expected_rows``), actual rows are read back
 through each tensor's layout.  Synchronises with the device.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 from . import values as V
 from .plan import GroupFill
 from .registry import Registry
-from .torch_fill import SlotRows, expected_rows, read_rows, value_source
+from .slot_rows import SlotRows, expected_rows, read_rows, value_source
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvfill.kernels import Bank, CacheGroup, FillEngine, GroupFill
-from kvfill.kernels import torch_fill
+from kvfill.kernels import torch_pages
 
 # FlashAttention's (2, num_blocks, N, H, D) with 64 KiB pages (K of one block:
 # 16 slots x 8 heads x 256 x bf16): the torch backend's whole-page paths.
@@ -36,8 +36,8 @@ def host_bank():
 
 @pytest.mark.parametrize("replay", [False, True], ids=["normal", "replay"])
 def test_torch_backend_fills_meta_caches_with_whole_pages(replay):
-    torch_fill._page_gather.cache_clear()  # built on first use: this test must build it
-    assert torch_fill._paged(fa_engine(torch.empty(2, 2, N, H, D, dtype=torch.bfloat16), None)
+    torch_pages.page_gather.cache_clear()  # built on first use: this test must build it
+    assert torch_pages.paged(fa_engine(torch.empty(2, 2, N, H, D, dtype=torch.bfloat16), None)
                              ._registry.classes[0]), "the case no longer takes the whole-page path"
     cache = torch.empty(2, B, N, H, D, dtype=torch.bfloat16, device="meta")
     bank = Bank({"l": torch.empty(2, 40, 2 * H * D, dtype=torch.bfloat16, device="meta")}) if replay else None
@@ -48,7 +48,7 @@ def test_torch_backend_fills_meta_caches_with_whole_pages(replay):
 @pytest.mark.parametrize("replay", [False, True], ids=["normal", "replay"])
 def test_torch_backend_writes_the_same_bytes_whatever_the_default_device(replay):
     def run(default):
-        torch_fill._page_gather.cache_clear()
+        torch_pages.page_gather.cache_clear()
         g = torch.Generator(device="cpu").manual_seed(9)
         cache = torch.randint(0, 256, (2 * B * N * H * D * 2,), dtype=torch.uint8, generator=g, device="cpu")
         view = cache.view(torch.bfloat16).view(2, B, N, H, D)

@@ -103,9 +103,9 @@ def test_torch_backend_per_entry_path_writes_the_same(case, dtype_case, monkeypa
 def test_torch_backend_page_paths_write_the_same(case, dtype_case, monkeypatch):
     """Whole pages (here: of any size) take the one-pass gather or the staged
     copy, the partial entries beside them the per-entry copy."""
-    from kvfill.kernels import torch_fill
+    from kvfill.kernels import torch_fill, torch_pages
 
-    monkeypatch.setattr(torch_fill, "PAGE_BYTES", 0)
+    monkeypatch.setattr(torch_pages, "PAGE_BYTES", 0)
     monkeypatch.setattr(torch_fill, "PER_ENTRY_BYTES", 0)
     check_fill(case, dtype_case, "torch")
 
@@ -204,10 +204,10 @@ def test_whole_pages_written_in_one_pass_equal_the_oracle(monkeypatch, layout):
     Both must store the oracle's bytes and nothing else."""
     from oracle import row_bits, write_expected
 
-    from kvfill.kernels import torch_fill
+    from kvfill.kernels import torch_fill, torch_pages
 
     monkeypatch.setattr(torch_fill, "PER_ENTRY_BYTES", 0)
-    monkeypatch.setattr(torch_fill, "PAGE_BYTES", 0)  # tiny test pages take the page paths too
+    monkeypatch.setattr(torch_pages, "PAGE_BYTES", 0)  # tiny test pages take the page paths too
     nb, heads, slots, dim = 6, 2, 8, 4
     buf = poisoned_buffer(2 * nb * heads * slots * dim * 2 * 2, seed=31)
     expected = buf.clone()

@@ -1,4 +1,4 @@
-"""Page images (torch backend, ``torch_fill.PageImages``): whole pages of vLLM
+"""Page images (torch backend, ``page_images.PageImages``): whole pages of vLLM
 CPU's K/V layout already written are copied again for later requests at the
 same positions.  Every fill through the store writes the bytes a fill without
 it writes (itself checked against the Triton kernel in test_replay.py), and
@@ -10,7 +10,7 @@ from oracle import poisoned_buffer
 from test_fill_layouts import assert_same_bytes
 
 from kvfill.connector.cpu_layout import cpu_kv_parts
-from kvfill.kernels import Bank, CacheGroup, FillEngine, GroupFill, torch_fill
+from kvfill.kernels import Bank, CacheGroup, FillEngine, GroupFill, torch_fill, torch_pages
 
 NB, HEADS, SLOTS, DIM, LAYERS = 9, 2, 8, 4, 2
 PAGE = SLOTS * 2 * HEADS * DIM * 2  # bytes of a layer's whole page (K and V), bf16
@@ -21,7 +21,7 @@ SECOND = GroupFill([6, 7, 0, 8], slot_end=[8, 8, 8, 3], local_base=[0, 8, 16, 24
 
 @pytest.fixture(autouse=True)
 def tiny_pages_take_the_page_paths(monkeypatch):
-    monkeypatch.setattr(torch_fill, "PAGE_BYTES", 0)
+    monkeypatch.setattr(torch_pages, "PAGE_BYTES", 0)
     monkeypatch.setattr(torch_fill, "PER_ENTRY_BYTES", 1 << 40)  # partial entries: the index-put path
 
 
@@ -47,10 +47,10 @@ def fill_both(plans, page_image_bytes=None, bank=None, warm=0):
 
 
 def staged_calls(monkeypatch):
-    """(target, pages) of every _fill_pages_staged call: into a store or into a cache."""
+    """(target, pages) of every fill_pages_staged call: into a store or into a cache."""
     calls = []
-    real = torch_fill._fill_pages_staged
-    monkeypatch.setattr(torch_fill, "_fill_pages_staged",
+    real = torch_pages.fill_pages_staged
+    monkeypatch.setattr(torch_pages, "fill_pages_staged",
                         lambda view, layout, ids, *a: calls.append((view.shape[0], list(ids))) or
                         real(view, layout, ids, *a))
     return calls

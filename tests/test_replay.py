@@ -100,17 +100,17 @@ def test_replay_writes_the_bank_rows_and_nothing_else(case, dtype_case, backend)
                          ids=lambda c: c.name)
 def test_torch_replay_per_entry_and_whole_page_paths_write_the_same(case, monkeypatch):
     """Large entries take the per-entry copy or the one-pass page gather: force both."""
-    from kvfill.kernels import torch_fill
+    from kvfill.kernels import torch_fill, torch_pages
 
     monkeypatch.setattr(torch_fill, "PER_ENTRY_BYTES", 0)
-    monkeypatch.setattr(torch_fill, "PAGE_BYTES", 0)  # tiny test pages take the page paths too
+    monkeypatch.setattr(torch_pages, "PAGE_BYTES", 0)  # tiny test pages take the page paths too
     check_replay(case, DTYPES[1], "torch")
 
 
 def test_replay_of_whole_pages_in_one_pass_on_the_vllm_cpu_layout(monkeypatch):
     """vLLM CPU's (2, B, H, N, D): consecutive whole blocks are gathered from
-    the bank straight into the cache, one index_select per run (torch_fill._fill_pages_direct)."""
-    from kvfill.kernels import torch_fill
+    the bank straight into the cache, one index_select per run (torch_pages.fill_pages_direct)."""
+    from kvfill.kernels import torch_fill, torch_pages
 
     B, H, N, D = 6, 2, 4, 8
     buf = poisoned_buffer(2 * (2 * B * H * N * D) * 2)
@@ -119,10 +119,10 @@ def test_replay_of_whole_pages_in_one_pass_on_the_vllm_cpu_layout(monkeypatch):
     layers = {"a": caches_[0], "b": caches_[1]}
     bank = Bank({n: torch.randn(2, 7, 2 * H * D).to(torch.bfloat16) for n in layers})
     calls = []
-    real = torch_fill._fill_pages_direct
+    real = torch_pages.fill_pages_direct
     monkeypatch.setattr(torch_fill, "PER_ENTRY_BYTES", 0)
-    monkeypatch.setattr(torch_fill, "PAGE_BYTES", 0)  # tiny test pages take the page paths too
-    monkeypatch.setattr(torch_fill, "_fill_pages_direct", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(torch_pages, "PAGE_BYTES", 0)  # tiny test pages take the page paths too
+    monkeypatch.setattr(torch_pages, "fill_pages_direct", lambda *a: calls.append(1) or real(*a))
     eng = FillEngine({"g": CacheGroup(layers, block_dim=1, slot_dim=3)}, bank=bank, backend="torch")
     blocks, seq = [2, 3, 4, 0], [1, 1, 0, 1]
     eng.fill({"g": GroupFill(blocks, local_base=[0, 4, 8, 12], sequence=seq)})
@@ -286,11 +286,11 @@ def test_a_file_that_is_not_a_bank_is_refused_with_its_name(tmp_path):
 def test_whole_pages_of_vllm_cpus_k_and_v_views_staged_equal_the_triton_bytes(monkeypatch, mode):
     """vLLM CPU's real layout (K transposed, V after it in each (block, head)
     page; connector/cpu_layout.py): whole pages go through the staging buffer
-    (torch_fill._fill_pages_staged), runs of consecutive blocks and single
+    (torch_pages.fill_pages_staged), runs of consecutive blocks and single
     blocks; the bytes equal the Triton kernel's (itself checked against the
     oracle above) and nothing else changes."""
     from kvfill.connector.cpu_layout import cpu_kv_parts
-    from kvfill.kernels import torch_fill
+    from kvfill.kernels import torch_fill, torch_pages
 
     nb, heads, slots, dim = 7, 2, 8, 4
     bank = Bank({f"l{i}": torch.randn(2, 30, 2 * heads * dim).to(torch.bfloat16) for i in range(2)})
@@ -298,11 +298,11 @@ def test_whole_pages_of_vllm_cpus_k_and_v_views_staged_equal_the_triton_bytes(mo
                            sequence=[1, 1, 0, 1, 0] if mode == "replay" else None)}
     out = {}
     calls = []
-    real = torch_fill._fill_pages_staged
+    real = torch_pages.fill_pages_staged
     monkeypatch.setattr(torch_fill, "PER_ENTRY_BYTES", 0)
-    monkeypatch.setattr(torch_fill, "PAGE_BYTES", 0)  # tiny test pages take the page paths too
-    monkeypatch.setattr(torch_fill, "CHUNK_BYTES", 2 * slots * 2 * heads * dim * 2)  # two pages per chunk
-    monkeypatch.setattr(torch_fill, "_fill_pages_staged", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(torch_pages, "PAGE_BYTES", 0)  # tiny test pages take the page paths too
+    monkeypatch.setattr(torch_pages, "CHUNK_BYTES", 2 * slots * 2 * heads * dim * 2)  # two pages per chunk
+    monkeypatch.setattr(torch_pages, "fill_pages_staged", lambda *a: calls.append(1) or real(*a))
     for backend in ("torch", "triton"):
         buf = poisoned_buffer(2 * nb * heads * slots * 2 * dim * 2, seed=8)
         caches_ = buf.view(torch.bfloat16).view(2, nb, heads, slots, 2 * dim)
