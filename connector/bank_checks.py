@@ -1,5 +1,6 @@
-"""What a serving run logs about the bank it replays: provenance that differs
-from the run's own settings, and recorded values that are not finite.
+"""Loading the bank a serving run replays, and what it logs about it:
+provenance that differs from the run's own settings, and recorded values that
+are not finite.
 
 Neither refuses the bank - a bank recorded with another ``max_model_len``
 still replays real KV, only not bit for bit - but the replayed bits depend on
@@ -8,6 +9,25 @@ them (the README's replay section), so a mismatch is said at startup.
 from __future__ import annotations
 
 from typing import Mapping
+
+from vllm.logger import init_logger
+
+from kvfill.kernels import Bank
+
+logger = init_logger("vllm.kvfill.connector")
+
+
+def load_bank(path: str, *, model: str, max_model_len: int, kv_cache_dtype: str) -> Bank:
+    """The bank in this process's memory, with a warning per mismatch above."""
+    bank = Bank.load(path)
+    logger.info("KVFillConnector: replaying %s", bank.describe())
+    for line in provenance_mismatches(bank.metadata, model=model, max_model_len=max_model_len,
+                                      kv_cache_dtype=kv_cache_dtype):
+        logger.warning("KVFillConnector: %s", line)
+    line = nonfinite_warning(bank.source, bank.count_nonfinite())
+    if line:
+        logger.warning("KVFillConnector: %s", line)
+    return bank
 
 
 def provenance_mismatches(meta: Mapping[str, str], *, model: str, max_model_len: int,

@@ -60,7 +60,9 @@ def layout_matches(isa: str, dtype: torch.dtype, heads: int, slots: int, head_si
         ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache,
                                        torch.tensor([slots + s for s in where], dtype=torch.int64), isa,
                                        k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
-    except RuntimeError:  # a shape vLLM's CPU attention does not run (e.g. a test's tiny heads)
+    except (RuntimeError, AttributeError):
+        # RuntimeError: a shape vLLM's CPU attention does not run (e.g. a test's
+        # tiny heads); AttributeError: a vLLM build without its CPU ops.
         return False
     k, v = cpu_kv_parts(scratch, head_size)
     return all(torch.equal(k[1, :, s], key[i]) and torch.equal(v[1, :, s], value[i]) for i, s in enumerate(where))
@@ -76,3 +78,18 @@ def attention_isa(dtype: torch.dtype, block_size: int, head_size: int, kv_cache_
         return _get_attn_isa(dtype, block_size, head_size, kv_cache_dtype)
     except (NotImplementedError, TypeError):
         return None
+
+
+def cpu_attention_parts(cache, spec, cache_dtype: str):
+    """``(tensors to register, ok)``: a vLLM CPU attention cache as its K and
+    V views when vLLM's own write kernel confirms them (ok), else the cache
+    as registered - ok is False where an attention cache was not confirmed."""
+    head_size = getattr(spec, "head_size", None)
+    if not isinstance(cache, torch.Tensor) or head_size is None or cache.dim() != 4:
+        return cache, True
+    parts = cpu_kv_parts(cache, head_size)
+    isa = attention_isa(cache.dtype, cache.shape[2], head_size, cache_dtype)
+    if (parts is not None and isa is not None and cache_dtype == "auto"
+            and layout_matches(isa, cache.dtype, cache.shape[1], cache.shape[2], head_size)):
+        return parts, True
+    return cache, False

@@ -8,6 +8,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.metrics.utils import create_metric_per_engine
 
+from .options import FillOptions
 from .planner import NULL_BLOCK_ID, GroupSelection, RequestSelection
 
 
@@ -119,7 +120,10 @@ PROM_COUNTERS = {
 
 
 class KVFillPromMetrics(KVConnectorPromMetrics):
-    """kvfill's fill figures as Prometheus counters (``vllm:kvfill_*_total``)."""
+    """kvfill's fill figures as Prometheus counters (``vllm:kvfill_*_total``),
+    and its settings as an info gauge (``vllm:kvfill_config_info``, always 1,
+    labelled with the fill mode, granularity, backend and bank - as vLLM's
+    ``vllm:cache_config_info``)."""
 
     def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
@@ -129,6 +133,11 @@ class KVFillPromMetrics(KVConnectorPromMetrics):
             )
             for key, (name, doc) in PROM_COUNTERS.items()
         }
+        info = config_info(vllm_config)
+        gauge = self._gauge_cls(name="vllm:kvfill_config_info", documentation="KVFillConnector's settings.",
+                                multiprocess_mode="mostrecent", labelnames=[*labelnames, *info])
+        for values in per_engine_labelvalues.values():
+            gauge.labels(*values, *info.values()).set(1)
 
     def observe(self, transfer_stats_data: dict, engine_idx: int = 0):
         for key, per_engine in self.counters.items():
@@ -136,3 +145,16 @@ class KVFillPromMetrics(KVConnectorPromMetrics):
             if value:
                 per_engine[engine_idx].inc(value)
 
+
+
+def config_info(vllm_config) -> dict[str, str]:
+    """The labels of ``vllm:kvfill_config_info``: what kvfill writes and how."""
+    options = FillOptions.from_extra_config(vllm_config.kv_transfer_config.kv_connector_extra_config)
+    backend = options.backend
+    if backend == "auto":
+        from vllm.platforms import current_platform
+
+        backend = "torch" if current_platform.is_cpu() else "triton"
+    mode = "record" if options.recording else options.fill_mode
+    return {"fill_mode": mode, "granularity": options.granularity.value, "backend": backend,
+            "bank": options.bank or ""}

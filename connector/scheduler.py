@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from vllm.logger import init_logger
+
 from kvfill.kernels.bank import sequence_key
 
 from .metadata import KVFillConnectorMetadata, RecordItem
@@ -33,6 +35,9 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
+logger = init_logger("vllm.kvfill.connector")
+
+
 class KVFillScheduler:
     def __init__(self, vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", options: FillOptions):
         self.options = options
@@ -46,6 +51,12 @@ class KVFillScheduler:
         self.asked: dict[str, int] = {}
         self.pending: dict[str, RequestSelection] = {}
         self.recorder = _RecordTracker(self.planner, options.record_positions) if options.recording else None
+        # vLLM 0.33 with routed experts keeps a grant only if it is block-aligned
+        # and already in its routed-experts cache; else it prefills for real.
+        aux = getattr(vllm_config, "aux_output_config", None)
+        self.routed_experts = bool(getattr(aux, "enable_return_routed_experts", False))
+        self.granted: dict[str, int] = {}  # request id -> tokens granted, until vLLM allocates
+        self.dropped_grant_logged = False
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
         if self.recorder is not None:
@@ -55,10 +66,19 @@ class KVFillScheduler:
         if seen is not None and not (self.options.refill_on_preemption and preemptions > seen):
             return 0, False
         self.asked[request.request_id] = num_computed_tokens
-        return max(0, request.num_tokens - num_computed_tokens - 1), False
+        grant = max(0, request.num_tokens - num_computed_tokens - 1)
+        self.granted[request.request_id] = grant
+        return grant, False
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         num_local = self.asked.pop(request.request_id, None)
+        granted = self.granted.pop(request.request_id, 0)
+        if granted and not num_external_tokens and self.routed_experts and not self.dropped_grant_logged:
+            self.dropped_grant_logged = True
+            logger.warning("KVFillConnector: vLLM dropped the fill of request %s (enable_return_routed_experts "
+                           "keeps a connector's grant only when it is block-aligned and already in the "
+                           "routed-experts cache): such requests are prefilled for real; logged once",
+                           request.request_id)
         # Handled from here on, even with nothing to fill (a 1-token prompt, a
         # full local prefix hit): after a preemption its generated tokens are
         # not a prompt to fill unless refill_on_preemption says so (vLLM #57419).
@@ -90,6 +110,7 @@ class KVFillScheduler:
     def request_finished(self, request: "Request") -> None:
         self.filled.pop(request.request_id, None)
         self.asked.pop(request.request_id, None)
+        self.granted.pop(request.request_id, None)
         self.pending.pop(request.request_id, None)
         if self.recorder is not None:
             self.recorder.forget(request.request_id)

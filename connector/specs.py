@@ -157,6 +157,14 @@ def startup_fill_group_ids(kv_cache_config: Any) -> set[int]:
     return out
 
 
+def filled_group_ids(kv_cache_config: Any) -> tuple[int, ...]:
+    """Groups kvfill writes a request's blocks of: every group with a layer
+    that has per-layer cache views - not raw backing buffers a layer lays out
+    itself (HiSparse), which have no block dim to address."""
+    return tuple(i for i, g in enumerate(kv_cache_config.kv_cache_groups)
+                 if any(getattr(s, "has_layer_views", True) for s in layer_specs(g.kv_cache_spec)))
+
+
 def layer_specs_by_name(kv_cache_config: Any) -> dict[str, KVCacheSpec]:
     """Layer name -> that layer's own spec (uniform-type groups hold one per layer)."""
     out = {}

@@ -24,6 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from .metadata import KVFillConnectorMetadata, KVFillPromMetrics, KVFillStats
 from .options import FillOptions
 from .scheduler import KVFillScheduler
+from .specs import filled_group_ids
 from .worker import KVFillWorker
 
 if TYPE_CHECKING:
@@ -45,6 +46,7 @@ class KVFillConnector(KVConnectorBase_V1, SupportsHMA):
         self.options = FillOptions.from_extra_config(vllm_config.kv_transfer_config.kv_connector_extra_config)
         model_config = getattr(vllm_config, "model_config", None)
         self.options.check_max_model_len(int(getattr(model_config, "max_model_len", 0) or 0))
+        self._filled_group_ids = filled_group_ids(kv_cache_config)
         self.scheduler: KVFillScheduler | None = None
         self.worker: KVFillWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -106,10 +108,22 @@ class KVFillConnector(KVConnectorBase_V1, SupportsHMA):
         return False
 
     def get_loaded_kv_cache_group_ids(self, request: "Request") -> tuple[int, ...]:
-        """Every group: kvfill writes the request's own blocks in each of them
-        (circular buffers and bounded-replay windows included), not only the
-        prefix-cacheable ones a hash-addressed store holds."""
-        return tuple(range(len(self._kv_cache_config.kv_cache_groups)))
+        """The groups kvfill writes: the request's own blocks in each group
+        with per-layer cache views (circular buffers and bounded-replay
+        windows included, not only the prefix-cacheable ones a hash-addressed
+        store holds); raw groups it cannot address (HiSparse) are not loaded."""
+        return self._filled_group_ids
+
+    # ------------------------------------------------------------ sleep mode (vLLM 0.33)
+    def unregister_kv_caches(self) -> None:
+        """Sleep: the caches' memory is discarded; the engine keeps its tables
+        (the memory returns at the same addresses on wake)."""
+        return None
+
+    def restore_kv_caches(self) -> None:
+        """Wake: the memory is back, its contents lost - redo the startup fill."""
+        if self.worker is not None:
+            self.worker.restore_kv_caches()
 
     # ---------------------------------------------------------------- scheduler
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:

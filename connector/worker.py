@@ -1,18 +1,16 @@
 """Worker side of KVFillConnector: one engine over vLLM's caches, one fill per step.
 
 ``register_kv_caches`` builds a ``FillEngine`` from the per-layer caches vLLM
-registers (again after re-registration, e.g. sleep mode) and this rank's
-planner; ``start_fill`` turns a step's metadata into one ``Planner.plan`` and
-one ``FillEngine.fill`` for every request, group and layer, stream-ordered,
-without a host sync.  Replaying, the bank is loaded once, at registration,
-onto the caches' device (``FillEngine(bank=...)`` checks it against them).
-Recording (``record_dir``), ``record`` reads the step's recorded prompts
-after the forward and saves one file of rows per prompt.
+registers and this rank's planner; ``start_fill`` turns a step's metadata
+into one ``Planner.plan`` and one ``FillEngine.fill`` for every request,
+group and layer, stream-ordered, without a host sync.  Replaying, the bank is
+loaded once, at registration, onto the caches' device (``bank_checks.py``).
+vLLM 0.33's sleep mode discards the caches' memory and, on wake, calls
+``restore_kv_caches`` (not ``register_kv_caches``): the startup fill is
+written again there.  The record role's reads live in ``recorder.py``.
 """
 from __future__ import annotations
 
-import json
-import os
 import time
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -20,14 +18,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 from vllm.logger import init_logger
 
-from kvfill.kernels import Bank, CacheGroup, FillEngine, FillPlan
-from kvfill.kernels.bank import dtype_name
+from kvfill.kernels import CacheGroup, FillEngine, FillPlan
 
-from .bank_checks import nonfinite_warning, provenance_mismatches
-from .cpu_layout import attention_isa, cpu_kv_parts, layout_matches
+from .bank_checks import load_bank
+from .cpu_layout import cpu_attention_parts
 from .metadata import KVFillConnectorMetadata, KVFillStats
 from .options import FillOptions
 from .planner import RECORDED_KINDS, GroupKind, Planner
+from .recorder import Recorder
 from .specs import geometries_from_config, layer_encoding, layer_specs_by_name, startup_fill_group_ids
 
 if TYPE_CHECKING:
@@ -76,12 +74,8 @@ class KVFillWorker:
         kt = getattr(vllm_config, "kv_transfer_config", None)
         self.load_failure_policy = getattr(kt, "kv_load_failure_policy", "fail")
         par = vllm_config.parallel_config
-        if options.recording:
-            sizes = (par.tensor_parallel_size, par.pipeline_parallel_size, par.decode_context_parallel_size)
-            if max(sizes) > 1:
-                raise ValueError(f"KVFillConnector: recording needs every layer whole on one worker; got tensor, "
-                                 f"pipeline and decode context parallel sizes {sizes} (record with 1, 1, 1)")
-        elif options.replay and par.tensor_parallel_size > 1:
+        self.recorder = Recorder(options, par) if options.recording else None
+        if options.replay and not options.recording and par.tensor_parallel_size > 1:
             raise ValueError(f"KVFillConnector: fill_mode 'replay' needs tensor parallel size 1, got "
                              f"{par.tensor_parallel_size}: a bank holds every KV head of a layer, and slicing it "
                              f"per rank is not implemented (pipeline and decode context parallelism work)")
@@ -94,29 +88,36 @@ class KVFillWorker:
                 "KVFillConnector: %d layers keep raw caches with no block views (%s...); they are not filled",
                 len(self.unaddressable), sorted(self.unaddressable)[0],
             )
-        bank = Bank.load(self.options.bank) if self.options.replay and not self.options.recording else None
+        bank = None
+        if self.options.replay and not self.options.recording:
+            bank = load_bank(self.options.bank, model=self.model, max_model_len=self.max_model_len,
+                             kv_cache_dtype=self.cache_dtype)
         self.engine = FillEngine(groups, values=self.options.values, backend=self.options.backend,
                                  layer_ids=_layer_ids(kv_caches), bank=bank,
                                  page_image_bytes=0 if self.options.recording else self.options.page_image_mib << 20)
-        if bank is not None:
-            logger.info("KVFillConnector: replaying %s", bank.describe())
-            for line in provenance_mismatches(bank.metadata, model=self.model, max_model_len=self.max_model_len,
-                                              kv_cache_dtype=self.cache_dtype):
-                logger.warning("KVFillConnector: %s", line)
-            line = nonfinite_warning(bank.source, bank.count_nonfinite())
-            if line:
-                logger.warning("KVFillConnector: %s", line)
-        self.planner = self._with_cache_slots(self.planner, self.engine)
+        self.planner = _with_cache_slots(self.planner, self.engine)
         # Compile the kernels (GPU) or write the page images of every position a
         # request can have (CPU) now, not in the first filling step.
         self.engine.warmup(self.max_model_len)
         logger.info("KVFillConnector: %s, %s backend, DCP rank %d, %d torch threads; caches:\n%s",
                     self.options.summary(), self.engine.backend, self.dcp_rank, torch.get_num_threads(),
                     self.engine.describe())
-        if self.startup_groups:
-            names = [g.name for i, g in enumerate(self.planner.groups) if i in self.startup_groups and g.name in groups]
-            stats = self.engine.fill_all(names)
-            logger.info("KVFillConnector: startup fill of %d groups, %.1f MiB", len(names), stats.bytes / 2**20)
+        self._startup_fill()
+
+    def restore_kv_caches(self) -> None:
+        """vLLM 0.33 sleep mode, on wake: the caches' memory is back at the
+        same addresses, its contents lost - write the startup fill again.
+        Requests' own blocks are filled when they are scheduled, as always."""
+        if self.engine is not None:
+            self._startup_fill()
+
+    def _startup_fill(self) -> None:
+        if not self.startup_groups:
+            return
+        names = [g.name for i, g in enumerate(self.planner.groups)
+                 if i in self.startup_groups and g.name in self.engine.groups]
+        stats = self.engine.fill_all(names)
+        logger.info("KVFillConnector: startup fill of %d groups, %.1f MiB", len(names), stats.bytes / 2**20)
 
     def _cache_groups(self, kv_caches: dict[str, Any]) -> dict[str, CacheGroup]:
         """One engine group per KV cache group with addressable caches here.
@@ -161,38 +162,14 @@ class KVFillWorker:
         return self.options.values.mode
 
     def _cpu_kv_parts(self, name: str, cache: Any) -> Any:
-        """vLLM CPU attention caches as their K and V views (``cpu_layout.py``),
-        when vLLM's own write kernel confirms them; else the cache as
-        registered, with one warning that slots are then not token positions."""
-        spec = self.specs.get(name)
-        head_size = getattr(spec, "head_size", None)
-        if not isinstance(cache, torch.Tensor) or head_size is None or cache.dim() != 4:
-            return cache
-        parts = cpu_kv_parts(cache, head_size)
-        isa = attention_isa(cache.dtype, cache.shape[2], head_size, self.cache_dtype)
-        ok = (parts is not None and isa is not None and self.cache_dtype == "auto"
-              and layout_matches(isa, cache.dtype, cache.shape[1], cache.shape[2], head_size))
-        if ok:
-            return parts
-        if not self.cpu_layout_warned:
+        """vLLM CPU attention caches as their K and V views (``cpu_layout.py``); one warning if not."""
+        parts, ok = cpu_attention_parts(cache, self.specs.get(name), self.cache_dtype)
+        if not ok and not self.cpu_layout_warned:
             self.cpu_layout_warned = True
-            logger.warning("KVFillConnector: the CPU attention cache of %s (ISA %s, kv cache dtype %s) is not the "
+            logger.warning("KVFillConnector: the CPU attention cache of %s (kv cache dtype %s) is not the "
                            "K-transposed layout kvfill knows; it is filled as registered, so token-granular and "
-                           "replay fills do not put each token's K and V at its slot", name, isa, self.cache_dtype)
-        return cache
-
-    @staticmethod
-    def _with_cache_slots(planner: Planner, engine: FillEngine) -> Planner:
-        """The planner told how many slots each group's caches hold per block."""
-        geos = []
-        for geo in planner.groups:
-            info = engine.groups.get(geo.name)
-            geo = replace(geo, slots_per_block=info.slots_per_block if info else None)
-            if geo.remaps_to_whole_blocks:
-                logger.warning("KVFillConnector: group %s holds %d slots per block for %d tokens; its planned "
-                               "blocks are filled whole", geo.name, geo.slots_per_block, geo.block_size)
-            geos.append(geo)
-        return Planner(geos, granularity=planner.granularity, null_block_id=planner.null_block_id)
+                           "replay fills do not put each token's K and V at its slot", name, self.cache_dtype)
+        return parts
 
     # ------------------------------------------------------------ per step
     def start_fill(self, meta: KVFillConnectorMetadata) -> None:
@@ -226,28 +203,8 @@ class KVFillWorker:
             self._verify(plan)
 
     def record(self, meta: KVFillConnectorMetadata) -> None:
-        """Record role: after the forward, save positions ``[0, N)`` of each
-        prompt the step completed to ``record_dir/<key>.safetensors`` (one
-        ``[N, row]`` tensor per layer, the caches' dtype; written whole or not at all)."""
-        if not meta.records:
-            return
-        from safetensors.torch import save_file
-
-        n = self.options.record_positions
-        vdtypes = {name: dtype_name(d) for name, d in self.engine.value_dtypes().items()}
-        os.makedirs(self.options.record_dir, exist_ok=True)
-        for item in meta.records:
-            rows = self.engine.read(self.planner.plan([item.selection], groups=self.engine.groups))
-            short = {name: r.shape[0] for name, r in rows.items() if r.shape[0] != n}
-            if short or not rows:
-                raise RuntimeError(f"KVFillConnector: recording {item.selection.req_id!r} read {short or 'no'} rows "
-                                   f"of layers where {n} positions were expected (blocks freed before the read?)")
-            path = os.path.join(self.options.record_dir, f"{item.key}.safetensors")
-            save_file({name: r.cpu().contiguous() for name, r in rows.items()}, path + ".part",
-                      metadata={"key": item.key, "positions": str(n), "value_dtypes": json.dumps(vdtypes),
-                                "parts": json.dumps(self.engine.row_parts())})
-            os.replace(path + ".part", path)
-        logger.info("KVFillConnector: recorded %d prompts to %s", len(meta.records), self.options.record_dir)
+        """Record role: after the forward, save the rows of the prompts the step completed."""
+        self.recorder.save(self.engine, self.planner, meta)
 
     def _skipped(self, selections, exc: ValueError) -> None:
         """A step's fill was skipped: tell vLLM, which applies ``kv_load_failure_policy``.
@@ -286,6 +243,19 @@ class KVFillWorker:
         if self.options.verify == "raise":
             raise RuntimeError(msg)
         logger.error(msg)
+
+
+def _with_cache_slots(planner: Planner, engine: FillEngine) -> Planner:
+    """The planner told how many slots each group's caches hold per block."""
+    geos = []
+    for geo in planner.groups:
+        info = engine.groups.get(geo.name)
+        geo = replace(geo, slots_per_block=info.slots_per_block if info else None)
+        if geo.remaps_to_whole_blocks:
+            logger.warning("KVFillConnector: group %s holds %d slots per block for %d tokens; its planned "
+                           "blocks are filled whole", geo.name, geo.slots_per_block, geo.block_size)
+        geos.append(geo)
+    return Planner(geos, granularity=planner.granularity, null_block_id=planner.null_block_id)
 
 
 def _platform_is_cpu() -> bool:

@@ -27,12 +27,9 @@ written is checked again.  Record with tensor and decode-context parallel size
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import datetime
 import hashlib
-import io
 import json
-import math
 import os
 import shutil
 import signal
@@ -45,175 +42,15 @@ import torch
 from kvfill.kernels import Bank
 from kvfill.kernels.bank import sequence_key
 
-
-class RecordError(ValueError):
-    """Bad input to the recorder: names the value and what was expected."""
+from .inputs import (  # noqa: F401  (public here: kvfill.record.RecordError, estimate, ...)
+    Estimate, RecordError, check_budget, check_max_model_len, check_out, check_prompt_lengths, choose_positions,
+    estimate, read_prompt_lines, read_prompts,
+)
 
 
 class _WriteFailed(RecordError):
     """The recorded bank could not be written to ``--out``: the work folder is
     kept (recording again costs a whole vLLM run) and the message names it."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Estimate:
-    sequences: int
-    positions: int
-    bytes_per_token: int  # layers x row bytes
-    layers: int
-
-    @property
-    def nbytes(self) -> int:
-        return self.sequences * self.positions * self.bytes_per_token
-
-    def __str__(self) -> str:
-        return (f"{self.sequences} sequences x {self.positions} positions x {self.bytes_per_token} B per token "
-                f"({self.layers} attention layers) = {self.nbytes / 2**20:.1f} MiB")
-
-
-_KV_DTYPE_BYTES = {"fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "fp8_inc": 1, "fp8_ds_mla": 1}
-_DTYPE_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2}
-# transformers' ``layer_types`` of layers a bank does not hold: recurrent state
-# (linear_attention: Mamba, GDN, lightning attention; "mamba" is its legacy
-# name), short convolutions, MoE-only layers (nemotron_h) and chunked-local
-# attention (replayed with the synthetic fill, never recorded).  Full and
-# sliding attention are recorded; a type not named here counts too, so the
-# estimate errs on the budget's side.
-_UNBANKED_LAYER_TYPES = frozenset({"linear_attention", "mamba", "conv", "moe", "chunked_attention"})
-
-
-def estimate(model: str, sequences: int, positions: int, dtype: str = "auto", kv_cache_dtype: str = "auto"
-             ) -> Estimate:
-    """Bank size from the model's config.json: attention layers x K+V row bytes
-    (MLA: the latent + rope row).  An estimate: the bank written is checked too."""
-    from transformers import AutoConfig
-
-    cfg = AutoConfig.from_pretrained(model)
-    text = getattr(cfg, "get_text_config", lambda: cfg)()
-    layers = text.num_hidden_layers
-    types = getattr(text, "layer_types", None)
-    if types:  # hybrid models: only the layers a bank holds
-        layers = sum(1 for t in types if t not in _UNBANKED_LAYER_TYPES)
-    if kv_cache_dtype in _KV_DTYPE_BYTES:
-        itemsize = 1
-    else:
-        name = dtype if dtype != "auto" else str(getattr(text, "dtype", None) or getattr(text, "torch_dtype", "bfloat16"))
-        itemsize = _DTYPE_BYTES.get(name.removeprefix("torch."), 2)
-    if getattr(text, "kv_lora_rank", None):  # MLA
-        row = text.kv_lora_rank + text.qk_rope_head_dim
-    else:
-        heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        row = 2 * heads * head_dim
-    return Estimate(sequences, positions, layers * row * itemsize, layers)
-
-
-def check_budget(budget_gib: float | None) -> None:
-    """A budget compares with nothing when NaN, refuses every bank when <= 0
-    and none when infinite: each is a mistake, refused before anything runs."""
-    if budget_gib is not None and not (math.isfinite(budget_gib) and budget_gib > 0):
-        raise RecordError(f"--budget-gib {budget_gib} is invalid; expected a finite number of GiB > 0")
-
-
-def check_out(out: str) -> None:
-    """``--out`` can take the bank, checked before vLLM starts: found after the
-    run, a bad path cost the whole run (and the work folder is made beside it)."""
-    if os.path.isdir(out) or out.endswith(("/", os.sep)):
-        raise RecordError(f"--out {out!r} is a directory; expected the path of the bank file to write "
-                          f"(e.g. {os.path.join(out, 'bank.safetensors')!r})")
-    if os.path.exists(out) and not os.path.isfile(out):
-        raise RecordError(f"--out {out!r} exists and is not a regular file; expected the path of the bank file")
-    folder = os.path.dirname(os.path.abspath(out))
-    if not os.path.isdir(folder):
-        what = "is not a directory" if os.path.exists(folder) else "does not exist"
-        raise RecordError(f"--out {out!r}: its folder {folder!r} {what}; expected an existing folder "
-                          f"(create it first)")
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise RecordError(f"--out {out!r}: its folder {folder!r} is not writable; expected a folder the "
-                          f"recorder can write the bank (and its work folder) in")
-
-
-def check_max_model_len(max_model_len: int | None, positions: int | None) -> None:
-    """vLLM takes prompts of at most ``max_model_len - 1`` tokens (one
-    position is left for the token it generates): N must fit that."""
-    if max_model_len is None:
-        return
-    if max_model_len < 2:
-        raise RecordError(f"--max-model-len {max_model_len} is invalid; expected an int >= 2 "
-                          f"(a prompt token and the one generated)")
-    if positions is not None and positions > max_model_len - 1:
-        raise RecordError(f"--positions {positions} is over --max-model-len {max_model_len}: vLLM takes prompts "
-                          f"of at most {max_model_len - 1} tokens (one position is left for the token it "
-                          f"generates); expected --positions <= {max_model_len - 1} or a larger --max-model-len")
-
-
-def _check_text_file(path: str) -> None:
-    if not os.path.exists(path):
-        raise RecordError(f"--prompts {path!r} does not exist; expected a text file with one prompt per line")
-    if os.path.isdir(path):
-        raise RecordError(f"--prompts {path!r} is a directory; expected a text file with one prompt per line")
-    if not os.path.isfile(path):  # a device (/dev/zero), pipe or socket: maybe endless, never a prompts file
-        raise RecordError(f"--prompts {path!r} is not a regular file; expected a text file with one prompt per line")
-
-
-def read_prompt_lines(path: str) -> list[tuple[int, str]]:
-    """(line number in the file, prompt) of each non-blank line: errors about a
-    prompt name the line a person sees in an editor, blank lines counted."""
-    _check_text_file(path)
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except OSError as exc:
-        raise RecordError(f"--prompts {path!r} cannot be read ({exc.strerror}); expected a readable text file"
-                          ) from None
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        line = data.count(b"\n", 0, exc.start) + 1
-        raise RecordError(f"--prompts {path!r} is not UTF-8 text: line {line} holds bytes that are not UTF-8 "
-                          f"(0x{data[exc.start]:02x} at file offset {exc.start}); expected UTF-8 text, one prompt "
-                          f"per line") from None
-    lines = io.StringIO(text, newline=None)  # \n, \r\n and \r end a line, as in open()'s text mode
-    prompts = [(no, line.rstrip("\n")) for no, line in enumerate(lines, 1) if line.strip()]
-    if not prompts:
-        raise RecordError(f"--prompts {path!r} holds no prompt; expected one prompt per line")
-    return prompts
-
-
-def read_prompts(path: str) -> list[str]:
-    """One prompt per non-empty line."""
-    return [prompt for _, prompt in read_prompt_lines(path)]
-
-
-def choose_positions(token_ids: Sequence[Sequence[int]], positions: int | None,
-                     line_numbers: Sequence[int] | None = None) -> int:
-    """N: the given positions (every prompt must have that many tokens) or the
-    shortest prompt's length.  ``line_numbers``: each prompt's line in the file
-    (default 1, 2, ...), named in the error."""
-    lengths = [len(t) for t in token_ids]
-    lines = list(line_numbers or range(1, len(lengths) + 1))
-    if positions is None:
-        return min(lengths)
-    if positions < 1:
-        raise RecordError(f"--positions {positions} is invalid; expected an int >= 1")
-    short = [i for i, n in enumerate(lengths) if n < positions][:5]
-    if short:
-        raise RecordError(f"--positions {positions}: prompt line(s) {[lines[i] for i in short]} have fewer tokens "
-                          f"({[lengths[i] for i in short]}); expected every prompt to have >= {positions}")
-    return positions
-
-
-def check_prompt_lengths(token_ids: Sequence[Sequence[int]], line_numbers: Sequence[int],
-                         max_model_len: int | None) -> None:
-    """Every prompt fits ``--max-model-len`` (``check_max_model_len``):
-    found by vLLM, it would fail after the engine started."""
-    if max_model_len is None:  # the default fits the longest prompt
-        return
-    long = [(no, len(t)) for no, t in zip(line_numbers, token_ids) if len(t) > max_model_len - 1][:5]
-    if long:
-        raise RecordError(f"--max-model-len {max_model_len}: prompt line(s) {[no for no, _ in long]} have "
-                          f"{[n for _, n in long]} tokens; vLLM takes at most {max_model_len - 1} (one position "
-                          f"is left for the token it generates); expected shorter prompts or a larger --max-model-len")
 
 
 def record(
@@ -262,7 +99,7 @@ def record(
 
     with _sigterm_exits(), _work_dir(out) as work:
         engine = _run_vllm(model, unique, n, work, dtype, kv_cache_dtype, block_size, max_model_len,
-                           llm_kwargs or {})
+                           llm_kwargs or {}, tokenizer or model)
         meta = {
             "model": model,
             "kv_cache_dtype": kv_cache_dtype,
@@ -370,8 +207,8 @@ def _write(bank: Bank, out: str, work: str) -> None:
                            f"{staged!r}: move it into place") from exc
 
 
-def _run_vllm(model, token_ids, n, record_dir, dtype, kv_cache_dtype, block_size, max_model_len, llm_kwargs
-              ) -> dict[str, str]:
+def _run_vllm(model, token_ids, n, record_dir, dtype, kv_cache_dtype, block_size, max_model_len, llm_kwargs,
+              tokenizer=None) -> dict[str, str]:
     """Real prefill of every prompt (one output token) with the record role on;
     returns the run's provenance: the vLLM version, and the max_model_len and
     cache block size vLLM ran with (its own values when not given).
@@ -388,7 +225,10 @@ def _run_vllm(model, token_ids, n, record_dir, dtype, kv_cache_dtype, block_size
     longest = max(len(t) for t in token_ids)
     kw = dict(
         model=model,
-        skip_tokenizer_init=True,
+        # The recorder's own tokenizer: with skip_tokenizer_init, vLLM's chat
+        # template warm-up fails and logs a traceback as a warning (several
+        # times) that reads as a failure; token ids go in either way.
+        tokenizer=tokenizer,
         enforce_eager=True,
         dtype=dtype,
         kv_cache_dtype=kv_cache_dtype,

@@ -26,17 +26,17 @@ def backend(request):
 
 
 # KVFILL_TEST_BUDGET_S (bench/device_check.sh on a lent GPU): tests that would
-# start past this many seconds of the session are skipped, each named with this
+# start past this many seconds of the test run are skipped, each named with this
 # reason, so the run still ends with a complete report.
 BUDGET_S = float(os.environ.get("KVFILL_TEST_BUDGET_S", "0")) or None
-_SESSION_START = time.monotonic()
+_RUN_START = time.monotonic()
 
 
 _BUDGET_SKIPPED: list[str] = []
 
 
 def pytest_runtest_setup(item):
-    if BUDGET_S is not None and time.monotonic() - _SESSION_START > BUDGET_S:
+    if BUDGET_S is not None and time.monotonic() - _RUN_START > BUDGET_S:
         _BUDGET_SKIPPED.append(item.nodeid)
         pytest.skip(f"time budget KVFILL_TEST_BUDGET_S={BUDGET_S:g} s spent")
 
