@@ -187,7 +187,7 @@ def _assign_sequences(groups: Sequence[GroupGeometry], selections: list[GroupSel
     ``sequences_at`` over the distinct block ends of all groups."""
     ends = {}
     for gi, (geo, sel) in enumerate(zip(groups, selections)):
-        if sel.whole or not len(sel.block_ids):
+        if geo.whole_blocks or not len(sel.block_ids):  # block granularity too: its blocks have ends
             continue
         k = sel.first_block + np.arange(len(sel.block_ids), dtype=np.int64)
         ends[gi] = np.minimum((k + 1) * geo.span, sel.token_hi)

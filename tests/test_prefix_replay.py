@@ -84,6 +84,11 @@ def test_the_planner_asks_each_block_for_the_sequence_of_its_end():
     assert list(sel.groups[1].sequences) == [8 % 7, 16 % 7, 18 % 7]
     plan = planner.plan([sel])
     assert plan.groups["full"].sequence.tolist() == [1, 5, 2, 4]
+    # Block granularity fills the same blocks whole: each still replays its own end's sequence.
+    asked.clear()
+    whole = Planner(geos, granularity="block").select("r", 19, 5, [list(range(10, 15)), list(range(20, 23))],
+                                                       sequences_at=sequences_at)
+    assert asked == [[8, 12, 16, 18]] and list(whole.groups[0].sequences) == [1, 5, 2, 4]
 
 
 # ---------------------------------------------------------------- through vLLM
