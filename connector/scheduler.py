@@ -90,13 +90,14 @@ class KVFillScheduler:
         # Startup-filled groups are skipped before planning: their tables are
         # never looked at, so a table shorter than the prompt cannot raise.
         index = self.options.bank_index
-        sequence, sequences_at = 0, None
+        sequences_at = None
         if index is not None:  # a block replays the sequence its own token prefix picks (bank.py)
             prompt = request.prompt_token_ids or ()
-            sequence = index.sequence_for(prompt)
             sequences_at = lambda ends: index.sequences_for(prompt, ends)  # noqa: E731
+        # The request-level sequence stays 0: only whole-block kinds take it, and
+        # those are never replayed (circular buffers zeroed, cross attention synthetic).
         sel = select_request(self.planner, request, blocks, num_external_tokens, num_local,
-                             skip_groups=self.startup_groups, sequence=sequence, sequences_at=sequences_at)
+                             skip_groups=self.startup_groups, sequences_at=sequences_at)
         if any(len(g.block_ids) for g in sel.groups):
             self.pending[request.request_id] = sel
 

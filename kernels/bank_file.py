@@ -29,7 +29,10 @@ def dtype_name(dtype: torch.dtype) -> str:
 def read_index(path: str) -> tuple[int, int, list]:
     """``(num_sequences, num_positions, sequence_tokens)`` of a bank file,
     from its metadata, checked against the file's tensors (header only)."""
-    meta = _read_metadata(path)
+    return _index_of(_read_metadata(path), path)
+
+
+def _index_of(meta: Mapping[str, str], path: str) -> tuple[int, int, list]:
     num_sequences = _meta_int(meta, "num_sequences", path)
     num_positions = _meta_int(meta, "num_positions", path)
     _check_shapes(path, num_sequences, num_positions)
@@ -42,8 +45,8 @@ def load(path: str) -> dict:
     truncating it later changes nothing here)."""
     from safetensors import safe_open
 
-    _, _, tokens = read_index(path)
     meta = _read_metadata(path)
+    _, _, tokens = _index_of(meta, path)
     size, free = os.path.getsize(path), free_bytes(torch.device("cpu"))
     if free is not None and size > free:
         raise BankError(f"{path}: {size / 2**30:.2f} GiB does not fit the host's {free / 2**30:.2f} GiB "
