@@ -8,7 +8,7 @@ PIP    := $(PY) -m pip --disable-pip-version-check
 STAMP  := $(VENV)/.installed
 HAS_NVIDIA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
-.PHONY: venv test test-gpu demo serve serve-bench soak bench bench-gpu gpu-check clean
+.PHONY: venv test test-gpu demo serve serve-bench serve-eos soak bench bench-gpu gpu-check clean
 
 venv: $(STAMP)
 
@@ -51,6 +51,11 @@ serve: venv
 serve-bench: venv
 	$(PY) -c "import matplotlib" 2>/dev/null || $(PIP) install -e '.[bench]'
 	$(PY) bench/serve.py $(SERVE_ARGS)
+
+# What synthetic KV does to a real benchmark (EOS honoured): SmolLM2-135M, real text, 4 runs.
+serve-eos: venv
+	$(PY) -c "import matplotlib" 2>/dev/null || $(PIP) install -e '.[bench]'
+	$(PY) bench/serve_eos.py $(SERVE_EOS_ARGS)
 
 # Bounded soak: 256 concurrent requests, a small KV cache forcing preemptions, verify on.
 soak: venv

@@ -75,8 +75,8 @@ def random_bank(engine, dtype, seed=7):
     g = torch.Generator(device="cpu").manual_seed(seed)
     itemsize = torch.empty((), dtype=dtype, device="cpu").element_size()
     layers = {}
-    for name, parts in engine.row_parts().items():
-        row = sum(math.prod(p) for p in parts)
+    for name, fmt in engine.row_formats().items():
+        row = sum(math.prod(p) for p in fmt.parts)
         raw = torch.randint(0, 256, (BANK_SEQUENCES * BANK_POSITIONS * row * itemsize,), dtype=torch.uint8,
                             generator=g, device="cpu")
         layers[name] = raw.view(dtype).view(BANK_SEQUENCES, BANK_POSITIONS, row)

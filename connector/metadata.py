@@ -19,6 +19,7 @@ class RecordItem:
 
     key: str
     selection: RequestSelection
+    positions: int
 
 
 class KVFillConnectorMetadata(KVConnectorMetadata):

@@ -45,7 +45,7 @@ class FillOptions:
     page_image_mib: int = 1024         # torch backend: memory for whole pages kept to copy again (0: none)
     verify: str | None = None          # None / "log" / "raise": re-check every fill (debug aid; syncs)
     record_dir: str | None = None      # record role (kvfill.record): save prompt KV rows here, fill nothing
-    record_positions: int = 0          # record role: the positions [0, N) saved per prompt
+    record_positions: int = 0          # record role: cap on the positions [0, N) saved per prompt (0: whole)
     values: ValueSpec = field(init=False, repr=False, compare=False)
     bank_index: BankIndex | None = field(init=False, repr=False, compare=False)
 
@@ -81,8 +81,9 @@ class FillOptions:
             if os.path.exists(self.record_dir) and not os.path.isdir(self.record_dir):
                 raise OptionError("record_dir", self.record_dir, "a directory path (it names an existing file)")
             if isinstance(self.record_positions, bool) or not isinstance(self.record_positions, int) \
-                    or self.record_positions < 1:
-                raise OptionError("record_positions", self.record_positions, "an int >= 1 with record_dir")
+                    or self.record_positions < 0:
+                raise OptionError("record_positions", self.record_positions,
+                                  "an int >= 0 with record_dir (the most positions saved per prompt; 0: all)")
 
     def _check_mode(self) -> None:
         """``fill_mode`` against ``fill_std`` and ``bank``; the bank's index read once."""
@@ -151,10 +152,13 @@ class FillOptions:
 
     def summary(self) -> str:
         if self.recording:
-            return f"recording positions [0, {self.record_positions}) of each prompt to {self.record_dir}"
+            cap = f" (at most {self.record_positions})" if self.record_positions else ""
+            return f"recording each prompt's positions{cap} to {self.record_dir}"
         if self.replay:
             idx = self.bank_index
-            what = f"replay fill from {self.bank} ({idx.num_sequences} sequences x {idx.num_positions} positions"
+            lo, hi = int(idx.lengths.min()), int(idx.lengths.max())
+            what = (f"replay fill from {self.bank} ({idx.num_sequences} sequences of "
+                    f"{lo if lo == hi else f'{lo}-{hi}'} positions")
         else:
             kind = "random" if self.fill_std > 0 else "constant"
             what = f"{kind} fill (mean={self.fill_mean:g}, std={self.fill_std:g}, seed={self.seed}"

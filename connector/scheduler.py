@@ -119,7 +119,8 @@ class KVFillScheduler:
 
 class _RecordTracker:
     """Follows the block tables of scheduled requests; emits a ``RecordItem``
-    in the step whose forward completes a prompt's positions ``[0, N)``."""
+    in the step whose forward completes a prompt's positions ``[0, N)``, N
+    the prompt's length capped at ``positions``."""
 
     def __init__(self, planner: Planner, positions: int):
         self.planner, self.positions = planner, positions
@@ -144,15 +145,15 @@ class _RecordTracker:
                     table.extend(ids)
             computed[rid] = cached.num_computed_tokens[i]
         items = []
-        n = self.positions
         for rid, before in computed.items():
             prompt = self.prompts.get(rid, ())
+            n = min(len(prompt), self.positions or len(prompt))  # the whole prompt, up to the cap
             after = before + so.num_scheduled_tokens.get(rid, 0)
-            if rid in self.done or len(prompt) < n or after < n:
+            if rid in self.done or n < 1 or after < n:
                 continue
             self.done.add(rid)
             sel = self.planner.select(rid, n + 1, 0, self.tables[rid], skip_groups=self.skip)
-            items.append(RecordItem(sequence_key(prompt[:n]), sel))
+            items.append(RecordItem(sequence_key(prompt[:n]), sel, n))
         return items
 
     def forget(self, req_id: str) -> None:

@@ -175,6 +175,16 @@ def layer_specs_by_name(kv_cache_config: Any) -> dict[str, KVCacheSpec]:
     return out
 
 
+def layer_kv_geometry(spec: KVCacheSpec) -> tuple[int, int, int] | None:
+    """``(num_kv_heads, head_size, head_size_v)`` of an attention layer's
+    cache on this worker (MLA: one head of the latent row, ``head_size_v``
+    0): how a bank's canonical rows map onto it (``kvfill.kernels.kv_rows``).
+    None for other specs (recurrent state keeps its own order)."""
+    if not isinstance(spec, AttentionSpec):
+        return None
+    return int(spec.num_kv_heads), int(spec.head_size), int(spec.head_size_v)
+
+
 def _block_ids(blocks) -> list[int]:
     # A list comprehension: faster here than map/attrgetter or np.fromiter.
     return [b.block_id for b in blocks]

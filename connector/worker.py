@@ -26,7 +26,9 @@ from .metadata import KVFillConnectorMetadata, KVFillStats
 from .options import FillOptions
 from .planner import RECORDED_KINDS, GroupKind, Planner
 from .recorder import Recorder
-from .specs import geometries_from_config, layer_encoding, layer_specs_by_name, startup_fill_group_ids
+from .specs import (
+    geometries_from_config, layer_encoding, layer_kv_geometry, layer_specs_by_name, startup_fill_group_ids,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -65,6 +67,7 @@ class KVFillWorker:
         self.model = str(getattr(model_config, "model", ""))
         self.cpu_layout_warned = False
         self.encodings = {name: layer_encoding(spec, cache_dtype) for name, spec in specs.items()}
+        self.kv_geometry = {name: layer_kv_geometry(spec) for name, spec in specs.items()}
         # Raw backing buffers laid out by the layer itself (HiSparse): no block dim to address.
         self.unaddressable = {name for name, spec in specs.items() if not getattr(spec, "has_layer_views", True)}
         self.engine: FillEngine | None = None
@@ -144,6 +147,7 @@ class KVFillWorker:
                     encoding={n: self.encodings.get(n, "auto") for n in layers},
                     mode=self._group_mode(geo),
                     dcp=geo.dcp,
+                    kv={n: self.kv_geometry.get(n) for n in layers},
                 )
         return groups
 

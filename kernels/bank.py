@@ -3,55 +3,56 @@
 Schema (one safetensors file, ``BANK_FORMAT`` version ``BANK_VERSION``)
 ------------------------------------------------------------------------
 * One tensor per layer, named by the layer (vLLM's attention layer name, e.g.
-  ``model.layers.3.self_attn.attn``), shape ``[S, N, R]`` in the cache's
-  storage dtype (``bfloat16``, ``float16``, ``float32``, ``uint8`` for vLLM's
-  fp8 caches, ...): row ``[s, t]`` is the KV the model computed for token
-  position ``t`` of recorded sequence ``s``, ``R`` elements in the
-  element order of ``layout.py`` - the row-major index over the cache's
-  element dims in logical order, independent of the physical dim order and
-  strides; a layer registered as several tensors has their rows one after
-  another.  vLLM's caches: ``[K/V, head, head_dim]`` for ``(2, B, N, H, D)``
-  views and vLLM CPU's K and V views, ``[head, K/V + head_dim]`` for the
-  ``[B, H, N, 2 * head_size]`` standard layout, ``[latent + rope]`` for MLA.
-  So a bank replays into any physical order of the same logical view; rows
-  of another logical view (even with the same row size, e.g. the standard
-  layout vs ``(2, B, N, H, D)``) are refused by the ``parts`` check below
-  rather than replayed scrambled - conservatively: vLLM CPU's K/V views
-  (``[[H, D], [H, D]]``) and ``(2, B, N, H, D)`` (``[[2, H, D]]``) order the
-  elements alike but are refused too.
+  ``model.layers.3.self_attn.attn``), shape ``[T, R]`` in the cache's storage
+  dtype (``bfloat16``, ``float16``, ``float32``, ``uint8`` for vLLM's fp8
+  caches, ...): the recorded sequences one after another, each its own
+  length ``N_s`` (``T`` = their sum, a ragged bank): row ``start_s + t`` is
+  the KV the model computed for token position ``t`` of sequence ``s``.
+* Row order (``kv_rows.py``): an attention layer's row is canonical - K
+  ``[num_kv_heads, head_size]`` then V ``[num_kv_heads, head_size_v]`` over
+  all the KV heads the recording worker held; an MLA row is its latent
+  ``[kv_lora_rank + rope dim]`` (one "head", ``head_size_v`` 0).  The same for
+  every attention backend, cache layout and platform: staging a bank for an
+  engine permutes it once into each cache's element order (vLLM CPU's K and V
+  views, ``(2, B, N, H, D)``, FlashInfer NHD / HND, ``[B, H, N, 2 x head]``,
+  kernel-block splits).  A layer of no known KV view (recurrent state) keeps
+  its cache's own element order and replays only into the same view.
 * ``__metadata__`` (strings): ``format``, ``version``, ``num_sequences``,
-  ``num_positions`` (both must equal every layer tensor's ``S`` and ``N``),
-  ``sequence_tokens`` (JSON list of S lists: each sequence's first N prompt
-  token ids; may be empty for a bank of no known prompts), ``layers`` (JSON: name ->
-  ``{"dtype", "row", "value_dtype", "parts"}``: storage dtype, row elements,
-  the float dtype the bytes encode, e.g. ``float8_e4m3fn`` for a ``uint8`` fp8
-  cache, and the logical element dims of each registered tensor of the layer
-  (``Registry.row_parts``: not merged by strides), e.g. ``[[8, 128], [8,
-  128]]`` for vLLM CPU's K and V views - what "the element order" means for
-  this bank) and provenance written by the recorder
-  (``model``, ``dtype``, ``kv_cache_dtype``, ``block_size``,
-  ``max_model_len``, ``vllm_version``, ``prompts_sha256``, ...), kept as given.
-* Version 2 added ``sequence_tokens`` (version 1 held only a hash of each
-  sequence's tokens, too little for the prefix rule below); a version-1 bank
-  is refused with how to re-record it.
+  ``sequence_lengths`` (JSON list of S ints >= 1, summing to every layer's
+  ``T``), ``sequence_tokens`` (JSON list of S lists: each sequence's
+  ``N_s`` prompt token ids; may be empty for a bank of no known prompts),
+  ``layers`` (JSON: name -> ``{"dtype", "row", "value_dtype", "kv",
+  "parts"}``: storage dtype, row elements, the float dtype the bytes encode
+  (``float8_e4m3fn`` for a ``uint8`` fp8 cache), ``kv`` = ``[num_kv_heads,
+  head_size, head_size_v]`` for a canonical row or null, and the logical
+  element dims of each cache tensor the layer was recorded from
+  (``Registry.row_parts``) - what the order is for a layer without ``kv``)
+  and provenance written by the recorder (``model``, ``dtype``,
+  ``kv_cache_dtype``, ``block_size``, ``max_model_len``, ``vllm_version``,
+  ``prompts_sha256``, ...), kept as given.
+* Version 3 (ragged sequences, canonical rows) replaced version 2
+  (rectangular ``[S, N, R]`` in the cache's own order); older banks are
+  refused with how to record them again.
 
 Replay rule
 -----------
 The value of (layer, position t, element e) for a request replaying sequence
-``s`` is ``bank[layer][s, t mod N, e]``: positions past the recorded ``N``
-wrap.  A wrapped key was rotated (RoPE) for position ``t mod N``, not ``t``:
-attention over it is that of a repeated context, not of one long one; record
-``N`` at least as long as the benchmark's inputs to avoid it.
+``s`` is row ``t`` of ``s`` for ``t < N_s``; past its length a sequence
+wraps: row ``t mod N_s``.  A wrapped key was rotated (RoPE) for position
+``t mod N_s``, not ``t``: attention over it is that of a repeated context,
+not of one long one.  The recorder keeps every prompt whole by default, so a
+recorded prompt never wraps.
 
 Which sequence a block replays: a function of the tokens up to that block's
 end, as real KV is (what makes vLLM's prefix caching correct).  For the
-block of a request ending at position ``E`` (exclusive): the lowest-numbered
-recorded sequence whose tokens equal the request's prompt at every position
-below ``min(E, N)``; if none, ``sha256(prompt[:E]) mod S``
-(``BankIndex.sequences_for``).  So two requests that share a cached block
-agree on its rows, a recorded prompt replays its own sequence whatever ran
-before it, and a prompt that shares a recorded prompt's beginning replays
-that prompt's rows there.
+block of a request ending at position ``E`` (exclusive), a sequence
+*qualifies* when its tokens equal the prompt's at every position below
+``min(E, N_s)``; of those, the one covering most of ``[0, E)`` (the largest
+``min(E, N_s)``), the lowest-numbered among equals; if none qualifies,
+``sha256(prompt[:E]) mod S`` (``BankIndex.sequences_for``).  So two requests
+that share a cached block agree on its rows, a recorded prompt replays its
+own rows whatever its length and whatever ran before it, and a prompt that
+shares a recorded prompt's beginning replays that prompt's rows there.
 """
 from __future__ import annotations
 
@@ -63,9 +64,10 @@ import numpy as np
 import torch
 
 from . import bank_file
-from .bank_file import (  # noqa: F401  (the bank's public names, importable from here)
-    BANK_FORMAT, BANK_VERSION, BankError, dtype_name, free_bytes,
-)
+from .bank_file import BANK_FORMAT, BANK_VERSION, BankError, dtype_name, free_bytes  # noqa: F401 (public here)
+from .kv_rows import RowFormat
+
+_PREFIX = 16  # tokens compared for every sequence before the whole comparison (BankIndex)
 
 
 def sequence_key(token_ids: Sequence[int] | np.ndarray) -> str:
@@ -74,15 +76,59 @@ def sequence_key(token_ids: Sequence[int] | np.ndarray) -> str:
     return hashlib.sha256(ids.tobytes()).hexdigest()[:16]
 
 
-class BankIndex:
-    """What choosing a block's sequence needs: the bank's shape and each
-    recorded sequence's first N token ids, read from the metadata alone (the
-    scheduler never loads rows)."""
+def _lengths(num_sequences: int, lengths) -> np.ndarray:
+    if isinstance(lengths, (int, np.integer)):
+        return np.full(int(num_sequences), int(lengths), dtype=np.int64)
+    out = np.asarray(list(lengths), dtype=np.int64).reshape(-1)
+    if out.size != num_sequences or (out.size and out.min() < 1):
+        raise BankError(f"sequence lengths {out.tolist()[:8]}: expected {num_sequences} ints >= 1")
+    return out
 
-    def __init__(self, num_sequences: int, num_positions: int, sequence_tokens=()):
-        self.num_sequences, self.num_positions = int(num_sequences), int(num_positions)
-        tokens = np.asarray(sequence_tokens, dtype=np.int64)
-        self.tokens = tokens.reshape(len(sequence_tokens), -1) if len(sequence_tokens) else None
+
+def _geometry(source: str, name: str, kv) -> tuple[int, int, int]:
+    g = tuple(kv) if isinstance(kv, (list, tuple)) else ()
+    if len(g) != 3 or any(isinstance(x, bool) or not isinstance(x, (int, np.integer)) for x in g) \
+            or min(g[0], g[1]) < 1 or g[2] < 0:
+        raise BankError(f"{source}: layer {name!r} kv is {kv!r}; expected [num_kv_heads >= 1, head_size >= 1, "
+                        f"head_size_v >= 0]")
+    return tuple(int(x) for x in g)
+
+
+class BankIndex:
+    """What choosing a block's sequence needs: each recorded sequence's
+    length and token ids, read from the metadata alone (the scheduler never
+    loads rows).  ``lengths``: one int (every sequence's) or one per sequence."""
+
+    def __init__(self, num_sequences: int, lengths, sequence_tokens=()):
+        self.num_sequences = int(num_sequences)
+        self.lengths = _lengths(self.num_sequences, lengths)
+        self.tokens = None
+        if len(sequence_tokens):
+            self.tokens = [np.asarray(t, dtype=np.int64).reshape(-1) for t in sequence_tokens]
+            width = min(_PREFIX, int(self.lengths.max()))
+            # Each sequence's first tokens, -1 past its end: compared for every sequence at once.
+            self.head = np.full((self.num_sequences, width), -1, dtype=np.int64)
+            for s, t in enumerate(self.tokens):
+                self.head[s, :min(width, t.size)] = t[:width]
+
+    @property
+    def num_positions(self) -> int:
+        """The longest sequence's length."""
+        return int(self.lengths.max())
+
+    def _agree(self, ids: np.ndarray) -> np.ndarray:
+        """Per sequence: how many positions from the start its tokens equal the prompt's."""
+        width = self.head.shape[1]
+        m = min(ids.size, width)
+        head_len = np.minimum(self.lengths, m)
+        differs = (self.head[:, :m] != ids[None, :m]) | (np.arange(m)[None, :] >= head_len[:, None])
+        agree = np.where(differs.any(axis=1), differs.argmax(axis=1), m)
+        for s in np.flatnonzero(agree == m).tolist():  # agreeing so far: compare the whole sequence
+            n = min(ids.size, int(self.lengths[s]))
+            if n > m:
+                d = np.flatnonzero(self.tokens[s][:n] != ids[:n])
+                agree[s] = int(d[0]) if d.size else n
+        return agree
 
     def sequences_for(self, prompt_token_ids: Sequence[int] | np.ndarray, ends) -> np.ndarray:
         """The sequence the block ending at each of ``ends`` (positions,
@@ -91,13 +137,11 @@ class BankIndex:
         ends = np.asarray(ends, dtype=np.int64).reshape(-1)
         out = np.full(ends.size, -1, dtype=np.int64)
         if self.tokens is not None and ends.size:
-            m = min(ids.size, self.num_positions)
-            differs = self.tokens[:, :m] != ids[None, :m]
-            # Positions each recorded sequence agrees with the prompt from the start.
-            agree = np.where(differs.any(axis=1), differs.argmax(axis=1), m)
-            need = np.minimum(ends, self.num_positions)
-            ok = agree[None, :] >= need[:, None]  # [ends, sequences]
-            out = np.where(ok.any(axis=1), ok.argmax(axis=1), -1)
+            agree = self._agree(ids)
+            need = np.minimum(ends[:, None], self.lengths[None, :])  # [ends, sequences]
+            cover = np.where(agree[None, :] >= need, need, -1)
+            best = cover.argmax(axis=1)  # the first of the largest: lowest-numbered among equals
+            out = np.where(cover[np.arange(ends.size), best] > 0, best, -1)
         todo = np.flatnonzero(out < 0)
         if todo.size:
             # One pass of SHA-256 over the prompt, a digest at every end asked for.
@@ -123,77 +167,128 @@ class BankIndex:
 
 
 class Bank:
-    """Recorded rows per layer, ``[S, N, R]`` each (see the module docstring).
+    """Recorded rows per layer (see the module docstring).
 
-    ``layers``: layer name -> tensor (host memory as given); ``sequence_tokens``:
-    each sequence's first N prompt token ids (optional: without them every
-    block replays a sequence chosen by a hash of its prefix);
-    ``value_dtypes``: layer -> the float dtype its bytes encode (``dtype_name``);
-    ``metadata``: provenance strings.
+    ``layers``: layer name -> ``[T, R]`` rows of ``sequence_lengths``
+    sequences one after another, or ``[S, N, R]`` (S sequences of N
+    positions each); host memory as given.  ``sequence_tokens``: each
+    sequence's prompt token ids (optional: without them every block replays a
+    sequence chosen by a hash of its prefix); ``value_dtypes``: layer -> the
+    float dtype its bytes encode (``dtype_name``); ``kv``: layer -> ``(heads,
+    head_size, head_size_v)`` of a canonical row; ``parts``: layer -> the
+    element dims of the cache tensors it was read from; ``metadata``:
+    provenance strings.
     """
 
     def __init__(
         self,
         layers: Mapping[str, torch.Tensor],
         *,
+        sequence_lengths: Sequence[int] | None = None,
         sequence_tokens: Sequence[Sequence[int]] = (),
         value_dtypes: Mapping[str, str] | None = None,
+        kv: Mapping[str, Sequence[int] | None] | None = None,
         parts: Mapping[str, Sequence[Sequence[int]]] | None = None,
         metadata: Mapping[str, str] | None = None,
         source: str = "bank",
     ):
         if not layers:
             raise BankError(f"{source}: holds no layers")
-        shapes = {}
-        for name, t in layers.items():
-            if not isinstance(t, torch.Tensor) or t.dim() != 3 or min(t.shape) < 1:
-                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-                raise BankError(f"{source}: layer {name!r} is {got}; expected a tensor [sequences, positions, row] "
-                                f"with every dim >= 1")
-            shapes[name] = tuple(t.shape[:2])
-        if len(set(shapes.values())) != 1:
-            raise BankError(f"{source}: layers disagree on [sequences, positions]: {shapes}")
-        self.layers = dict(layers)
-        self.num_sequences, self.num_positions = next(iter(shapes.values()))
+        self.source = source
+        self.layers, lengths = self._packed(layers, sequence_lengths, sequence_tokens)
+        self.lengths = tuple(int(n) for n in lengths)
+        self.starts = tuple(int(x) for x in np.concatenate([[0], np.cumsum(self.lengths)[:-1]]))
         self.sequence_tokens = tuple(tuple(int(x) for x in t) for t in sequence_tokens)
-        if self.sequence_tokens and (len(self.sequence_tokens) != self.num_sequences
-                                     or {len(t) for t in self.sequence_tokens} != {self.num_positions}):
-            raise BankError(f"{source}: sequence_tokens must be {self.num_sequences} lists of {self.num_positions} "
-                            f"token ids, got {len(self.sequence_tokens)} of lengths "
-                            f"{sorted({len(t) for t in self.sequence_tokens})}")
+        if self.sequence_tokens and [len(t) for t in self.sequence_tokens] != list(self.lengths):
+            raise BankError(f"{source}: sequence_tokens must be {self.num_sequences} lists of the sequences' "
+                            f"lengths {list(self.lengths)[:8]}, got lengths "
+                            f"{[len(t) for t in self.sequence_tokens][:8]}")
         self.value_dtypes = dict(value_dtypes or {})
+        self.kv = {n: _geometry(source, n, g) for n, g in (kv or {}).items() if g}
         self.parts = {n: [list(p) for p in v] for n, v in (parts or {}).items()}
         self.metadata = {k: str(v) for k, v in (metadata or {}).items()}
-        self.source = source
+        for name, (h, d, dv) in self.kv.items():
+            if name in self.layers and self.layers[name].shape[1] != h * (d + dv):
+                raise BankError(f"{source}: layer {name!r} rows have {self.layers[name].shape[1]} elements, its kv "
+                                f"{[h, d, dv]} names {h * (d + dv)}")
+
+    def _packed(self, layers, sequence_lengths, sequence_tokens) -> tuple[dict, list[int]]:
+        """Every layer as ``[T, R]`` and the sequences' lengths, after checking
+        the layers agree on them."""
+        out, shapes = {}, {}
+        for name, t in layers.items():
+            if not isinstance(t, torch.Tensor) or t.dim() not in (2, 3) or min(t.shape) < 1:
+                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise BankError(f"{self.source}: layer {name!r} is {got}; expected a tensor [rows, row] or "
+                                f"[sequences, positions, row] with every dim >= 1")
+            shapes[name] = tuple(t.shape[:-1])
+            out[name] = t.reshape(-1, t.shape[-1]) if t.dim() == 3 else t
+        if len(set(shapes.values())) != 1:
+            raise BankError(f"{self.source}: layers disagree on their rows: {shapes}")
+        shape = next(iter(shapes.values()))
+        if len(shape) == 2:
+            lengths = [shape[1]] * shape[0]
+            if sequence_lengths is not None and list(sequence_lengths) != lengths:
+                raise BankError(f"{self.source}: sequence_lengths {list(sequence_lengths)[:8]} disagree with "
+                                f"layers of [{shape[0]}, {shape[1]}, row]")
+        else:
+            if sequence_lengths is None:
+                sequence_lengths = [len(t) for t in sequence_tokens] or [shape[0]]
+            lengths = [int(n) for n in sequence_lengths]
+            if not lengths or min(lengths) < 1 or sum(lengths) != shape[0]:
+                raise BankError(f"{self.source}: sequence_lengths {lengths[:8]} (sum {sum(lengths)}) must be ints "
+                                f">= 1 summing to the layers' {shape[0]} rows")
+        return out, lengths
 
     # ------------------------------------------------------------ questions
+    @property
+    def num_sequences(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def num_positions(self) -> int:
+        """The longest sequence's length."""
+        return max(self.lengths)
+
+    @property
+    def num_rows(self) -> int:
+        return sum(self.lengths)
+
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.layers.values())
 
     @property
     def bytes_per_token(self) -> int:
-        """Bank bytes per recorded token position of one sequence: layers x row bytes."""
-        return sum(t.shape[2] * t.element_size() for t in self.layers.values())
+        """Bank bytes per recorded token position: layers x row bytes."""
+        return sum(t.shape[1] * t.element_size() for t in self.layers.values())
 
     @property
     def index(self) -> BankIndex:
-        return BankIndex(self.num_sequences, self.num_positions, self.sequence_tokens)
+        return BankIndex(self.num_sequences, self.lengths, self.sequence_tokens)
 
-    def sequence_for(self, prompt_token_ids: Sequence[int] | np.ndarray) -> int:
-        return self.index.sequence_for(prompt_token_ids)
+    def sequence_table(self) -> np.ndarray:
+        """int64 ``[S, 2]``: each sequence's first row and length."""
+        return np.stack([np.asarray(self.starts, np.int64), np.asarray(self.lengths, np.int64)], axis=1)
 
     def describe(self) -> str:
-        return (f"{self.source}: {len(self.layers)} layers x {self.num_sequences} sequences x "
-                f"{self.num_positions} positions, {self.bytes_per_token} B per token, "
-                f"{self.nbytes / 2**20:.1f} MiB")
+        lo, hi = min(self.lengths), max(self.lengths)
+        span = f"{lo}" if lo == hi else f"{lo}-{hi}"
+        return (f"{self.source}: {len(self.layers)} layers x {self.num_sequences} sequences of {span} positions "
+                f"({self.num_rows} rows), {self.bytes_per_token} B per token, {self.nbytes / 2**20:.1f} MiB")
 
-    def check_layer(self, name: str, dtype: torch.dtype, row: int, value_dtype: torch.dtype | None = None,
-                    parts: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
-        """The layer's rows, after checking they fit a cache of ``dtype`` whose
-        layer row has ``row`` elements in ``parts`` (element shapes of its
-        tensors) and whose bytes encode ``value_dtype``; BankError naming what
-        differs.  A bank without recorded parts is not checked for them."""
+    def rows_for(self, name: str, dtype: torch.dtype, fmt: RowFormat,
+                 value_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The layer's rows in the element order of a cache of ``dtype`` whose
+        row is described by ``fmt`` and whose bytes encode ``value_dtype``,
+        after checking they fit; BankError naming what differs."""
+        rows, order = self.check_rows(name, dtype, fmt, value_dtype)
+        return rows if order is None else order.to_cache(rows)
+
+    def check_rows(self, name: str, dtype: torch.dtype, fmt: RowFormat,
+                   value_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, RowFormat | None]:
+        """``rows_for`` without the permutation: the stored rows and the
+        format that puts them in the cache's order (None: already in it)."""
         t = self.layers.get(name)
         if t is None:
             some = sorted(self.layers)[:3]
@@ -202,42 +297,31 @@ class Bank:
         if t.dtype != dtype:
             raise BankError(f"{self.source}: layer {name!r} was recorded as {t.dtype}, the cache holds {dtype}; "
                             f"record the bank with the same dtype and kv_cache_dtype")
-        if t.shape[2] != row:
-            raise BankError(f"{self.source}: layer {name!r} rows have {t.shape[2]} elements, the cache's have {row} "
-                            f"(another model or head layout?)")
         recorded = self.value_dtypes.get(name)
         if value_dtype is not None and recorded and recorded != dtype_name(value_dtype):
             raise BankError(f"{self.source}: layer {name!r} holds {recorded} values, the cache encodes "
                             f"{dtype_name(value_dtype)}; record the bank with the same kv_cache_dtype")
+        cache_parts = [list(p) for p in fmt.parts]
+        row = sum(int(np.prod(p)) for p in fmt.parts)
+        kv = self.kv.get(name)
+        if kv is not None:
+            if fmt.kv is None:
+                raise BankError(f"{self.source}: layer {name!r} holds K/V rows of {list(kv)} (heads, head_size, "
+                                f"head_size_v); the cache's element dims {cache_parts} are no known K/V view "
+                                f"(give the engine the layer's geometry: CacheGroup(kv=...))")
+            if tuple(fmt.kv) != kv:
+                raise BankError(f"{self.source}: layer {name!r} was recorded with {list(kv)} (heads, head_size, "
+                                f"head_size_v), the cache holds {list(fmt.kv)}: another model or head layout")
+            return t, (fmt if fmt.order is not None else None)
+        if t.shape[1] != row:
+            raise BankError(f"{self.source}: layer {name!r} rows have {t.shape[1]} elements, the cache's have {row} "
+                            f"(another model or head layout?)")
         recorded_parts = self.parts.get(name)
-        if parts is not None and recorded_parts and recorded_parts != [list(p) for p in parts]:
-            raise BankError(f"{self.source}: layer {name!r} rows were recorded from caches with element dims "
-                            f"{recorded_parts}, these caches have {[list(p) for p in parts]}: another "
-                            f"logical view, so possibly another element order (e.g. K and V per head vs per "
-                            f"layer); record the bank on this platform and attention backend")
-        return t
-
-    def count_nonfinite(self) -> dict[str, int]:
-        """Layer -> how many of its recorded values are NaN or infinite
-        (decoded through the layer's value dtype; layers of raw bits are not
-        counted).  A bank holding them replays them silently otherwise."""
-        out = {}
-        for name, t in self.layers.items():
-            vdtype = self.value_dtypes.get(name) or dtype_name(t.dtype)
-            target = getattr(torch, vdtype, None)
-            if not isinstance(target, torch.dtype) or not target.is_floating_point:
-                continue
-            flat = t.reshape(-1)
-            if t.dtype != target:
-                if t.element_size() != torch.empty((), dtype=target, device="cpu").element_size():
-                    continue
-                flat = flat.view(target)
-            bad = 0
-            for a in range(0, flat.numel(), 1 << 24):  # bounded temporaries
-                bad += int((~torch.isfinite(flat[a:a + (1 << 24)].float())).sum())
-            if bad:
-                out[name] = bad
-        return out
+        if recorded_parts and recorded_parts != cache_parts:
+            raise BankError(f"{self.source}: layer {name!r} rows were recorded in the element order of caches with "
+                            f"element dims {recorded_parts} (no known K/V view), these caches have {cache_parts}; "
+                            f"record the bank on this platform and attention backend")
+        return t, None
 
     # ------------------------------------------------------------ files
     def save(self, path: str | os.PathLike) -> None:

@@ -14,8 +14,8 @@ from typing import Mapping
 import torch
 
 BANK_FORMAT = "kvfill-bank"
-BANK_VERSION = "2"
-_RESERVED_META = ("format", "version", "num_sequences", "num_positions", "sequence_tokens", "layers")
+BANK_VERSION = "3"
+_RESERVED_META = ("format", "version", "num_sequences", "sequence_lengths", "sequence_tokens", "layers")
 
 
 class BankError(ValueError):
@@ -26,17 +26,21 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def read_index(path: str) -> tuple[int, int, list]:
-    """``(num_sequences, num_positions, sequence_tokens)`` of a bank file,
+def read_index(path: str) -> tuple[int, list[int], list]:
+    """``(num_sequences, sequence_lengths, sequence_tokens)`` of a bank file,
     from its metadata, checked against the file's tensors (header only)."""
     return _index_of(_read_metadata(path), path)
 
 
-def _index_of(meta: Mapping[str, str], path: str) -> tuple[int, int, list]:
+def _index_of(meta: Mapping[str, str], path: str) -> tuple[int, list[int], list]:
     num_sequences = _meta_int(meta, "num_sequences", path)
-    num_positions = _meta_int(meta, "num_positions", path)
-    _check_shapes(path, num_sequences, num_positions)
-    return num_sequences, num_positions, _meta_tokens(meta, path, num_sequences, num_positions)
+    what = f"a list of {num_sequences} ints >= 1 (each sequence's positions)"
+    lengths = _meta_json(meta, "sequence_lengths", path, list, what)
+    if len(lengths) != num_sequences or any(isinstance(n, bool) or not isinstance(n, int) or n < 1
+                                            for n in lengths):
+        raise BankError(f"{path}: metadata 'sequence_lengths' is {_short(lengths)}; expected {what}")
+    _check_shapes(path, sum(lengths))
+    return num_sequences, lengths, _meta_tokens(meta, path, lengths)
 
 
 def load(path: str) -> dict:
@@ -46,22 +50,28 @@ def load(path: str) -> dict:
     from safetensors import safe_open
 
     meta = _read_metadata(path)
-    _, _, tokens = _index_of(meta, path)
+    _, lengths, tokens = _index_of(meta, path)
     size, free = os.path.getsize(path), free_bytes(torch.device("cpu"))
     if free is not None and size > free:
         raise BankError(f"{path}: {size / 2**30:.2f} GiB does not fit the host's {free / 2**30:.2f} GiB "
                         f"available memory")
+    info = _meta_json(meta, "layers", path, dict, "an object: layer -> {dtype, row, value_dtype, kv, parts}")
+    for name, v in info.items():
+        kv = v.get("kv") if isinstance(v, dict) else None
+        if not isinstance(v, dict) or not isinstance(v.get("parts", []), list) or not (
+                kv is None or (isinstance(kv, list) and len(kv) == 3
+                               and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in kv))):
+            raise BankError(f"{path}: metadata 'layers'[{name!r}] is {_short(v)}; expected an object with "
+                            f"'dtype', 'row', 'value_dtype', 'kv' (null or [heads, head_size, head_size_v]) "
+                            f"and a 'parts' list")
     with safe_open(path, framework="pt", device="cpu") as f:
         layers = {n: f.get_tensor(n).clone() for n in f.keys()}
-    info = _meta_json(meta, "layers", path, dict, "an object: layer -> {dtype, row, value_dtype, parts}")
-    for name, v in info.items():
-        if not isinstance(v, dict) or not isinstance(v.get("parts", []), list):
-            raise BankError(f"{path}: metadata 'layers'[{name!r}] is {v!r}; expected an object with "
-                            f"'dtype', 'row', 'value_dtype' and a 'parts' list")
     return dict(
         layers=layers,
+        sequence_lengths=lengths,
         sequence_tokens=tokens,
         value_dtypes={n: str(v.get("value_dtype", "")) for n, v in info.items()},
+        kv={n: v["kv"] for n, v in info.items() if v.get("kv")},
         parts={n: v["parts"] for n, v in info.items() if v.get("parts")},
         metadata={k: v for k, v in meta.items() if k not in _RESERVED_META},
         source=path,
@@ -79,11 +89,11 @@ def save(bank, path: str) -> None:
         format=BANK_FORMAT,
         version=BANK_VERSION,
         num_sequences=str(bank.num_sequences),
-        num_positions=str(bank.num_positions),
+        sequence_lengths=json.dumps(list(bank.lengths)),
         sequence_tokens=json.dumps([list(t) for t in bank.sequence_tokens]),
         layers=json.dumps({
-            n: {"dtype": dtype_name(t.dtype), "row": t.shape[2],
-                "value_dtype": bank.value_dtypes.get(n, ""), "parts": bank.parts.get(n, [])}
+            n: {"dtype": dtype_name(t.dtype), "row": t.shape[1], "value_dtype": bank.value_dtypes.get(n, ""),
+                "kv": list(bank.kv[n]) if n in bank.kv else None, "parts": bank.parts.get(n, [])}
             for n, t in bank.layers.items()
         }),
     )
@@ -120,8 +130,9 @@ def _read_metadata(path: str) -> dict[str, str]:
         raise BankError(f"{path}: not a kvfill bank (metadata format {meta.get('format')!r}, "
                         f"expected {BANK_FORMAT!r})")
     if meta.get("version") != BANK_VERSION:
-        raise BankError(f"{path}: bank version {meta.get('version')!r}; this kvfill reads version {BANK_VERSION!r}"
-                        f" - record the bank again with `python -m kvfill.record`")
+        raise BankError(f"{path}: bank version {meta.get('version')!r}; this kvfill reads version {BANK_VERSION!r} "
+                        f"(ragged sequences, rows in the canonical K/V order) - record the bank again with "
+                        f"`python -m kvfill.record` (the prompts file and model it was recorded from)")
     return meta
 
 
@@ -149,18 +160,24 @@ def _meta_json(meta: Mapping[str, str], key: str, path: str, kind: type, expecte
     return value
 
 
-def _meta_tokens(meta: Mapping[str, str], path: str, num_sequences: int, num_positions: int) -> list:
-    what = f"[] or {num_sequences} lists of {num_positions} token ids"
+def _short(value, limit: int = 120) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _meta_tokens(meta: Mapping[str, str], path: str, lengths: list[int]) -> list:
+    what = f"[] or {len(lengths)} lists of token ids, one per sequence, as long as 'sequence_lengths' says"
     tokens = _meta_json(meta, "sequence_tokens", path, list, what)
-    if tokens and (len(tokens) != num_sequences
-                   or any(not isinstance(t, list) or len(t) != num_positions for t in tokens)
+    if tokens and (len(tokens) != len(lengths)
+                   or any(not isinstance(t, list) or len(t) != n for t, n in zip(tokens, lengths))
                    or any(isinstance(x, bool) or not isinstance(x, int) for t in tokens for x in t)):
-        raise BankError(f"{path}: metadata 'sequence_tokens' holds {len(tokens)} entries; expected {what}")
+        raise BankError(f"{path}: metadata 'sequence_tokens' holds {len(tokens)} entries of lengths "
+                        f"{[len(t) if isinstance(t, list) else None for t in tokens][:8]}; expected {what}")
     return tokens
 
 
-def _check_shapes(path: str, num_sequences: int, num_positions: int) -> None:
-    """Every tensor of the file is ``[num_sequences, num_positions, row]`` (read from the header)."""
+def _check_shapes(path: str, num_rows: int) -> None:
+    """Every tensor of the file is ``[num_rows, row]`` (read from the header)."""
     from safetensors import safe_open
 
     with safe_open(path, framework="pt", device="cpu") as f:
@@ -169,10 +186,9 @@ def _check_shapes(path: str, num_sequences: int, num_positions: int) -> None:
             raise BankError(f"{path}: holds no layers")
         for name in names:
             shape = list(f.get_slice(name).get_shape())
-            if len(shape) != 3 or shape[:2] != [num_sequences, num_positions]:
-                raise BankError(f"{path}: layer {name!r} has shape {shape}, but the metadata says "
-                                f"num_sequences={num_sequences}, num_positions={num_positions} "
-                                f"(expected [{num_sequences}, {num_positions}, row])")
+            if len(shape) != 2 or shape[0] != num_rows or shape[1] < 1:
+                raise BankError(f"{path}: layer {name!r} has shape {shape}, but the metadata's sequence_lengths "
+                                f"sum to {num_rows} rows (expected [{num_rows}, row])")
 
 
 def free_bytes(device: torch.device) -> int | None:

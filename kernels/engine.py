@@ -22,6 +22,7 @@ from . import values as V
 from .backend import BACKENDS, FillBackend
 from .bank import Bank
 from .capture import pin, stream_capturing
+from .kv_rows import RowFormat
 from .plan import FillPlan, GroupFill
 from .registry import CacheGroup, RegisteredGroup, Registry
 from .torch_fill import TorchBackend
@@ -221,9 +222,10 @@ class FillEngine:
         Synchronises with the device."""
         return read_plan(self._registry, self._checked(plan))
 
-    def row_parts(self) -> dict[str, list[list[int]]]:
-        """Layer -> the element shape of each of its registered tensors (a bank's ``parts``)."""
-        return self._registry.row_parts()
+    def row_formats(self) -> dict[str, RowFormat]:
+        """Layer -> its row's element dims (a bank's ``parts``) and relation to
+        a bank's canonical row (``kv_rows.RowFormat``)."""
+        return self._registry.row_formats()
 
     def value_dtypes(self) -> dict[str, torch.dtype]:
         """Layer -> the float dtype its bytes encode (layers that hold values)."""

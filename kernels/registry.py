@@ -10,10 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Mapping, Sequence
 
+import numpy as np
 import torch
 
 from . import values as V
 from .bank import Bank, BankError, free_bytes
+from .kv_rows import RowFormat
 from .dcp import NO_DCP, DcpGeometry
 from .layout import Layout, default_slot_dim, layout_of
 
@@ -60,6 +62,10 @@ class CacheGroup:
         else constant) or ``zero`` (circular buffers, int metadata, recurrent
         state under replay).
     dcp: this group's DCP geometry on this rank.
+    kv: layer name -> ``(num_kv_heads, head_size, head_size_v)`` of its K/V
+        (or one tuple for every layer): how a bank's canonical rows map onto
+        the cache's element order (``kv_rows.py``).  None: inferred from the
+        cache's view where it names them (K and V tensors, ``[2, H, D]``, MLA).
     """
 
     layers: Mapping[str, torch.Tensor | Sequence[torch.Tensor]]
@@ -69,6 +75,7 @@ class CacheGroup:
     encoding: str | Mapping[str, str] = V.ENC_AUTO
     mode: str | None = None
     dcp: DcpGeometry = NO_DCP
+    kv: Mapping[str, tuple[int, int, int]] | tuple[int, int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -94,7 +101,7 @@ class LayerTensor:
     mode: str
     key: int                  # the layer's 32-bit key of the value function
     elem_offset: int          # element index of this tensor's row 0 within the layer's row
-    bank: torch.Tensor | None = None  # replay: the layer's bank rows [S, N, layer row] as bits, on the device
+    bank: torch.Tensor | None = None  # replay: the layer's bank rows [T, layer row] as bits, on the device
     elem_dims: tuple[int, ...] = ()  # the logical element dims (size > 1, not merged): what its row order means
 
 
@@ -108,6 +115,7 @@ class LaunchClass:
     vdtype: torch.dtype | None
     mode: str
     bank_row: int = 0         # replay: elements per bank row of its layers (0 otherwise)
+    sequences: np.ndarray | None = None  # replay: the bank's int64 [S, 2] (first row, length)
     tensors: list[LayerTensor] = field(default_factory=list)
     table: torch.Tensor | None = None  # value bits on the device (values.value_table); None: replay
 
@@ -121,6 +129,10 @@ class Registry:
         # The mode of a tensor whose group names none.
         self.default_mode = V.REPLAY if bank is not None else values.mode
         self.num_sequences = bank.num_sequences if bank is not None else 1
+        # replay: int64 [S, 2] per sequence (first row, length) on the caches' device
+        self.bank_sequences: torch.Tensor | None = None
+        self.bank_table: np.ndarray | None = None
+        self.kv: dict[str, tuple[int, int, int] | None] = {}  # layer -> the geometry its group gave
         self.groups: dict[str, RegisteredGroup] = {}
         self.tensors: list[LayerTensor] = []
         next_id = 0
@@ -142,6 +154,8 @@ class Registry:
             # The rows live on in each tensor's device copy; the host bank (a
             # second copy when the caches are on a GPU) is not kept.
             self.tensors = self._with_bank_rows(bank)
+            self.bank_table = bank.sequence_table()
+            self.bank_sequences = torch.from_numpy(self.bank_table).to(self.device)
         self.classes = self._launch_classes()
 
     def _register_layers(self, gname, g: CacheGroup, layer_ids, next_id) -> tuple[list[LayerTensor], int]:
@@ -151,6 +165,7 @@ class Registry:
             if lname in seen:
                 raise ValueError(f"layer {lname!r} is registered in more than one group")
             seen.add(lname)
+            self.kv[lname] = g.kv.get(lname) if isinstance(g.kv, Mapping) else g.kv
             lid = layer_ids.get(lname, next_id)
             next_id = max(next_id, lid + 1)
             enc = g.encoding.get(lname, V.ENC_AUTO) if isinstance(g.encoding, Mapping) else g.encoding
@@ -175,26 +190,32 @@ class Registry:
     def _with_bank_rows(self, bank: Bank) -> list[LayerTensor]:
         """Every replaying tensor given its layer's bank rows on the device,
         after checking the bank matches (layers, row sizes, dtypes) and fits."""
-        row = {}  # layer -> its row: the rows of its tensors one after another
-        for t in self.tensors:
-            row[t.layer] = max(row.get(t.layer, 0), t.elem_offset + t.layout.row_size)
-        parts = self.row_parts()
-        need = {}
+        formats = self.row_formats()
+        need = {}  # layer -> (its stored rows, the format that orders them for its caches, or None)
         for t in self.tensors:
             if t.mode == V.REPLAY and t.layer not in need:
-                need[t.layer] = bank.check_layer(t.layer, t.tensor.dtype, row[t.layer], t.vdtype, parts[t.layer])
-        upload = sum(r.numel() * r.element_size() for r in need.values() if r.device != self.device)
-        free = free_bytes(self.device) if upload else None
-        if free is not None and upload > free:
+                need[t.layer] = bank.check_rows(t.layer, t.tensor.dtype, formats[t.layer], t.vdtype)
+        # What is uploaded (a host bank for GPU caches); rows already there are used in place.
+        nbytes = sum(r.numel() * r.element_size() for r, _ in need.values() if r.device != self.device)
+        free = free_bytes(self.device) if nbytes else None
+        if free is not None and nbytes > free:
             raise BankError(
-                f"{bank.source}: the {len(need)} replayed layers' rows need {_size(upload)} on "
+                f"{bank.source}: the {len(need)} replayed layers' rows need {_size(nbytes)} on "
                 f"{self.device}, {_size(free)} are free (on a GPU: lower gpu_memory_utilization, or "
                 f"record fewer sequences or positions)"
             )
-        on_device = {
-            name: r.to(self.device).contiguous().view(V.BITS_DTYPE[r.element_size()]) for name, r in need.items()
-        }
+        on_device = {}  # one layer at a time: a permuted copy lives only until its upload
+        for name, (r, fmt) in need.items():
+            staged = fmt.to_cache(r) if fmt is not None else r
+            on_device[name] = staged.to(self.device).contiguous().view(V.BITS_DTYPE[r.element_size()])
         return [replace(t, bank=on_device[t.layer]) if t.mode == V.REPLAY else t for t in self.tensors]
+
+    def row_formats(self) -> dict[str, RowFormat]:
+        """Layer -> how its cache row relates to a bank's (``kv_rows.py``):
+        its parts, its K/V geometry (given or inferred) and the permutation
+        from the canonical order; ValueError for a geometry the view denies."""
+        return {name: RowFormat.of(parts, self.kv.get(name), where=f"layer {name!r}")
+                for name, parts in self.row_parts().items()}
 
     def row_parts(self) -> dict[str, list[list[int]]]:
         """Layer -> the logical element dims of each of its tensors, in row
@@ -225,10 +246,11 @@ class Registry:
     def _launch_classes(self) -> tuple[LaunchClass, ...]:
         classes: dict[tuple, LaunchClass] = {}
         for t in self.tensors:
-            bank_row = t.bank.shape[2] if t.bank is not None else 0
+            bank_row = t.bank.shape[1] if t.bank is not None else 0
             k = (t.group, t.layout, t.vdtype, t.mode, bank_row)
             if k not in classes:
-                classes[k] = LaunchClass(t.group, t.layout, t.vdtype, t.mode, bank_row)
+                classes[k] = LaunchClass(t.group, t.layout, t.vdtype, t.mode, bank_row,
+                                         self.bank_table if t.mode == V.REPLAY else None)
             classes[k].tensors.append(t)
         # One value table per (mode, dtype, item size), long enough for the
         # widest row that reads it.

@@ -58,14 +58,16 @@ def value_source(c: LaunchClass, t: LayerTensor, rows: SlotRows,
     starts of these rows only (indices into ``rows``, in that order).
 
     normal: the class's value table at the rows' hashed offsets; replay: the
-    layer's bank rows flattened, row ``(sequence, position mod N)``, from the
-    tensor's element offset within the layer's row.
+    layer's bank rows flattened, row ``start_s + position mod N_s`` of the
+    row's sequence ``s`` (``c.sequences``: the bank's first row and length of
+    each sequence), from the tensor's element offset within the layer's row.
     """
     position = rows.position if sel is None else rows.position[sel]
     if c.mode == V.REPLAY:
-        seqs, positions, layer_row = t.bank.shape
+        first, length = c.sequences[:, 0], c.sequences[:, 1]
         sequence = rows.sequence if sel is None else rows.sequence[sel]
-        start = (sequence * positions + position % positions) * layer_row + t.elem_offset
+        n = length[sequence]
+        start = (first[sequence] + position % n) * t.bank.shape[1] + t.elem_offset
         return t.bank.reshape(-1), torch.from_numpy(start).to(t.bank.device)
     if c.mode == V.NORMAL:
         return c.table, torch.from_numpy(V.row_offsets(t.key, position, t.elem_offset)).to(c.table.device)

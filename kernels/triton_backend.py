@@ -39,7 +39,7 @@ class _ClassLaunch:
     ref: torch.Tensor
     layer_align: int
     table: torch.Tensor
-    bank_shape: tuple[int, int, int] = (1, 1, 0)
+    bank_row: int = 0
     bank_align: int = 1
 
 
@@ -93,9 +93,7 @@ class TritonBackend(FillBackend):
                     [t.bank for t in c.tensors], [f"the bank rows of layer {t.layer!r}" for t in c.tensors], itemsize)
                 bank_align = pow2_dividing([bank_align, c.bank_row, *(t.elem_offset for t in c.tensors)],
                                            16 // itemsize)
-                seqs, positions, _ = c.tensors[0].bank.shape
-                self._launches.append(_ClassLaunch(c, cl_rows, ref, align, bank, (seqs, positions, c.bank_row),
-                                                   bank_align))
+                self._launches.append(_ClassLaunch(c, cl_rows, ref, align, bank, c.bank_row, bank_align))
                 rows.extend((o, b, t.elem_offset) for o, b, t in zip(offsets, bank_offsets, c.tensors))
             else:
                 self._launches.append(_ClassLaunch(c, cl_rows, ref, align, c.table))
@@ -108,7 +106,8 @@ class TritonBackend(FillBackend):
     def _launch(self, cl: _ClassLaunch, entries: torch.Tensor) -> None:
         c = cl.cls
         triton_fill.launch_fill(entries, self.layer_table[cl.layer_rows], cl.ref, cl.layer_align, cl.table, c.layout,
-                                c.mode, self.registry.groups[c.group].dcp, cl.bank_shape, cl.bank_align)
+                                c.mode, self.registry.groups[c.group].dcp, cl.bank_row, cl.bank_align,
+                                self.registry.bank_sequences if c.mode == V.REPLAY else None)
 
     def fill(self, plan: Mapping[str, GroupFill]) -> int:
         # One upload of the whole plan: int32 [n, 4] ([n, 5] with replay

@@ -52,13 +52,13 @@ def scatter_fill_kernel(
                      #   rows' offset from table_ptr, elements), element offset in the layer's row
     ref_ptr,         # *bits: the class's reference tensor
     table_ptr,       # *bits  [POOL_SIZE + ROW_ELEMS - 1] (normal), [1] (constant / zero), or
-                     #   replay: the class's lowest-addressed bank rows [S, N, BANK_ROW]
+                     #   replay: the class's lowest-addressed bank rows [T, BANK_ROW]
     dcp_world_size,  # W of this group
     dcp_rank,        # r of this rank
     dcp_interleave,  # I of this group
     num_blocks,      # manager blocks; entries outside [0, num_blocks) write nothing
-    bank_sequences,  # replay: S and N of the bank (1, 1 otherwise)
-    bank_positions,
+    seqs_ptr,        # *int64 [S, 2]: replay: each sequence's first bank row and length
+    bank_sequences,  # replay: S (1 otherwise)
     MODE: tl.constexpr,                    # 0 zero, 1 constant, 2 normal, 3 replay
     ENTRY_COLS: tl.constexpr,              # 4, or 5 with a replay sequence per entry
     LAYER_ALIGN: tl.constexpr,             # every layer offset is a multiple of this (elements)
@@ -103,6 +103,8 @@ def scatter_fill_kernel(
             seq = tl.minimum(tl.maximum(seq, 0), bank_sequences - 1).to(tl.int64)
         else:
             seq = tl.zeros([], dtype=tl.int64)
+        seq_first = tl.load(seqs_ptr + seq * 2)
+        seq_len = tl.load(seqs_ptr + seq * 2 + 1)
     bits_ty = ref_ptr.dtype.element_ty
     dst = ref_ptr + layer_off + block * BLOCK_STRIDE
 
@@ -137,13 +139,13 @@ def scatter_fill_kernel(
                 start = (h // ROW_ALIGN).to(tl.int32) * ROW_ALIGN
                 vals = tl.load(table_ptr + (start[:, None] + e[None, :]), mask=mask)
             elif MODE == 3:
-                # Bank row (sequence, t mod N): contiguous along the row, so the
+                # Bank row (sequence, t mod N_s): contiguous along the row, so the
                 # loads vectorise like the stores.
                 local = local_base + s
                 t = ((local // dcp_interleave) * (dcp_interleave * dcp_world_size)
                      + dcp_rank * dcp_interleave + local % dcp_interleave)
                 # (t % N + N) % N: a device-built entry with a negative base still reads inside the bank
-                row = seq * bank_positions + ((t % bank_positions + bank_positions) % bank_positions).to(tl.int64)
+                row = seq_first + ((t % seq_len + seq_len) % seq_len).to(tl.int64)
                 src = tl.multiple_of(bank_off + row * BANK_ROW, BANK_ALIGN)
                 vals = tl.load(table_ptr + (src[:, None] + e[None, :]), mask=mask)
             elif MODE == 1:
@@ -195,8 +197,9 @@ def launch_fill(
     layout: Layout,
     mode: str,
     dcp: DcpGeometry,
-    bank_shape: tuple[int, int, int] = (1, 1, 0),
+    bank_row: int = 0,
     bank_align: int = 1,
+    sequences: torch.Tensor | None = None,
 ) -> None:
     """One launch: every entry of ``entries`` x every layer row of ``layer_table``.
 
@@ -206,15 +209,18 @@ def launch_fill(
     reference tensor viewed as its bits dtype; ``layer_align``: a power of two
     dividing every offset; ``table``: the value bits (values.value_table) or,
     replaying, the reference bank rows, same dtype as ``ref``;
-    ``bank_shape``: the bank's (S, N, row); ``bank_align``: a power of two
-    dividing every bank offset and the row.
+    ``bank_row``: elements per bank row; ``bank_align``: a power of two
+    dividing every bank offset and the row; ``sequences``: replaying, the
+    bank's int64 ``[S, 2]`` (first row, length) on the device.
     """
     n, num_layers = entries.shape[0], layer_table.shape[0]
     if n == 0 or num_layers == 0:
         return
-    seqs, positions, bank_row = bank_shape
+    num_sequences = sequences.shape[0] if sequences is not None else 1
+    if sequences is None:  # never read outside replay; the kernel still takes a pointer
+        sequences = layer_table
     scatter_fill_kernel[(n, num_layers)](
         entries, layer_table, ref, table,
-        dcp.world_size, dcp.rank, dcp.interleave, layout.num_blocks, seqs, positions,
+        dcp.world_size, dcp.rank, dcp.interleave, layout.num_blocks, sequences, num_sequences,
         **kernel_constexprs(layout, mode, layer_align, entries.shape[1], bank_row, bank_align),
     )

@@ -1,16 +1,19 @@
 """kvfill.record: record real KV once, for replay fills.
 
-    python -m kvfill.record --model MODEL --prompts FILE --out BANK [--positions N] [--budget-gib G]
+    python -m kvfill.record --model MODEL --prompts FILE --out BANK [--positions CAP] [--budget-gib G]
     kvfill-record ...                        (the same, installed as a console script)
 
 Runs vLLM's engine with real prefill over the prompts (FILE: UTF-8 text, one
-prompt per line) with ``KVFillConnector`` in its record role: after the forward that
-completes a prompt's position ``N - 1``, the worker reads every attention
-layer's rows ``[0, N)`` from the request's own blocks (``wait_for_save``) and
-saves them.  The rows are assembled into one bank file (``kvfill.kernels.bank``:
-safetensors, per layer ``[prompts, N, row]`` in the cache's storage dtype,
-layout-independent element order, provenance in the metadata).  Replay it with
-``kv_connector_extra_config: {"fill_mode": "replay", "bank": BANK}``.
+prompt per line) with ``KVFillConnector`` in its record role: after the
+forward that completes a prompt, the worker reads every attention layer's
+rows of its positions from the request's own blocks (``wait_for_save``) and
+saves them.  Every prompt is recorded whole (``--positions`` caps the length),
+so each replays exactly as recorded whatever its length.  The rows are
+assembled into one bank file (``kvfill.kernels.bank``: safetensors, per layer
+the sequences' rows one after another (a ragged bank) in the cache's storage
+dtype and the canonical K/V order of every layout, provenance in the
+metadata).  Replay it with ``kv_connector_extra_config: {"fill_mode": "replay",
+"bank": BANK}``.
 
 Every input (``--out``'s folder, the prompts file, the budget, the prompts'
 lengths against ``--positions`` and ``--max-model-len``) is checked before
@@ -19,8 +22,8 @@ are recorded into a work folder beside ``--out`` (``kvfill-record-*``),
 removed at the end, on an error, on Ctrl-C and on SIGTERM; only when the bank
 cannot be written at the end is it kept, and the error says where.
 
-The size is estimated from the model's config before vLLM starts (prompts x N x
-layers x row bytes) and checked against ``--budget-gib``; the bank actually
+The size is estimated from the model's config before vLLM starts (positions
+recorded in all x layers x row bytes) and checked against ``--budget-gib``; the bank actually
 written is checked again.  Record with tensor and decode-context parallel size
 1 (whole layers on one worker); the bank then replays under any DCP size.
 """
@@ -78,17 +81,17 @@ def record(
     line_numbers = [no for no, _ in lines]
     tok = AutoTokenizer.from_pretrained(tokenizer or model)
     ids = [list(tok(p).input_ids) for _, p in lines]
-    n = choose_positions(ids, positions, line_numbers)
+    lengths = choose_positions(ids, positions)
     check_prompt_lengths(ids, line_numbers, max_model_len)
     unique, seen = [], set()
-    for t in ids:
+    for t, n in zip(ids, lengths):
         key = sequence_key(t[:n])
         if key not in seen:
             seen.add(key)
-            unique.append(t)
+            unique.append(t[:n])
     if len(unique) < len(ids):
-        log(f"{len(ids) - len(unique)} prompt(s) repeat an earlier prompt's first {n} tokens: recorded once")
-    est = estimate(model, len(unique), n, dtype, kv_cache_dtype)
+        log(f"{len(ids) - len(unique)} prompt(s) repeat an earlier prompt's recorded tokens: recorded once")
+    est = estimate(model, len(unique), sum(len(t) for t in unique), dtype, kv_cache_dtype)
     log(f"bank estimate: {est}")
     budget = None if budget_gib is None else int(budget_gib * 2**30)
     if budget is not None and est.nbytes > budget:
@@ -98,7 +101,7 @@ def record(
         prompts_sha = hashlib.sha256(f.read()).hexdigest()
 
     with _sigterm_exits(), _work_dir(out) as work:
-        engine = _run_vllm(model, unique, n, work, dtype, kv_cache_dtype, block_size, max_model_len,
+        engine = _run_vllm(model, unique, work, dtype, kv_cache_dtype, block_size, max_model_len,
                            llm_kwargs or {}, tokenizer or model)
         meta = {
             "model": model,
@@ -109,7 +112,7 @@ def record(
             "tokenizer": tokenizer or model,
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         }
-        bank = _assemble(work, unique, n, meta, out)
+        bank = _assemble(work, unique, meta, out)
         if budget is not None and bank.nbytes > budget:
             raise RecordError(f"the recorded bank takes {bank.nbytes / 2**30:.3f} GiB, over --budget-gib "
                               f"{budget_gib}; nothing written")
@@ -160,34 +163,35 @@ def _work_dir(out: str):
             shutil.rmtree(work, ignore_errors=True)
 
 
-def _rows_path(work: str, token_ids: Sequence[int], n: int) -> str:
-    """Where the worker saves a prompt's rows (``KVFillWorker.record``)."""
-    return os.path.join(work, f"{sequence_key(token_ids[:n])}.safetensors")
+def _rows_path(work: str, token_ids: Sequence[int]) -> str:
+    """Where the worker saves a prompt's rows (``connector/recorder.py``)."""
+    return os.path.join(work, f"{sequence_key(token_ids)}.safetensors")
 
 
-def _assemble(work: str, unique: list, n: int, meta: dict, out: str) -> Bank:
-    """The bank of the rows recorded in ``work``, one file per prompt."""
+def _assemble(work: str, unique: list, meta: dict, out: str) -> Bank:
+    """The bank of the rows recorded in ``work``, one file per prompt (its
+    recorded tokens), the sequences one after another."""
     from safetensors import safe_open
 
     layers: dict[str, list[torch.Tensor]] = {}
     value_dtypes: dict[str, str] = {}
-    parts: dict[str, list] = {}
+    info: dict[str, dict] = {}
     for t in unique:
-        path = _rows_path(work, t, n)
+        path = _rows_path(work, t)
         if not os.path.isfile(path):
             raise RuntimeError(f"vLLM ran, but no rows were recorded for a prompt of {len(t)} tokens ({path})")
         with safe_open(path, framework="pt") as f:
             value_dtypes = json.loads(f.metadata()["value_dtypes"])
-            parts = json.loads(f.metadata().get("parts", "{}"))
+            info = json.loads(f.metadata()["layers"])
             for name in f.keys():
                 layers.setdefault(name, []).append(f.get_tensor(name))
     first = next(iter(layers.values()))[0]
     meta = {**meta, "dtype": str(first.dtype).removeprefix("torch.")}
-    bank = Bank({name: torch.stack(rows) for name, rows in layers.items()},
-                sequence_tokens=[t[:n] for t in unique],
+    return Bank({name: torch.cat(rows) for name, rows in layers.items()},
+                sequence_lengths=[len(t) for t in unique], sequence_tokens=unique,
                 value_dtypes={k: v for k, v in value_dtypes.items() if k in layers},
-                parts={k: v for k, v in parts.items() if k in layers}, metadata=meta, source=out)
-    return bank
+                kv={k: v["kv"] for k, v in info.items() if k in layers and v.get("kv")},
+                parts={k: v["parts"] for k, v in info.items() if k in layers}, metadata=meta, source=out)
 
 
 def _write(bank: Bank, out: str, work: str) -> None:
@@ -207,9 +211,10 @@ def _write(bank: Bank, out: str, work: str) -> None:
                            f"{staged!r}: move it into place") from exc
 
 
-def _run_vllm(model, token_ids, n, record_dir, dtype, kv_cache_dtype, block_size, max_model_len, llm_kwargs,
+def _run_vllm(model, token_ids, record_dir, dtype, kv_cache_dtype, block_size, max_model_len, llm_kwargs,
               tokenizer=None) -> dict[str, str]:
-    """Real prefill of every prompt (one output token) with the record role on;
+    """Real prefill of every prompt (its recorded tokens, one output token)
+    with the record role on, each prompt's positions recorded whole;
     returns the run's provenance: the vLLM version, and the max_model_len and
     cache block size vLLM ran with (its own values when not given).
 
@@ -244,7 +249,7 @@ def _run_vllm(model, token_ids, n, record_dir, dtype, kv_cache_dtype, block_size
         kv_transfer_config={
             "kv_connector": "KVFillConnector",
             "kv_role": "kv_both",
-            "kv_connector_extra_config": {"record_dir": record_dir, "record_positions": n},
+            "kv_connector_extra_config": {"record_dir": record_dir},
         },
     )
     if block_size:

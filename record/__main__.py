@@ -11,10 +11,12 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="kvfill-record", description="Record real KV rows of prompts into a bank "
                                 "for kvfill's replay fill (fill_mode 'replay').")
     p.add_argument("--model", required=True, help="model folder or name vLLM loads")
-    p.add_argument("--prompts", required=True, help="UTF-8 text file, one prompt per line (blank lines skipped)")
+    p.add_argument("--prompts", required=True, help="UTF-8 text file, one prompt per line (blank lines skipped), or a .jsonl file of "
+                        "{\"prompt\": ...} objects (vLLM's custom dataset format; prompts with line breaks)")
     p.add_argument("--out", required=True, help="bank file to write (.safetensors), in an existing writable folder")
     p.add_argument("--positions", type=int, default=None,
-                   help="positions N recorded per prompt (default: the shortest prompt's token count)")
+                   help="the most positions recorded per prompt (default: every prompt whole, each its own "
+                        "length)")
     p.add_argument("--budget-gib", type=float, default=None, help="refuse a bank larger than this (GiB > 0)")
     p.add_argument("--dtype", default="auto", help="vLLM's --dtype")
     p.add_argument("--kv-cache-dtype", default="auto", help="vLLM's --kv-cache-dtype (the bank's storage dtype)")

@@ -1,5 +1,6 @@
 """The recorder's inputs, checked before vLLM starts: ``--out``'s folder, the
-prompts file (UTF-8, one prompt per line, named by line), the budget and the
+prompts file (UTF-8, one prompt per line, or JSONL ``{"prompt": ...}`` per
+line; named by line), the budget and the
 size estimate from the model's config, the prompts' lengths against
 ``--positions`` and ``--max-model-len``.  A ``RecordError`` names the value
 and what was expected; nothing is written.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import json
 import math
 import os
 from typing import Sequence
@@ -19,17 +21,17 @@ class RecordError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class Estimate:
     sequences: int
-    positions: int
+    positions: int        # recorded in all: the sum of the sequences' lengths (a ragged bank stores no more)
     bytes_per_token: int  # layers x row bytes
     layers: int
 
     @property
     def nbytes(self) -> int:
-        return self.sequences * self.positions * self.bytes_per_token
+        return self.positions * self.bytes_per_token
 
     def __str__(self) -> str:
-        return (f"{self.sequences} sequences x {self.positions} positions x {self.bytes_per_token} B per token "
-                f"({self.layers} attention layers) = {self.nbytes / 2**20:.1f} MiB")
+        return (f"{self.sequences} sequences, {self.positions} positions in all x {self.bytes_per_token} B per "
+                f"token ({self.layers} attention layers) = {self.nbytes / 2**20:.1f} MiB")
 
 
 _KV_DTYPE_BYTES = {"fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "fp8_inc": 1, "fp8_ds_mla": 1}
@@ -45,8 +47,9 @@ _UNBANKED_LAYER_TYPES = frozenset({"linear_attention", "mamba", "conv", "moe", "
 
 def estimate(model: str, sequences: int, positions: int, dtype: str = "auto", kv_cache_dtype: str = "auto"
              ) -> Estimate:
-    """Bank size from the model's config.json: attention layers x K+V row bytes
-    (MLA: the latent + rope row).  An estimate: the bank written is checked too."""
+    """Bank size from the model's config.json: ``positions`` (recorded in
+    all) x attention layers x K+V row bytes (MLA: the latent + rope row).  An
+    estimate: the bank written is checked too."""
     from transformers import AutoConfig
 
     cfg = AutoConfig.from_pretrained(model)
@@ -138,7 +141,25 @@ def read_prompt_lines(path: str) -> list[tuple[int, str]]:
     prompts = [(no, line.rstrip("\n")) for no, line in enumerate(lines, 1) if line.strip()]
     if not prompts:
         raise RecordError(f"--prompts {path!r} holds no prompt; expected one prompt per line")
+    if path.endswith(".jsonl"):
+        return [(no, _json_prompt(path, no, line)) for no, line in prompts]
     return prompts
+
+
+def _json_prompt(path: str, no: int, line: str) -> str:
+    """The ``prompt`` of one JSONL line (vLLM's custom benchmark dataset
+    format: ``{"prompt": "..."}``, other keys ignored): a prompt with line
+    breaks, e.g. a chat template's, the way a text file cannot hold one."""
+    try:
+        item = json.loads(line)
+    except ValueError as exc:
+        raise RecordError(f"--prompts {path!r} line {no} is not JSON ({exc}); expected one object "
+                          f'{{"prompt": "..."}} per line') from None
+    prompt = item.get("prompt") if isinstance(item, dict) else None
+    if not isinstance(prompt, str) or not prompt:
+        raise RecordError(f"--prompts {path!r} line {no}: expected an object with a non-empty string \"prompt\", "
+                          f"got {line[:80]!r}")
+    return prompt
 
 
 def read_prompts(path: str) -> list[str]:
@@ -146,22 +167,13 @@ def read_prompts(path: str) -> list[str]:
     return [prompt for _, prompt in read_prompt_lines(path)]
 
 
-def choose_positions(token_ids: Sequence[Sequence[int]], positions: int | None,
-                     line_numbers: Sequence[int] | None = None) -> int:
-    """N: the given positions (every prompt must have that many tokens) or the
-    shortest prompt's length.  ``line_numbers``: each prompt's line in the file
-    (default 1, 2, ...), named in the error."""
-    lengths = [len(t) for t in token_ids]
-    lines = list(line_numbers or range(1, len(lengths) + 1))
-    if positions is None:
-        return min(lengths)
-    if positions < 1:
-        raise RecordError(f"--positions {positions} is invalid; expected an int >= 1")
-    short = [i for i, n in enumerate(lengths) if n < positions][:5]
-    if short:
-        raise RecordError(f"--positions {positions}: prompt line(s) {[lines[i] for i in short]} have fewer tokens "
-                          f"({[lengths[i] for i in short]}); expected every prompt to have >= {positions}")
-    return positions
+def choose_positions(token_ids: Sequence[Sequence[int]], positions: int | None) -> list[int]:
+    """Each prompt's recorded length: the whole prompt, or at most
+    ``positions`` tokens of it (``--positions``, an int >= 1)."""
+    if positions is not None and (isinstance(positions, bool) or not isinstance(positions, int) or positions < 1):
+        raise RecordError(f"--positions {positions!r} is invalid; expected an int >= 1 (the most positions recorded "
+                          f"per prompt)")
+    return [len(t) if positions is None else min(len(t), positions) for t in token_ids]
 
 
 def check_prompt_lengths(token_ids: Sequence[Sequence[int]], line_numbers: Sequence[int],

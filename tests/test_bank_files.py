@@ -14,41 +14,66 @@ from safetensors.torch import save_file  # noqa: E402
 from kvfill.kernels import Bank, BankError, BankIndex  # noqa: E402
 from kvfill.kernels.bank import BANK_VERSION  # noqa: E402
 
-S, N, ROW = 2, 6, 8
+S, ROW = 2, 8
+LENGTHS = [4, 7]  # a ragged bank: T = 11 rows
+T = sum(LENGTHS)
+TOKENS = [list(range(10, 14)), list(range(20, 27))]
 
 
 def good_bank(tmp_path, name="bank.safetensors"):
     g = torch.Generator(device="cpu").manual_seed(1)
-    rows = {"l0": torch.randn(S, N, ROW, generator=g, device="cpu"),
-            "l1": torch.randn(S, N, ROW, generator=g, device="cpu")}
+    rows = {"l0": torch.randn(T, ROW, generator=g, device="cpu"),
+            "l1": torch.randn(T, ROW, generator=g, device="cpu")}
     path = tmp_path / name
-    Bank(rows, sequence_tokens=[list(range(i, i + N)) for i in range(S)],
-         value_dtypes={"l0": "float32", "l1": "float32"}, metadata={"model": "m"}).save(path)
+    Bank(rows, sequence_lengths=LENGTHS, sequence_tokens=TOKENS, value_dtypes={"l0": "float32", "l1": "float32"},
+         kv={"l0": (2, 2, 2)}, metadata={"model": "m"}).save(path)
     return path, rows
 
 
-def rewrite_metadata(path, **changes):
-    """The same tensors with some metadata keys changed (None: removed)."""
+def rewrite(path, tensors=None, **changes):
+    """The same file with some metadata keys changed (None: removed) and
+    some tensors replaced (``tensors``: name -> tensor)."""
     with safe_open(str(path), framework="pt", device="cpu") as f:
         meta = dict(f.metadata())
-        tensors = {n: f.get_tensor(n) for n in f.keys()}
+        old = {n: f.get_tensor(n) for n in f.keys()}
+    old.update(tensors or {})
     for k, v in changes.items():
         if v is None:
             meta.pop(k, None)
         else:
             meta[k] = v
-    save_file(tensors, str(path), metadata=meta)
+    save_file(old, str(path), metadata=meta)
+
+
+def rewrite_metadata(path, **changes):
+    rewrite(path, **changes)
+
+
+LENGTHS_EXPECTED = r"expected a list of 2 ints >= 1 \(each sequence's positions\)"
 
 
 @pytest.mark.parametrize("key, value, expected", [
     ("num_sequences", "0", r"metadata 'num_sequences' is '0'; expected an int >= 1"),
     ("num_sequences", "x", r"metadata 'num_sequences' is 'x'; expected an int >= 1"),
     ("num_sequences", None, r"metadata 'num_sequences' is None; expected an int >= 1"),
-    ("num_positions", "-3", r"metadata 'num_positions' is '-3'; expected an int >= 1"),
-    ("num_sequences", "5", r"layer 'l0' has shape \[2, 6, 8\], but the metadata says num_sequences=5, "
-                           r"num_positions=6"),
-    ("num_positions", "7", r"layer 'l0' has shape \[2, 6, 8\], but the metadata says num_sequences=2, "
-                           r"num_positions=7"),
+    ("num_sequences", "5", r"metadata 'sequence_lengths' is \[4, 7\]; expected a list of 5 ints >= 1"),
+    ("num_sequences", "1", r"metadata 'sequence_lengths' is \[4, 7\]; expected a list of 1 ints >= 1"),
+    ("sequence_lengths", None, r"metadata 'sequence_lengths' is missing; " + LENGTHS_EXPECTED),
+    ("sequence_lengths", "nope", r"metadata 'sequence_lengths' is not JSON \(.*\); " + LENGTHS_EXPECTED),
+    ("sequence_lengths", "11", r"metadata 'sequence_lengths' is a int; " + LENGTHS_EXPECTED),
+    ("sequence_lengths", '{"0": 4}', r"metadata 'sequence_lengths' is a dict; " + LENGTHS_EXPECTED),
+    ("sequence_lengths", "[11]", r"metadata 'sequence_lengths' is \[11\]; " + LENGTHS_EXPECTED),
+    ("sequence_lengths", "[4, 7, 0]", r"metadata 'sequence_lengths' is \[4, 7, 0\]; " + LENGTHS_EXPECTED),
+    ("sequence_lengths", "[11, 0]", r"metadata 'sequence_lengths' is \[11, 0\]; " + LENGTHS_EXPECTED),
+    ("sequence_lengths", "[-3, 14]", r"metadata 'sequence_lengths' is \[-3, 14\]; " + LENGTHS_EXPECTED),
+    ("sequence_lengths", "[4.0, 7]", r"metadata 'sequence_lengths' is \[4\.0, 7\]; " + LENGTHS_EXPECTED),
+    ("sequence_lengths", "[true, 10]", r"metadata 'sequence_lengths' is \[True, 10\]; " + LENGTHS_EXPECTED),
+    ("sequence_lengths", '["4", 7]', r"metadata 'sequence_lengths' is \['4', 7\]; " + LENGTHS_EXPECTED),
+    # well-formed, but another sum than the tensors' rows
+    ("sequence_lengths", "[5, 7]", r"layer 'l0' has shape \[11, 8\], but the metadata's sequence_lengths sum to 12 "
+                                   r"rows \(expected \[12, row\]\)"),
+    ("sequence_lengths", "[4, 6]", r"layer 'l0' has shape \[11, 8\], but the metadata's sequence_lengths sum to 10 "
+                                   r"rows \(expected \[10, row\]\)"),
 ])
 def test_metadata_that_disagrees_with_the_tensors_is_refused_naming_file_key_and_values(tmp_path, key, value,
                                                                                           expected):
@@ -59,14 +84,66 @@ def test_metadata_that_disagrees_with_the_tensors_is_refused_naming_file_key_and
             read(path)
 
 
+@pytest.mark.parametrize("tensors, expected", [
+    # a version-2 [S, N, R] tensor under version-3 metadata
+    ({"l0": torch.zeros(2, 6, ROW)}, r"layer 'l0' has shape \[2, 6, 8\], but the metadata's sequence_lengths sum to "
+                                     r"11 rows \(expected \[11, row\]\)"),
+    # one layer of other rows than the others and the metadata
+    ({"l1": torch.zeros(T - 1, ROW)}, r"layer 'l1' has shape \[10, 8\], but the metadata's sequence_lengths sum to "
+                                      r"11 rows"),
+    ({"l1": torch.zeros(T)}, r"layer 'l1' has shape \[11\], but"),
+], ids=["rectangular", "short-layer", "1-d"])
+def test_tensors_that_disagree_with_the_sequence_lengths_are_refused_naming_the_layer(tmp_path, tensors, expected):
+    path, _ = good_bank(tmp_path)
+    rewrite(path, tensors=tensors)
+    for read in (BankIndex.read, Bank.load):
+        with pytest.raises(BankError, match=str(path).replace(".", r"\.") + ": " + expected):
+            read(path)
+
+
+TOKENS_EXPECTED = r"expected \[\] or 2 lists of token ids, one per sequence, as long as 'sequence_lengths' says"
+KV_EXPECTED = (r"expected an object with 'dtype', 'row', 'value_dtype', 'kv' \(null or \[heads, head_size, "
+               r"head_size_v\]\) and a 'parts' list")
+
+
+def _layers_json(**l0):
+    import json
+
+    entry = {"dtype": "float32", "row": ROW, "value_dtype": "float32", "kv": [2, 2, 2], "parts": []}
+    return json.dumps({"l0": {**entry, **l0}, "l1": {**entry, "kv": None}})
+
+
 @pytest.mark.parametrize("key, value, expected", [
     ("sequence_tokens", "{not json", r"metadata 'sequence_tokens' is not JSON"),
-    ("sequence_tokens", '{"a": 1}', r"metadata 'sequence_tokens' is a dict; expected \[\] or 2 lists of 6 token"),
-    ("sequence_tokens", "[[1, 2]]", r"metadata 'sequence_tokens' holds 1 entries; expected \[\] or 2 lists of 6"),
+    ("sequence_tokens", '{"a": 1}', r"metadata 'sequence_tokens' is a dict; " + TOKENS_EXPECTED),
+    ("sequence_tokens", "[[1, 2]]", r"metadata 'sequence_tokens' holds 1 entries of lengths \[2\]; "
+                                    + TOKENS_EXPECTED),
+    # two lists, but not of the sequences' lengths (4, 7)
+    ("sequence_tokens", "[[1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 4]]",
+     r"metadata 'sequence_tokens' holds 2 entries of lengths \[7, 4\]; " + TOKENS_EXPECTED),
+    ("sequence_tokens", "[[1, 2, 3, 4], [1, 2, 3, 4, 5, 6]]",
+     r"metadata 'sequence_tokens' holds 2 entries of lengths \[4, 6\]; " + TOKENS_EXPECTED),
+    ("sequence_tokens", '[[1, 2, 3, 4], "1234567"]', r"metadata 'sequence_tokens' holds 2 entries of lengths "
+                                                     r"\[4, None\]; " + TOKENS_EXPECTED),
+    ("sequence_tokens", '[[1, 2, 3, 4], [1, 2, 3, 4, 5, 6, "7"]]',
+     r"metadata 'sequence_tokens' holds 2 entries of lengths \[4, 7\]; " + TOKENS_EXPECTED),
+    ("sequence_tokens", "[[1, 2, 3, 4], [1, 2, 3, 4, 5, 6, 7.5]]",
+     r"metadata 'sequence_tokens' holds 2 entries of lengths \[4, 7\]; " + TOKENS_EXPECTED),
     ("sequence_tokens", None, r"metadata 'sequence_tokens' is missing"),
     ("layers", "[1]", r"metadata 'layers' is a list; expected an object"),
     ("layers", '{"l0": 3}', r"metadata 'layers'\['l0'\] is 3; expected an object"),
     ("layers", "nope", r"metadata 'layers' is not JSON"),
+    ("layers", _layers_json(kv=[2, 4]), r"metadata 'layers'\['l0'\] is .*'kv': \[2, 4\].*; " + KV_EXPECTED),
+    ("layers", _layers_json(kv=[2, 2, 2, 0]), r"metadata 'layers'\['l0'\] is .*; " + KV_EXPECTED),
+    ("layers", _layers_json(kv="2,2,2"), r"metadata 'layers'\['l0'\] is .*; " + KV_EXPECTED),
+    ("layers", _layers_json(kv={"heads": 2}), r"metadata 'layers'\['l0'\] is .*; " + KV_EXPECTED),
+    ("layers", _layers_json(kv=[2, -2, 6]), r"metadata 'layers'\['l0'\] is .*; " + KV_EXPECTED),
+    ("layers", _layers_json(kv=[2, 2.0, 2]), r"metadata 'layers'\['l0'\] is .*; " + KV_EXPECTED),
+    ("layers", _layers_json(kv=[2, True, 3]), r"metadata 'layers'\['l0'\] is .*; " + KV_EXPECTED),
+    ("layers", _layers_json(parts="[[2, 4]]"), r"metadata 'layers'\['l0'\] is .*; " + KV_EXPECTED),
+    # well-formed kv naming another row size than the tensor's 8 elements
+    ("layers", _layers_json(kv=[2, 2, 3]), r"layer 'l0' rows have 8 elements, its kv \[2, 2, 3\] names 10"),
+    ("layers", _layers_json(kv=[1, 4, 0]), r"layer 'l0' rows have 8 elements, its kv \[1, 4, 0\] names 4"),
 ])
 def test_malformed_metadata_gets_a_bank_error_naming_the_key(tmp_path, key, value, expected):
     path, _ = good_bank(tmp_path)
@@ -76,12 +153,65 @@ def test_malformed_metadata_gets_a_bank_error_naming_the_key(tmp_path, key, valu
     assert str(path) in str(err.value)
 
 
-def test_a_version_1_bank_is_refused_saying_how_to_record_again(tmp_path):
+@pytest.mark.parametrize("version", ["1", "2", "4", None])
+def test_a_bank_of_another_version_is_refused_saying_how_to_record_again(tmp_path, version):
     path, _ = good_bank(tmp_path)
-    rewrite_metadata(path, version="1")
-    with pytest.raises(BankError, match=rf"bank version '1'; this kvfill reads version '{BANK_VERSION}' - record "
-                                        r"the bank again with `python -m kvfill.record`"):
-        BankIndex.read(path)
+    rewrite_metadata(path, version=version)
+    for read in (BankIndex.read, Bank.load):
+        with pytest.raises(BankError, match=rf"bank version {version!r}; this kvfill reads version "
+                                            rf"'{BANK_VERSION}' \(ragged sequences, rows in the canonical K/V "
+                                            r"order\) - record the bank again with `python -m kvfill.record`"):
+            read(path)
+    assert BANK_VERSION == "3"
+
+
+def test_a_version_2_file_as_version_2_wrote_it_is_refused(tmp_path):
+    """The old layout whole: [S, N, R] tensors, num_positions, no lengths."""
+    import json
+
+    path = tmp_path / "v2.safetensors"
+    save_file({"l0": torch.zeros(2, 6, ROW)}, str(path), metadata={
+        "format": "kvfill-bank", "version": "2", "num_sequences": "2", "num_positions": "6",
+        "sequence_tokens": json.dumps([list(range(6)), list(range(1, 7))]),
+        "layers": json.dumps({"l0": {"dtype": "float32", "row": ROW, "value_dtype": "float32", "parts": []}})})
+    for read in (BankIndex.read, Bank.load):
+        with pytest.raises(BankError, match=r"v2\.safetensors: bank version '2'.* record the bank again"):
+            read(path)
+
+
+def test_a_well_formed_bank_round_trips_lengths_tokens_kv_and_rows(tmp_path):
+    path, rows = good_bank(tmp_path)
+    bank = Bank.load(path)
+    assert bank.lengths == tuple(LENGTHS) and bank.starts == (0, 4) and bank.num_positions == 7
+    assert bank.num_rows == T and bank.sequence_table().tolist() == [[0, 4], [4, 7]]
+    assert [list(t) for t in bank.sequence_tokens] == TOKENS
+    assert bank.kv == {"l0": (2, 2, 2)} and bank.metadata == {"model": "m"}
+    assert all(torch.equal(bank.layers[n], rows[n]) for n in rows)
+    # empty sequence_tokens: a bank of no known prompts (every block by prefix hash)
+    rewrite_metadata(path, sequence_tokens="[]")
+    assert Bank.load(path).sequence_tokens == () and BankIndex.read(path).tokens is None
+
+
+@pytest.mark.parametrize("kwargs, expected", [
+    (dict(sequence_lengths=[4, 6]), r"sequence_lengths \[4, 6\] \(sum 10\) must be ints >= 1 summing to the "
+                                    r"layers' 11 rows"),
+    (dict(sequence_lengths=[0, 11]), r"sequence_lengths \[0, 11\] \(sum 11\) must be ints >= 1"),
+    (dict(sequence_lengths=[4, 7], sequence_tokens=[[1] * 4, [1] * 6]),
+     r"sequence_tokens must be 2 lists of the sequences' lengths \[4, 7\], got lengths \[4, 6\]"),
+    (dict(sequence_lengths=[4, 7], kv={"l0": (2, 2, 3)}), r"layer 'l0' rows have 8 elements, its kv \[2, 2, 3\] "
+                                                           r"names 10"),
+])
+def test_a_bank_built_in_memory_is_checked_like_a_file(kwargs, expected):
+    rows = {"l0": torch.zeros(T, ROW), "l1": torch.zeros(T, ROW)}
+    with pytest.raises(BankError, match=r"^mine: " + expected):
+        Bank(rows, source="mine", **kwargs)
+    with pytest.raises(BankError, match=r"layers disagree on their rows"):
+        Bank({"l0": torch.zeros(T, ROW), "l1": torch.zeros(T - 1, ROW)}, sequence_lengths=LENGTHS)
+    with pytest.raises(BankError, match=r"sequence_lengths \[3, 3\] disagree with layers of \[2, 4, row\]"):
+        Bank({"l0": torch.zeros(2, 4, ROW)}, sequence_lengths=[3, 3])
+    # rectangular [S, N, R]: S sequences of N, stored [S * N, R]
+    rect = Bank({"l0": torch.arange(2 * 4 * ROW).view(2, 4, ROW)}, sequence_lengths=[4, 4])
+    assert rect.lengths == (4, 4) and rect.layers["l0"].shape == (8, ROW)
 
 
 @pytest.mark.parametrize("what, expected", [("dir", "is a directory"), ("dev", "is not a regular file"),
@@ -96,8 +226,8 @@ def test_a_loaded_bank_does_not_read_from_its_file_any_more(tmp_path):
     path, rows = good_bank(tmp_path)
     bank = Bank.load(path)
     with open(path, "r+b") as f:  # overwrite the rows' bytes in place, then cut the file short
-        f.seek(os.path.getsize(path) - 4 * S * N * ROW)
-        f.write(b"\xff" * (4 * S * N * ROW))
+        f.seek(os.path.getsize(path) - 4 * T * ROW)
+        f.write(b"\xff" * (4 * T * ROW))
         f.truncate(100)
     assert all(torch.equal(bank.layers[n], rows[n]) for n in rows)
 
@@ -129,14 +259,16 @@ def test_a_saved_bank_gets_the_mode_the_umask_gives(tmp_path):
 
 
 def test_non_finite_recorded_values_are_counted_per_layer(tmp_path):
-    rows = {"a": torch.zeros(1, 4, 3, device="cpu"), "b": torch.zeros(1, 4, 3, device="cpu").to(torch.bfloat16),
-            "f8": torch.zeros(1, 4, 3, dtype=torch.uint8, device="cpu")}
-    rows["a"][0, 1, 2] = float("nan")
-    rows["a"][0, 3, 0] = float("inf")
-    rows["b"][0, 0, 0] = float("-inf")
-    rows["f8"][0, 2, 1] = 0x7F  # NaN in float8_e4m3fn
-    bank = Bank(rows, value_dtypes={"f8": "float8_e4m3fn"})
-    assert bank.count_nonfinite() == {"a": 2, "b": 1, "f8": 1}
+    rows = {"a": torch.zeros(5, 3, device="cpu"), "b": torch.zeros(5, 3, device="cpu").to(torch.bfloat16),
+            "f8": torch.zeros(5, 3, dtype=torch.uint8, device="cpu")}
+    rows["a"][1, 2] = float("nan")
+    rows["a"][4, 0] = float("inf")  # the second sequence's last row
+    rows["b"][0, 0] = float("-inf")
+    rows["f8"][2, 1] = 0x7F  # NaN in float8_e4m3fn
+    bank = Bank(rows, sequence_lengths=[2, 3], value_dtypes={"f8": "float8_e4m3fn"})
+    from kvfill.connector.bank_checks import count_nonfinite
+
+    assert count_nonfinite(bank) == {"a": 2, "b": 1, "f8": 1}
 
 
 def test_provenance_that_differs_from_the_serving_run_is_named():
@@ -174,5 +306,16 @@ def test_record_positions_past_max_model_len_are_refused_at_start(tmp_path):
 def test_round_trip_keeps_the_recorded_tokens(tmp_path):
     path, _ = good_bank(tmp_path)
     index = BankIndex.read(path)
-    assert index.tokens.tolist() == [list(range(i, i + N)) for i in range(S)]
-    assert Bank.load(path).index.tokens.tolist() == index.tokens.tolist()
+    assert [t.tolist() for t in index.tokens] == TOKENS
+    assert index.lengths.tolist() == LENGTHS and index.num_positions == max(LENGTHS)
+    assert [t.tolist() for t in Bank.load(path).index.tokens] == TOKENS
+    assert [index.sequence_for(t) for t in TOKENS] == [0, 1]
+
+
+@pytest.mark.parametrize("kv", [(2, 4), (2, 0, 4), (0, 2, 2), (2, 2, -1), ("2", 2, 2), (True, 2, 2)])
+def test_a_malformed_kv_geometry_is_refused_naming_the_layer(kv):
+    """Refused where the bank is built (in memory or from a file), not later
+    at registration: a geometry names K and V sizes >= 1 and >= 0."""
+    with pytest.raises(BankError, match=r"^mine: layer 'l' kv is .*; expected \[num_kv_heads >= 1, head_size >= 1, "
+                                        r"head_size_v >= 0\]"):
+        Bank({"l": torch.zeros(1, 4, 8, dtype=torch.bfloat16)}, kv={"l": kv}, source="mine")

@@ -129,7 +129,9 @@ def replay_engine_over(c, seed=4):
     from kvfill.kernels import Bank, CacheGroup
 
     g = torch.Generator(device="cpu").manual_seed(seed)
-    bank = Bank({"l": torch.randn(2, 40, 2 * 8, generator=g, device="cpu").to(torch.bfloat16)})
+    # ragged: sequence 1 has 13 rows, so the captured entry at positions 11..14 wraps inside it
+    bank = Bank({"l": torch.randn(40 + 13, 2 * 8, generator=g, device="cpu").to(torch.bfloat16)},
+                sequence_lengths=[40, 13])
     return FillEngine({"g": CacheGroup({"l": c})}, bank=bank, backend="triton")
 
 
@@ -142,7 +144,7 @@ def test_a_captured_replay_fill_pins_its_user_held_engine(capture):
     eng = replay_engine_over(c)
     eng.warmup()
     engine_ref = weakref.ref(eng)
-    entries = torch.tensor([[2, 0, 4, 0, 1], [4, 0, 4, 4, 0]], dtype=torch.int32)
+    entries = torch.tensor([[2, 0, 4, 11, 1], [4, 0, 4, 4, 0]], dtype=torch.int32)
     capture.on = True
     assert eng.fill_device_entries("g", entries) == 1  # "recorded into the graph"
     capture.on = False
@@ -153,8 +155,11 @@ def test_a_captured_replay_fill_pins_its_user_held_engine(capture):
     from kvfill.kernels import GroupFill
 
     host = replay_engine_over(ref)
-    host.fill({"g": GroupFill([2, 4], local_base=[0, 4], sequence=[1, 0])})
+    host.fill({"g": GroupFill([2, 4], local_base=[11, 4], sequence=[1, 0])})
     assert torch.equal(buf, ref_buf)
+    rows = host._registry.tensors[0].bank.cpu()  # the engine's copy: sequence 1 from row 40
+    for slot, row in enumerate([40 + 11, 40 + 12, 40 + 0, 40 + 1]):
+        assert torch.equal(c[2, :, slot].reshape(-1).view(torch.int16), rows[row].view(torch.int16)), slot
     release_captured_fills()
     gc.collect()
     assert engine_ref() is None and captured_engines() == ()

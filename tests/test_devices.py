@@ -30,8 +30,10 @@ def fa_plan(replay):
 
 
 def host_bank():
+    """Ragged: sequence 1 (21 rows) wraps inside the second whole page."""
     g = torch.Generator(device="cpu").manual_seed(0)
-    return Bank({"l": torch.randn(2, 40, 2 * H * D, generator=g, device="cpu").to(torch.bfloat16)})
+    return Bank({"l": torch.randn(40 + 21, 2 * H * D, generator=g, device="cpu").to(torch.bfloat16)},
+                sequence_lengths=[40, 21])
 
 
 @pytest.mark.parametrize("replay", [False, True], ids=["normal", "replay"])
@@ -40,7 +42,8 @@ def test_torch_backend_fills_meta_caches_with_whole_pages(replay):
     assert torch_pages.paged(fa_engine(torch.empty(2, 2, N, H, D, dtype=torch.bfloat16), None)
                              ._registry.classes[0]), "the case no longer takes the whole-page path"
     cache = torch.empty(2, B, N, H, D, dtype=torch.bfloat16, device="meta")
-    bank = Bank({"l": torch.empty(2, 40, 2 * H * D, dtype=torch.bfloat16, device="meta")}) if replay else None
+    bank = Bank({"l": torch.empty(40 + 21, 2 * H * D, dtype=torch.bfloat16, device="meta")},
+                sequence_lengths=[40, 21]) if replay else None
     stats = fa_engine(cache, bank).fill(fa_plan(replay))
     assert stats.slots == 16 + 16 + 7
 

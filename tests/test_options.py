@@ -69,7 +69,9 @@ def test_an_unknown_key_lists_the_valid_ones():
     ({"fill_mode": "uniform"}, "fill_mode", "one of ['constant', 'normal', 'replay']"),
     ({"fill_mode": "normal", "fill_std": 0.1, "bank": "b.safetensors"}, "fill_mode", "'replay' (or unset) with a bank"),
     ({"bank": "/nonexistent/b.safetensors"}, "bank", "a readable kvfill bank (bank '/nonexistent/b.safetensors' does not exist"),
-    ({"record_dir": "/tmp/x"}, "record_positions", "an int >= 1 with record_dir"),
+    ({"record_dir": "/tmp/x", "record_positions": -1}, "record_positions",
+     "an int >= 0 with record_dir (the most positions saved per prompt; 0: all)"),
+    ({"record_dir": "/tmp/x", "record_positions": 2.5}, "record_positions", "an int >= 0 with record_dir"),
     ({"record_positions": 64}, "record_positions", "0 (unset) without record_dir"),
 ])
 def test_fill_mode_bank_and_record_options_are_checked_against_each_other(extra, key, expected):
@@ -90,4 +92,17 @@ def test_fill_mode_defaults_keep_the_fill_std_meaning_and_a_bank_means_replay(tm
     Bank({"l": torch.zeros(3, 4, 8, dtype=torch.bfloat16)}).save(path)
     opts = FillOptions.from_extra_config({"bank": str(path)})
     assert opts.replay and (opts.bank_index.num_sequences, opts.bank_index.num_positions) == (3, 4)
-    assert "replay fill from" in opts.summary()
+    assert "replay fill from" in opts.summary() and "3 sequences of 4 positions" in opts.summary()
+    ragged = tmp_path / "r.safetensors"
+    Bank({"l": torch.zeros(12, 8, dtype=torch.bfloat16)}, sequence_lengths=[2, 7, 3]).save(ragged)
+    opts = FillOptions.from_extra_config({"bank": str(ragged)})
+    assert opts.bank_index.lengths.tolist() == [2, 7, 3] and opts.bank_index.num_positions == 7
+    assert "3 sequences of 2-7 positions" in opts.summary()
+
+
+def test_record_dir_alone_records_every_prompt_whole(tmp_path):
+    opts = FillOptions.from_extra_config({"record_dir": str(tmp_path / "r")})
+    assert opts.recording and opts.record_positions == 0
+    assert "recording each prompt's positions to" in opts.summary()
+    capped = FillOptions.from_extra_config({"record_dir": str(tmp_path / "r"), "record_positions": 64})
+    assert "(at most 64)" in capped.summary()

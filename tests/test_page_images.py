@@ -109,6 +109,32 @@ def test_replay_keeps_a_page_per_sequence_and_position():
     assert not torch.equal(caches[:, 2], caches[:, 4])
 
 
+def test_ragged_replay_pages_wrap_inside_their_own_sequence():
+    """Sequence 0 has 5 rows, sequence 1 has 12: pages at positions 0, 8 and
+    16 hold wrapped rows (t mod N_s); each page image is kept per sequence
+    and position, and copies of it equal the direct fill byte for byte."""
+    g = torch.Generator(device="cpu").manual_seed(2)
+    rows = torch.randn(5 + 12, 2 * HEADS * DIM, generator=g, device="cpu").to(torch.bfloat16)
+    bank = Bank({f"l{i}": rows.roll(i, 0) for i in range(LAYERS)}, sequence_lengths=[5, 12])
+    a = GroupFill([2, 3, 4], local_base=[0, 8, 16], sequence=[0, 0, 1])
+    b = GroupFill([5, 6, 7], slot_end=[8, 8, 6], local_base=[0, 8, 16], sequence=[0, 0, 1])  # pages again
+    c = GroupFill([8, 0], local_base=[0, 8], sequence=[1, 1])
+    (with_images, eng), (without, _) = fill_both([a, b, c], bank=bank)
+    assert_same_bytes(with_images, without)
+    assert sorted(next(iter(eng._backend.images.values())).index) == [(0, 0), (0, 8), (1, 0), (1, 8), (1, 16)]
+    caches = with_images.view(torch.bfloat16).view(LAYERS, NB, HEADS, SLOTS, 2 * DIM)
+    for layer in range(LAYERS):
+        k, v = cpu_kv_parts(caches[layer], DIM)
+        want = rows.roll(layer, 0)
+        for block, base, seq in [(3, 8, 0), (4, 16, 1), (0, 8, 1)]:
+            for slot in range(SLOTS):
+                row = [0, 5][seq] + (base + slot) % [5, 12][seq]
+                got = torch.cat([k[block, :, slot].reshape(-1), v[block, :, slot].reshape(-1)])
+                assert torch.equal(got.view(torch.int16), want[row].view(torch.int16)), (layer, block, slot)
+    untouched = poisoned_buffer(LAYERS * NB * PAGE, seed=4).view(LAYERS, NB, -1)[:, [1]]
+    assert torch.equal(with_images.view(LAYERS, NB, -1)[:, [1]], untouched)
+
+
 def test_warmup_writes_the_images_of_every_position_and_nothing_to_the_caches(monkeypatch):
     buf = poisoned_buffer(LAYERS * NB * PAGE, seed=4)
     eng = engine(buf)

@@ -1,7 +1,8 @@
 """Replay under prefix caching: a block's rows are a function of the tokens up
 to its end (bank.py, "Which sequence a block replays"), so requests that share
 a cached block agree on it and a recorded prompt replays its own rows
-whatever ran before it."""
+whatever ran before it - with recorded sequences of different lengths too
+(the one covering most of the block's prefix wins)."""
 import hashlib
 
 import numpy as np
@@ -89,6 +90,113 @@ def test_the_planner_asks_each_block_for_the_sequence_of_its_end():
     whole = Planner(geos, granularity="block").select("r", 19, 5, [list(range(10, 15)), list(range(20, 23))],
                                                        sequences_at=sequences_at)
     assert asked == [[8, 12, 16, 18]] and list(whole.groups[0].sequences) == [1, 5, 2, 4]
+
+
+# ------------------------------------------------- ragged sequences (coverage)
+def _hash_pick(ids, num_sequences):
+    digest = hashlib.sha256(np.asarray(ids, dtype=np.int64).tobytes()).digest()
+    return int.from_bytes(digest[:8], "little") % num_sequences
+
+
+def reference_pick(recorded, ids, e):
+    """The rule of bank.py, spelled out: of the sequences whose tokens equal
+    the prompt's below min(E, N_s), the one covering most of [0, E), the
+    lowest-numbered among equals; else the prefix hash."""
+    best, cover = -1, 0
+    for s, t in enumerate(recorded):
+        n = min(e, len(t))
+        if list(t[:n]) == list(ids[:n]) and n > cover:
+            best, cover = s, n
+    return best if best >= 0 else _hash_pick(ids[:e], len(recorded))
+
+
+def ragged_index():
+    """Sequences X (60), A (100), Y (30), B = A + 150 more (250): B after A."""
+    a = prompt(20, 100)
+    b = a + prompt(21, 150)
+    recorded = [prompt(22, 60), a, prompt(23, 30), b]
+    return BankIndex(4, [len(t) for t in recorded], recorded), recorded
+
+
+def test_a_longer_recording_of_a_shared_beginning_replays_past_the_shorter_ones_end():
+    idx, (_, a, _, b) = ragged_index()
+    assert idx.lengths.tolist() == [60, 100, 30, 250] and idx.num_positions == 250
+    ends = np.arange(16, 251, 16).tolist() + [99, 100, 101, 249, 250]
+    got = dict(zip(ends, idx.sequences_for(b, ends).tolist()))
+    # up to A's end A and B cover [0, E) alike: the lower-numbered, A (the same tokens: the same rows)
+    assert {e: s for e, s in got.items() if e <= 100} == {e: 1 for e in ends if e <= 100}
+    # past it only B covers [0, E): B's own rows, never A's wrapped ones
+    assert {e: s for e, s in got.items() if e > 100} == {e: 3 for e in ends if e > 100}
+    assert idx.sequence_for(b) == 3
+    # A's blocks replay A; A itself at its end too
+    assert idx.sequences_for(a, [16, 50, 99, 100]).tolist() == [1, 1, 1, 1] and idx.sequence_for(a) == 1
+
+
+def test_a_prompt_longer_than_every_recording_gets_the_longest_qualifying_one():
+    idx, (_, a, _, b) = ragged_index()
+    longer = b + prompt(24, 50)  # 300 tokens: past B's end B still covers most
+    assert idx.sequences_for(longer, [100, 101, 250, 251, 300]).tolist() == [1, 3, 3, 3, 3]
+    # a prompt extending A another way than B: A qualifies past 100 (wrapping), B no longer
+    other = a + prompt(25, 80)
+    assert idx.sequences_for(other, [100, 101, 180]).tolist() == [1, 1, 1]
+    # sharing B's first 120 tokens: B up to 120; past it B differs, A still qualifies (its 100 tokens agree)
+    fork = b[:120] + prompt(26, 40)
+    assert idx.sequences_for(fork, [100, 120, 121, 160]).tolist() == [1, 3, 1, 1]
+
+
+def test_unrecorded_prompts_fall_back_to_the_prefix_hash():
+    idx, recorded = ragged_index()
+    for seed in range(30, 40):
+        p = prompt(seed, 70)
+        ends = [1, 16, 33, 70]
+        assert idx.sequences_for(p, ends).tolist() == [_hash_pick(p[:e], 4) for e in ends]
+    # a prompt agreeing with Y (30 tokens) only for 20: hash from the first block that Y no longer covers
+    y = recorded[2]
+    p = y[:20] + prompt(41, 40)
+    assert idx.sequences_for(p, [16, 20, 21, 60]).tolist() == [2, 2, _hash_pick(p[:21], 4), _hash_pick(p, 4)]
+
+
+def test_a_recorded_ragged_prompt_replays_its_own_rows_whatever_its_length():
+    recorded = [prompt(50 + s, n) for s, n in enumerate([5, 17, 64, 3, 200])]
+    idx = BankIndex(len(recorded), [len(t) for t in recorded], recorded)
+    for s, t in enumerate(recorded):
+        ends = sorted({1, len(t) // 2 or 1, len(t)})
+        assert idx.sequences_for(t, ends).tolist() == [s] * len(ends), s
+
+
+def test_the_choice_depends_only_on_the_tokens_up_to_the_blocks_end():
+    """Property (small): recorded sequences of a two-token alphabet and
+    lengths around the index's 16-token first comparison share beginnings
+    often; for random prompts and ends, the pick equals the rule spelled out
+    and is the same for prompt[:E] and for prompt[:E] + any tail."""
+    rng = np.random.default_rng(7)
+    for trial in range(40):
+        lengths = rng.integers(1, 40, int(rng.integers(1, 6))).tolist()
+        base = rng.integers(1, 3, 40).tolist()
+        recorded = [base[:n] if rng.random() < 0.6 else rng.integers(1, 3, n).tolist() for n in lengths]
+        idx = BankIndex(len(recorded), lengths, recorded)
+        p = (base if rng.random() < 0.7 else rng.integers(1, 3, 40).tolist())[:int(rng.integers(1, 41))]
+        p = p + rng.integers(1, 3, int(rng.integers(0, 20))).tolist()
+        ends = np.arange(1, len(p) + 1)
+        got = idx.sequences_for(p, ends).tolist()
+        assert got == [reference_pick(recorded, p, e) for e in ends], (trial, lengths)
+        for e in ends.tolist():
+            tail = rng.integers(1, 3, int(rng.integers(0, 10))).tolist()
+            assert idx.sequences_for(p[:e], [e])[0] == got[e - 1]
+            assert idx.sequences_for(p[:e] + tail, [e])[0] == got[e - 1], (trial, e)
+
+
+def test_a_ragged_bank_and_its_file_choose_alike(tmp_path):
+    pytest.importorskip("safetensors")
+    _, recorded = ragged_index()
+    rows = torch.zeros(sum(len(t) for t in recorded), 4, dtype=torch.bfloat16, device="cpu")
+    bank = Bank({"l": rows}, sequence_lengths=[len(t) for t in recorded], sequence_tokens=recorded)
+    bank.save(tmp_path / "b.safetensors")
+    from_file = BankIndex.read(tmp_path / "b.safetensors")
+    probe = recorded[3] + prompt(27, 20)
+    ends = list(range(1, len(probe) + 1, 7))
+    assert bank.index.sequences_for(probe, ends).tolist() == from_file.sequences_for(probe, ends).tolist() \
+        == [reference_pick(recorded, probe, e) for e in ends]
 
 
 # ---------------------------------------------------------------- through vLLM

@@ -60,12 +60,12 @@ def prompts(tmp_path):
     return write_prompts(tmp_path / "p.txt", [words(40), words(30, start=100)])
 
 
-def write_rows(work, token_ids, n):
-    """A prompt's rows as ``KVFillWorker.record`` saves them."""
+def write_rows(work, token_ids):
+    """A prompt's rows as ``connector/recorder.py`` saves them."""
     from safetensors.torch import save_file
 
-    save_file({LAYER: torch.zeros(n, 32, dtype=torch.bfloat16)}, recorder._rows_path(work, token_ids, n),
-              metadata={"value_dtypes": "{}", "parts": "{}"})
+    save_file({LAYER: torch.zeros(len(token_ids), 32, dtype=torch.bfloat16)}, recorder._rows_path(work, token_ids),
+              metadata={"value_dtypes": "{}", "layers": json.dumps({LAYER: {"kv": [2, 8, 8], "parts": []}})})
 
 
 def fake_vllm(monkeypatch, during=None):
@@ -73,12 +73,12 @@ def fake_vllm(monkeypatch, during=None):
     prompt's rows; returns the work folders it ran in."""
     runs = []
 
-    def run(model, token_ids, n, work, *rest):
+    def run(model, token_ids, work, *rest):
         runs.append(work)
         if during:
             during(work)
         for t in token_ids:
-            write_rows(work, t, n)
+            write_rows(work, t)
         return {"block_size": "128", "max_model_len": str(max(map(len, token_ids)) + 16), "vllm_version": "fake"}
 
     monkeypatch.setattr(recorder, "_run_vllm", run)
@@ -196,11 +196,13 @@ def test_prompts_longer_than_max_model_len_are_named_by_line_before_vllm_starts(
         recorder.record(model, prompts, str(out_dir / "b.safetensors"), positions=20, max_model_len=40)
 
 
-def test_a_short_prompt_is_named_by_its_line_in_the_file(model, tmp_path, out_dir, no_vllm):
-    """Blank lines count: the line number is the one an editor shows."""
-    prompts = write_prompts(tmp_path / "p.txt", [words(40), "", "  ", words(17, start=100)])
-    with pytest.raises(RecordError, match=r"--positions 30: prompt line\(s\) \[4\] have fewer tokens \(\[17\]\)"):
-        recorder.record(model, prompts, str(out_dir / "b.safetensors"), positions=30)
+def test_positions_cap_each_prompt_and_shorter_prompts_are_recorded_whole():
+    """A ragged bank: --positions is a cap, not a length every prompt must reach."""
+    assert recorder.choose_positions([[1] * 40, [2] * 17], 30) == [30, 17]
+    assert recorder.choose_positions([[1] * 40, [2] * 17], None) == [40, 17]
+    for bad in (0, -3, True):
+        with pytest.raises(RecordError, match=rf"--positions {bad!r} is invalid; expected an int >= 1"):
+            recorder.choose_positions([[1] * 4], bad)
 
 
 # ------------------------------------------------------------------ SIGTERM
@@ -208,7 +210,7 @@ SIGTERM_CHILD = """
 import os, sys, time
 import kvfill.record as recorder
 
-def run(model, token_ids, n, work, *rest):
+def run(model, token_ids, work, *rest):
     open(os.path.join(work, "rows.safetensors.part"), "w").close()
     print(work, flush=True)
     time.sleep(120)
@@ -268,7 +270,7 @@ def test_the_bank_names_the_max_model_len_and_block_size_vllm_ran_with(model, pr
         def generate(self, prompts, params, use_tqdm):
             extra = self.kw["kv_transfer_config"]["kv_connector_extra_config"]
             for p in prompts:
-                write_rows(extra["record_dir"], p["prompt_token_ids"], extra["record_positions"])
+                write_rows(extra["record_dir"], p["prompt_token_ids"])
 
     monkeypatch.setattr(vllm, "LLM", EngineStandIn)
     bank = recorder.record(model, prompts, str(out_dir / "b.safetensors"), log=lambda msg: None)
@@ -299,3 +301,26 @@ def test_the_estimate_counts_sliding_and_full_attention_layers(tmp_path):
         "layer_types": ["sliding_attention"] * 5 + ["full_attention"], "num_attention_heads": 4,
         "num_key_value_heads": 1, "head_dim": 16, "vocab_size": 1024, "dtype": "bfloat16"})
     assert estimate(model, 1, 10).layers == 6
+
+
+# ------------------------------------------------------------------ JSONL prompts
+def test_a_jsonl_prompts_file_holds_prompts_with_line_breaks(tmp_path):
+    """vLLM's custom dataset format: the same file drives the recorder and
+    `vllm bench serve`; a chat template's line breaks survive."""
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"prompt": "a\nb c", "output_tokens": 3}) + "\n\n" + json.dumps({"prompt": "d"}) + "\n")
+    assert recorder.read_prompt_lines(str(path)) == [(1, "a\nb c"), (3, "d")]
+
+
+@pytest.mark.parametrize("line, message", [
+    ("{not json", r"line 2 is not JSON"),
+    ('["a"]', r"line 2: expected an object with a non-empty string \"prompt\""),
+    ('{"prompt": 7}', r"line 2: expected an object with a non-empty string \"prompt\""),
+    ('{"text": "a"}', r"line 2: expected an object with a non-empty string \"prompt\""),
+])
+def test_a_bad_jsonl_line_is_named_before_vllm_starts(model, tmp_path, out_dir, no_vllm, line, message):
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"prompt": "w3 w4 w5"}) + "\n" + line + "\n")
+    with pytest.raises(RecordError, match=message):
+        recorder.record(model, str(path), str(out_dir / "b.safetensors"))
+    assert not os.listdir(out_dir)

@@ -1,6 +1,7 @@
 """Replay: the planned slots hold the bank's recorded rows, every other byte is
 unchanged - every layout, both backends, DCP, wrap past the recorded
-positions; the bank file format; errors that write nothing."""
+positions (each sequence its own length: a ragged bank); the bank file
+format; errors that write nothing."""
 import pytest
 import torch
 from cases import CASE_IDS, CASES, NUM_BLOCKS
@@ -10,8 +11,10 @@ from test_fill_layouts import _row_size, assert_same_bytes
 
 from kvfill.kernels import Bank, BankError, BankIndex, CacheGroup, DcpGeometry, FillEngine, GroupFill
 from kvfill.kernels import values as V
+from kvfill.kernels.kv_rows import RowFormat
 
 SEQS, POSITIONS = 3, 11  # entries below reach position 18: rows past 11 wrap
+RAGGED = [5, 11, 8]  # a ragged bank: sequence s has RAGGED[s] rows, T = 24
 # (block, slot_start, slot_end, local_base, sequence)
 SLOT_ENTRIES = [(4, 3, 8, 0, 2), (1, 0, 8, 8, 0), (5, 0, 2, 16, 1)]
 STATE_ENTRIES = [(4, 0, 1, 7, 1), (2, 0, 1, 9, 2)]
@@ -24,24 +27,33 @@ DTYPES = [
 ]
 
 
-def random_bank(layers, case, dtype, seqs=SEQS, positions=POSITIONS, seed=5) -> Bank:
+def random_bank(layers, case, dtype, seqs=SEQS, positions=POSITIONS, seed=5, lengths=None) -> Bank:
     """Random bits per layer, ``[S, N, layer row]`` in ``dtype`` (any bit
-    pattern: replay moves bits, it never decodes them)."""
+    pattern: replay moves bits, it never decodes them); ``lengths``: a
+    ragged bank instead, ``[sum(lengths), layer row]``."""
     g = torch.Generator(device="cpu").manual_seed(seed)
     out = {}
+    total = sum(lengths) if lengths is not None else seqs * positions
     for name, caches_ in layers.items():
         tensors = caches_ if isinstance(caches_, list) else [caches_]
         row = sum(_row_size(t, case.block_dim, case.slot_dim) for t in tensors)
         itemsize = torch.empty((), dtype=dtype).element_size()
-        raw = torch.randint(0, 256, (seqs * positions * row * itemsize,), dtype=torch.uint8, generator=g,
+        raw = torch.randint(0, 256, (total * row * itemsize,), dtype=torch.uint8, generator=g,
                             device="cpu")  # a host bank, as Bank.load gives: the engine uploads it
-        out[name] = raw.view(dtype).view(seqs, positions, row)
-    return Bank(out)
+        out[name] = raw.view(dtype).view(seqs, positions, row) if lengths is None else raw.view(dtype).view(total, row)
+    return Bank(out) if lengths is None else Bank(out, sequence_lengths=lengths)
+
+
+def bank_row(bank, name, seq, pos):
+    """Row ``pos mod N_seq`` of sequence ``seq`` of a layer: the replay rule,
+    computed from the sequences' lengths alone (not ``bank.starts``)."""
+    lengths = list(bank.lengths)
+    return bank.layers[name][sum(lengths[:seq]) + pos % lengths[seq]]
 
 
 def expected_replay(layers, case, dtype, encoding, entries, bank, dcp=(1, 0, 1)):
-    """The oracle: row (sequence, position mod N) of each layer's bank rows,
-    written with plain indexing into views over the expected buffer."""
+    """The oracle: row (sequence, position mod N_sequence) of each layer's
+    bank rows, written with plain indexing into views over the expected buffer."""
     from oracle import dcp_position
 
     zero = V.value_dtype(dtype, encoding) is None
@@ -50,11 +62,11 @@ def expected_replay(layers, case, dtype, encoding, entries, bank, dcp=(1, 0, 1))
         elem_offset = 0
         for t in tensors:
             row = _row_size(t, case.block_dim, case.slot_dim)
-            rows = bank.layers[name].view(V.BITS_DTYPE[t.element_size()])
             for block, lo, hi, base, seq in entries:
                 for s in range(lo, hi):
-                    pos = dcp_position(base + s, *dcp) % POSITIONS
-                    bits = torch.zeros(row, dtype=rows.dtype) if zero else rows[seq, pos, elem_offset:elem_offset + row]
+                    pos = dcp_position(base + s, *dcp)
+                    bits = bank_row(bank, name, seq, pos).view(V.BITS_DTYPE[t.element_size()])
+                    bits = torch.zeros(row, dtype=bits.dtype) if zero else bits[elem_offset:elem_offset + row]
                     write_expected(t, block_dim=case.block_dim, slot_dim=case.slot_dim,
                                    kernel_split=case.kernel_split, block=block, slot=s, bits=bits)
             elem_offset += row
@@ -70,14 +82,15 @@ def replay_engine(layers, case, encoding, backend, bank, **group_kw):
     return FillEngine({"g": group}, bank=bank, backend=backend)
 
 
-def check_replay(case, dtype_case, backend):
+def check_replay(case, dtype_case, backend, lengths=None, entries=None):
     _, dtype, encoding = dtype_case
     itemsize = torch.empty((), dtype=dtype).element_size()
     buf = poisoned_buffer(case.nbytes(itemsize))
     poison, expected = buf.clone(), buf.clone()
     layers = case.make(buf, dtype)
-    bank = random_bank(layers, case, dtype)
-    entries = STATE_ENTRIES if case.state_list else SLOT_ENTRIES
+    bank = random_bank(layers, case, dtype, lengths=lengths)
+    if entries is None:
+        entries = STATE_ENTRIES if case.state_list else SLOT_ENTRIES
 
     engine = replay_engine(layers, case, encoding, backend, bank)
     stats = engine.fill(plan_of(entries))
@@ -88,12 +101,55 @@ def check_replay(case, dtype_case, backend):
     assert stats.slots == sum(hi - lo for _, lo, hi, _, _ in entries) * sum(
         len(c) if isinstance(c, list) else 1 for c in layers.values())
     assert engine.verify(plan_of(entries)).ok
+    return buf, poison, engine, entries
 
 
 @pytest.mark.parametrize("dtype_case", DTYPES, ids=[d[0] for d in DTYPES])
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
 def test_replay_writes_the_bank_rows_and_nothing_else(case, dtype_case, backend):
     check_replay(case, dtype_case, backend)
+
+
+# (block, slot_start, slot_end, local_base, sequence) over RAGGED = [5, 11, 8]:
+# positions 3..7 of sequence 0 (rows 3, 4, 0, 1, 2: wrapped at 5), 8..15 of
+# sequence 1 (8, 9, 10, 0..4: wrapped at 11), 16..17 of sequence 2 (0, 1:
+# wrapped at 8), 24..31 of sequence 2 (0..7) and 0..7 of sequence 1 (no wrap).
+RAGGED_ENTRIES = [(4, 3, 8, 0, 0), (1, 0, 8, 8, 1), (5, 0, 2, 16, 2), (2, 0, 8, 24, 2), (0, 0, 8, 0, 1)]
+RAGGED_STATE_ENTRIES = [(4, 0, 1, 7, 0), (2, 0, 1, 9, 1), (0, 0, 1, 12, 2)]  # state rows at 7 mod 5, 9, 12 mod 8
+RAGGED_CASES = [c for c in CASES if c.name in ("vllm-LBNHC", "vllm-BHLNC", "std-LBNHC", "std-BHLNC", "fa-2xB",
+                                                "hnd-Bx2", "mla", "mamba-states", "LBNHC-kernel-split2",
+                                                "vllm-LBNHC-kernel-split2", "LBNHC-padded")]
+
+
+@pytest.mark.parametrize("dtype_case", [DTYPES[1], DTYPES[3]], ids=["bf16", "u8-fp8e4m3"])
+@pytest.mark.parametrize("case", RAGGED_CASES, ids=lambda c: c.name)
+def test_ragged_replay_wraps_each_sequence_at_its_own_length(case, dtype_case, backend):
+    """A bank of 3 sequences of 5, 11 and 8 rows: slot t of sequence s holds
+    row t mod N_s of s (entries past every sequence's own length), every other
+    byte is unchanged; verify agrees, and catches one corrupted element."""
+    entries = RAGGED_STATE_ENTRIES if case.state_list else RAGGED_ENTRIES
+    buf, poison, engine, entries = check_replay(case, dtype_case, backend, lengths=RAGGED, entries=entries)
+    plan = plan_of(entries)
+    written = (buf != poison).nonzero().flatten()
+    assert written.numel() > 0
+    at = int(written[written.numel() // 2])
+    buf[at] ^= 0xFF  # one byte of one written element
+    report = engine.verify(plan)
+    assert not report.ok and report.num_mismatched == 1, report
+    buf[at] ^= 0xFF
+    assert engine.verify(plan).ok
+
+
+def test_the_ragged_oracle_reads_the_rows_it_names():
+    """The test's own arithmetic against the bank: sequence s's rows start at
+    the sum of the earlier lengths; the table the kernel reads says the same."""
+    rows = torch.arange(sum(RAGGED) * 2, dtype=torch.int32).view(-1, 2)
+    bank = Bank({"l": rows}, sequence_lengths=RAGGED)
+    assert bank.starts == (0, 5, 16) and bank.num_positions == 11 and bank.num_rows == 24
+    assert bank.sequence_table().tolist() == [[0, 5], [5, 11], [16, 8]]
+    assert bank_row(bank, "l", 0, 7).tolist() == [4, 5]      # row 2 of sequence 0
+    assert bank_row(bank, "l", 1, 11).tolist() == [10, 11]   # row 0 of sequence 1 (start 5)
+    assert bank_row(bank, "l", 2, 17).tolist() == [34, 35]   # row 1 of sequence 2 (start 16)
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.name in ("vllm-LBNHC", "vllm-HLBNC", "mla")],
@@ -117,7 +173,7 @@ def test_replay_of_whole_pages_in_one_pass_on_the_vllm_cpu_layout(monkeypatch):
     poison = buf.clone()
     caches_ = buf.view(torch.bfloat16).view(2, 2, B, H, N, D)
     layers = {"a": caches_[0], "b": caches_[1]}
-    bank = Bank({n: torch.randn(2, 7, 2 * H * D).to(torch.bfloat16) for n in layers})
+    bank = Bank({n: torch.randn(11, 2 * H * D).to(torch.bfloat16) for n in layers}, sequence_lengths=[7, 4])
     calls = []
     real = torch_pages.fill_pages_direct
     monkeypatch.setattr(torch_fill, "PER_ENTRY_BYTES", 0)
@@ -130,8 +186,9 @@ def test_replay_of_whole_pages_in_one_pass_on_the_vllm_cpu_layout(monkeypatch):
     for name, t in layers.items():
         for k, (b, s) in enumerate(zip(blocks, seq)):
             for slot in range(N):
-                pos = (4 * k + slot) % 7
-                assert torch.equal(t[:, b, :, slot].reshape(-1), bank.layers[name][s, pos]), (name, b, slot)
+                # sequence 0: 7 rows from row 0; sequence 1: 4 rows from row 7
+                row = (4 * k + slot) % 7 if s == 0 else 7 + (4 * k + slot) % 4
+                assert torch.equal(t[:, b, :, slot].reshape(-1), bank.layers[name][row]), (name, b, slot)
     bits = buf.view(torch.int16).view(2, 2, B, H, N, D)  # bits: poison holds NaNs
     assert torch.equal(bits[:, :, [1, 5]], poison.view(torch.int16).view(2, 2, B, H, N, D)[:, :, [1, 5]])
 
@@ -142,10 +199,10 @@ def test_replay_of_whole_pages_in_one_pass_on_the_vllm_cpu_layout(monkeypatch):
 def test_replay_ranks_reassembled_equal_single_rank_replay(world, interleave, backend, layout):
     """Each rank replays the rows of its tokens' global positions: token t on
     rank (t // I) % W equals token t of the W = 1 replay (positions past the
-    recorded N wrap the same way on every rank)."""
+    recorded N_s wrap the same way on every rank)."""
     g = torch.Generator(device="cpu").manual_seed(3)
-    bank = Bank({f"layer.{i}": torch.randn(2, 40, HEADS * C, generator=g, device="cpu").to(torch.float16)
-                 for i in range(2)})
+    bank = Bank({f"layer.{i}": torch.randn(40 + 33, HEADS * C, generator=g, device="cpu").to(torch.float16)
+                 for i in range(2)}, sequence_lengths=[40, 33])  # ragged: sequence 1 wraps at 33
 
     def run(w, rank, seed):
         _, layers = caches(seed, layout)
@@ -164,8 +221,9 @@ def test_replay_ranks_reassembled_equal_single_rank_replay(world, interleave, ba
         got = slot_bytes(ranks[r], TABLE[loc // BS], loc % BS, layout)
         want = slot_bytes(ref, TABLE[t // BS], t % BS, layout)
         assert torch.equal(got, want), f"token {t} on rank {r} (local {loc})"
-        # and the W = 1 replay holds sequence 1's row at position t mod 40
-        assert torch.equal(want[0].reshape(-1).cpu(), bank.layers["layer.0"][1, t % 40].view(torch.uint8)), f"token {t}"
+        # and the W = 1 replay holds sequence 1's row at position t mod 33 (its rows start at 40)
+        assert torch.equal(want[0].reshape(-1).cpu(), bank.layers["layer.0"][40 + t % 33].view(torch.uint8)), \
+            f"token {t}"
 
 
 def test_verify_compares_replayed_slots_with_the_bank(backend):
@@ -180,7 +238,7 @@ def test_verify_compares_replayed_slots_with_the_bank(backend):
     assert not report.ok and report.num_mismatched == 1
     m = report.first[0]
     assert (m.block, m.slot, m.element) == (3, 4, 16 + 7)
-    assert m.expected == float(bank.layers["l"][0, 12 % 9, 23])
+    assert m.expected == float(bank.layers["l"][12 % 9, 23])  # sequence 0: rows 0..8
 
 
 def _one_layer(dtype=torch.bfloat16):
@@ -255,7 +313,7 @@ def test_bank_file_round_trip_keeps_rows_metadata_and_sequence_choice(tmp_path):
     path = tmp_path / "bank.safetensors"
     bank.save(path)
     back = Bank.load(path)
-    assert all(torch.equal(back.layers[n], rows[n].cpu()) for n in rows)
+    assert all(torch.equal(back.layers[n], rows[n].reshape(10, -1)) for n in rows)  # [S, N, R] saved as [S * N, R]
     assert back.metadata == {"model": "m", "vllm_version": "0.32.0"}
     assert back.bytes_per_token == 8 * 2 + 4 and back.nbytes == 2 * 5 * 20
     index = BankIndex.read(path)
@@ -266,8 +324,24 @@ def test_bank_file_round_trip_keeps_rows_metadata_and_sequence_choice(tmp_path):
     assert index.sequence_for(other) == index.sequence_for(list(other)) in (0, 1)
     picks = {index.sequence_for(list(range(i, i + 30))) for i in range(200, 240)}
     assert picks == {0, 1}, "unrecorded prompts spread over the sequences"
+    assert back.lengths == (5, 5) and back.value_dtypes == {"a": "bfloat16", "b": "float8_e4m3fn"}
     with pytest.raises(BankError, match="holds float8_e4m3fn values, the cache encodes float8_e5m2"):
-        back.check_layer("b", torch.uint8, 4, torch.float8_e5m2)
+        back.rows_for("b", torch.uint8, RowFormat.of([[4]]), torch.float8_e5m2)
+    assert torch.equal(back.rows_for("b", torch.uint8, RowFormat.of([[4]]), torch.float8_e4m3fn), rows["b"].view(10, 4))
+
+
+def test_ragged_bank_file_round_trip_keeps_each_sequences_rows_and_tokens(tmp_path):
+    pytest.importorskip("safetensors")
+    g = torch.Generator(device="cpu").manual_seed(4)
+    rows = torch.randn(sum(RAGGED), 6, generator=g, device="cpu").to(torch.float16)
+    tokens = [list(range(100 + 20 * s, 100 + 20 * s + n)) for s, n in enumerate(RAGGED)]
+    Bank({"l": rows}, sequence_lengths=RAGGED, sequence_tokens=tokens).save(tmp_path / "r.safetensors")
+    back = Bank.load(tmp_path / "r.safetensors")
+    assert back.lengths == tuple(RAGGED) and [list(t) for t in back.sequence_tokens] == tokens
+    assert torch.equal(back.layers["l"], rows) and back.num_positions == 11
+    index = BankIndex.read(tmp_path / "r.safetensors")
+    assert [index.sequence_for(t) for t in tokens] == [0, 1, 2]
+    assert "3 sequences of 5-11 positions (24 rows)" in back.describe()
 
 
 def test_a_file_that_is_not_a_bank_is_refused_with_its_name(tmp_path):
@@ -326,14 +400,20 @@ def test_a_bank_from_caches_with_another_element_order_is_refused(tmp_path):
 
     cache = torch.zeros(3, 8, 16, 8, dtype=torch.bfloat16)
     split = FillEngine({"g": CacheGroup({"l": cpu_kv_parts(cache, 4)}, slot_dim=2)})
-    assert split.row_parts() == {"l": [[8, 4], [8, 4]]}
-    bank = Bank({"l": torch.zeros(1, 4, 64, dtype=torch.bfloat16)}, parts=split.row_parts())
+    fmt = split.row_formats()["l"]
+    assert [list(p) for p in fmt.parts] == [[8, 4], [8, 4]] and fmt.kv == (8, 4, 4)
+    # a native bank (no kv: rows in the cache's own element order, named by its parts)
+    bank = Bank({"l": torch.zeros(1, 4, 64, dtype=torch.bfloat16)}, parts={"l": [[8, 4], [8, 4]]})
     bank.save(tmp_path / "b.safetensors")
     bank = Bank.load(tmp_path / "b.safetensors")
     FillEngine({"g": CacheGroup({"l": cpu_kv_parts(torch.zeros_like(cache), 4)}, slot_dim=2)}, bank=bank)
-    with pytest.raises(BankError, match=r"recorded from caches with element dims \[\[8, 4\], \[8, 4\]\], these "
-                                        r"caches have \[\[8, 8\]\]"):
+    with pytest.raises(BankError, match=r"recorded in the element order of caches with element dims "
+                                        r"\[\[8, 4\], \[8, 4\]\] \(no known K/V view\), these caches have "
+                                        r"\[\[8, 8\]\]"):
         FillEngine({"g": CacheGroup({"l": torch.zeros_like(cache)})}, bank=bank)
+    # ... even where the cache's geometry is given: a native bank has no K/V order to permute
+    with pytest.raises(BankError, match=r"element dims"):
+        FillEngine({"g": CacheGroup({"l": torch.zeros_like(cache)}, kv=(8, 4, 4))}, bank=bank)
 
 
 def test_parts_name_the_logical_view_not_the_strides():
@@ -343,9 +423,12 @@ def test_parts_name_the_logical_view_not_the_strides():
     std = torch.zeros(4, 2, 16, 256, dtype=torch.bfloat16)                      # [B, H, N, 2D]
     flash = torch.zeros(2, 4, 16, 2, 128, dtype=torch.bfloat16)                 # (2, B, N, H, D)
     hnd = torch.zeros(4, 16, 2, 256, dtype=torch.bfloat16).permute(0, 2, 1, 3)  # [B, H, N, 2D], N outer
-    parts = {name: FillEngine({"g": CacheGroup({"l": t}, block_dim=bd, slot_dim=sd)}).row_parts()["l"]
-             for name, t, bd, sd in (("std", std, 0, 2), ("flash", flash, 1, 2), ("hnd", hnd, 0, 2))}
+    formats = {name: FillEngine({"g": CacheGroup({"l": t}, block_dim=bd, slot_dim=sd)}).row_formats()["l"]
+               for name, t, bd, sd in (("std", std, 0, 2), ("flash", flash, 1, 2), ("hnd", hnd, 0, 2))}
+    parts = {name: [list(p) for p in f.parts] for name, f in formats.items()}
     assert parts == {"std": [[2, 256]], "flash": [[2, 2, 128]], "hnd": [[2, 256]]}
+    # only the flash view names its K/V geometry by itself ([H, 2D] could be one head of 2D)
+    assert {name: f.kv for name, f in formats.items()} == {"std": None, "flash": (2, 128, 128), "hnd": None}
     bank = Bank({"l": torch.zeros(1, 4, 512, dtype=torch.bfloat16)}, parts={"l": parts["flash"]})
     with pytest.raises(BankError, match="element dims"):
         FillEngine({"g": CacheGroup({"l": std})}, bank=bank)
@@ -354,17 +437,18 @@ def test_parts_name_the_logical_view_not_the_strides():
 
 def test_device_built_replay_entries_stay_inside_the_bank():
     """fill_device_entries is not validated on the host: a sequence past the
-    bank is clamped to the last one, a negative base wraps like t mod N."""
+    bank is clamped to the last one, a negative base wraps like t mod N_s
+    (the last sequence's own length in a ragged bank)."""
     cache = torch.zeros(4, 2, 8, 16, dtype=torch.bfloat16)  # [B, H, N, C]: row 32
-    bank = Bank({"l": torch.randn(3, 9, 32, device="cpu").to(torch.bfloat16)})
+    bank = Bank({"l": torch.randn(9 + 5 + 7, 32, device="cpu").to(torch.bfloat16)}, sequence_lengths=[9, 5, 7])
     eng = FillEngine({"g": CacheGroup({"l": cache})}, bank=bank, backend="triton")
     entries = torch.tensor([[1, 0, 4, -3, 7], [2, 0, 2, 0, 1]], dtype=torch.int32)
     assert eng.fill_device_entries("g", entries) == 1
     rows = bank.layers["l"]
-    for slot, pos in enumerate([6, 7, 8, 0]):  # positions -3..0 -> rows 6, 7, 8, 0 of sequence 2 (clamped)
-        assert torch.equal(cache[1, :, slot].reshape(-1).cpu(), rows[2, pos]), slot
+    for slot, pos in enumerate([4, 5, 6, 0]):  # positions -3..0 -> rows 4, 5, 6, 0 of sequence 2 (clamped; 7 rows)
+        assert torch.equal(cache[1, :, slot].reshape(-1).cpu(), rows[14 + pos]), slot
     for slot in range(2):
-        assert torch.equal(cache[2, :, slot].reshape(-1).cpu(), rows[1, slot])
+        assert torch.equal(cache[2, :, slot].reshape(-1).cpu(), rows[9 + slot])  # sequence 1 starts at row 9
     assert (cache[1, :, 4:] == 0).all() and (cache[[0, 3]] == 0).all()
 
 
