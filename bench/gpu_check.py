@@ -38,9 +38,9 @@ from kvfill.kernels import CacheGroup, FillEngine, GroupFill, fill_blocks  # noq
 MiB = 1 << 20
 SLOT_ENTRIES = [(4, 3, 8, 0), (1, 0, 8, 8), (5, 0, 2, 16)]
 STATE_ENTRIES = [(4, 0, 1, 7), (2, 0, 1, 9)]
-# Replay: a sequence per entry; the bank holds BANK_POSITIONS positions, the
-# entries reach position 18, so rows past it wrap.
-BANK_SEQUENCES, BANK_POSITIONS = 3, 11
+# Replay: a sequence per entry; a ragged bank of sequences of BANK_LENGTHS
+# positions, the entries reach position 18, so rows past each one's length wrap.
+BANK_LENGTHS = (11, 7, 13)
 REPLAY_SLOT_ENTRIES = [(4, 3, 8, 0, 2), (1, 0, 8, 8, 0), (5, 0, 2, 16, 1)]
 REPLAY_STATE_ENTRIES = [(4, 0, 1, 7, 1), (2, 0, 1, 9, 2)]
 
@@ -67,20 +67,22 @@ def _engine(layers, case, encoding, backend, std, bank=None):
 
 
 def random_bank(engine, dtype, seed=7):
-    """Random bits ``[BANK_SEQUENCES, BANK_POSITIONS, row]`` per layer of a
-    (bank-less) engine, in ``dtype``, on the host (replay moves bits, it
-    never decodes them; the replaying engine uploads its copy)."""
+    """Random bits ``[sum(BANK_LENGTHS), row]`` per layer of a (bank-less)
+    engine, in ``dtype``, on the host (replay moves bits, it never decodes
+    them; the replaying engine uploads its copy), canonical K/V rows where the
+    layout names its heads (staging permutes them into the cache's order)."""
     from kvfill.kernels import Bank
 
     g = torch.Generator(device="cpu").manual_seed(seed)
     itemsize = torch.empty((), dtype=dtype, device="cpu").element_size()
-    layers = {}
+    layers, kv = {}, {}
     for name, fmt in engine.row_formats().items():
         row = sum(math.prod(p) for p in fmt.parts)
-        raw = torch.randint(0, 256, (BANK_SEQUENCES * BANK_POSITIONS * row * itemsize,), dtype=torch.uint8,
-                            generator=g, device="cpu")
-        layers[name] = raw.view(dtype).view(BANK_SEQUENCES, BANK_POSITIONS, row)
-    return Bank(layers)
+        raw = torch.randint(0, 256, (sum(BANK_LENGTHS) * row * itemsize,), dtype=torch.uint8, generator=g,
+                            device="cpu")
+        layers[name] = raw.view(dtype).view(sum(BANK_LENGTHS), row)
+        kv[name] = fmt.kv
+    return Bank(layers, sequence_lengths=BANK_LENGTHS, kv=kv)
 
 
 def check_case(case, dtype, encoding, device, mode):
