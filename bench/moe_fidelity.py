@@ -5,7 +5,7 @@ filled KV as it does over real prefill?
     python bench/moe_fidelity.py --held-out 64 --record 16 --output-len 32 --json out/moe-fidelity-small.json
 
 A tiny random-weight Mixtral (made once in ``out/tiny-mixtral``, see "Model")
-decodes the same held-out prompts in four runs, each in its own process:
+decodes the same held-out prompts in four runs, one new engine after another in one child process:
   * ``prefill``  - no connector: vLLM computes the prompts' KV
   * ``replay``   - kvfill, ``fill_mode: replay`` from a bank recorded with real
                    prefill over *other* prompts of the same distribution (a
@@ -203,8 +203,20 @@ def read_expert_counts(worker) -> dict:
             for rid, by_layer in worker.kvfill_expert_counts.items()}
 
 
-# ------------------------------------------------------------ one run (its own process)
-def run_one(a) -> dict:
+# ------------------------------------------------------------ the runs (one child process)
+def run_all(a) -> dict:
+    """The runs ``a.only`` names (comma-separated), one engine after another
+    in this process (each a new ``LLM`` with its own hooks), vLLM imported once."""
+    import gc
+
+    results = {}
+    for run in a.only.split(","):
+        results[run] = run_one(a, run)
+        gc.collect()
+    return results
+
+
+def run_one(a, run: str) -> dict:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the hooks live in this process
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
@@ -217,7 +229,7 @@ def run_one(a) -> dict:
         ids = [list(tok(line.rstrip("\n")).input_ids) for line in f if line.strip()]
     extra = {"prefill": None, "replay": {"fill_mode": "replay", "bank": a.bank},
              "normal": {"fill_mean": a.fill_mean, "fill_std": a.fill_std},
-             "constant": {"fill_mean": FILL_MEAN, "fill_std": 0.0}}[a.only]
+             "constant": {"fill_mean": FILL_MEAN, "fill_std": 0.0}}[run]
     kw = {}
     if extra is not None:
         kw["kv_transfer_config"] = {"kv_connector": "KVFillConnector", "kv_role": "kv_both",
@@ -243,7 +255,8 @@ def run_one(a) -> dict:
     if routed != expected:
         raise RuntimeError(f"counted {routed} expert selections over decode-step tokens; expected prompts x "
                            f"(output_len - 1) x layers x top-k = {expected}")
-    return {"run": a.only, "startup_s": round(startup_s, 1), "generate_s": round(generate_s, 2),
+    del llm
+    return {"run": run, "startup_s": round(startup_s, 1), "generate_s": round(generate_s, 2),
             "tokens": [list(o.outputs[0].token_ids) for o in outs],
             "counts": [[c[str(layer)] for layer in range(LAYERS)] for c in per_prompt]}
 
@@ -332,7 +345,7 @@ def main(argv=None) -> int:
     out_dir = os.path.join(here, "..", "out", "moe-fidelity")
     a.model = os.path.abspath(a.model or os.path.join(here, "..", "out", "tiny-mixtral"))
     if a.only:
-        print_result(run_one(a))
+        print_result(run_all(a))
         return 0
     t_start = time.perf_counter()
     os.makedirs(out_dir, exist_ok=True)
@@ -365,14 +378,12 @@ def main(argv=None) -> int:
           f"V std {stats['v_std']:.4f}); normal fill: the same mean and std; the held-out prompts "
           f"replay {len(set(replayed))} of the {index.num_sequences} recorded sequences", flush=True)
 
-    results, commands = {}, {}
-    for run in RUNS:
-        cmd = [sys.executable, os.path.abspath(__file__), "--only", run, "--bank", bank, "--prompts-file",
-               held_out_file, "--model", a.model, "--dtype", a.dtype, "--prompt-len", str(a.prompt_len),
-               "--output-len", str(a.output_len), "--fill-mean", repr(a.fill_mean), "--fill-std", repr(a.fill_std)]
-        commands[run] = cmd
-        print(f"running {run} ...", flush=True)
-        results[run] = child_result(cmd, run, timeout=a.timeout, env=env)
+    cmd = [sys.executable, os.path.abspath(__file__), "--only", ",".join(RUNS), "--bank", bank, "--prompts-file",
+           held_out_file, "--model", a.model, "--dtype", a.dtype, "--prompt-len", str(a.prompt_len),
+           "--output-len", str(a.output_len), "--fill-mean", repr(a.fill_mean), "--fill-std", repr(a.fill_std)]
+    commands = {"runs": cmd}
+    print(f"running {', '.join(RUNS)} (one engine after another, one process) ...", flush=True)
+    results = child_result(cmd, "the runs", timeout=a.timeout * len(RUNS), env=env)
 
     prompts = range(a.held_out)
     loads = {run: load(results[run]["counts"], prompts) for run in RUNS}

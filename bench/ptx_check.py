@@ -34,7 +34,7 @@ def compile_ptx(layout, mode: str, arch: int = 90) -> str:
     sig = {
         "entries_ptr": "*i32", "layers_ptr": "*i64", "ref_ptr": f"*{bits}", "table_ptr": f"*{bits}",
         "dcp_world_size": "i32", "dcp_rank": "i32", "dcp_interleave": "i32", "num_blocks": "i32",
-        "bank_sequences": "i32", "bank_positions": "i32",
+        "seqs_ptr": "*i64", "bank_sequences": "i32",
     }
     align = 16 // layout.itemsize
     if mode == "replay":  # a bank whose rows are the layer's rows, 16-byte aligned, sequences per entry
@@ -45,7 +45,7 @@ def compile_ptx(layout, mode: str, arch: int = 90) -> str:
     names = list(sig) + list(consts)
     sig.update({k: "constexpr" for k in consts})
     # Pointer arguments are 16-byte aligned (Triton specialises on that at launch).
-    attrs = {(i,): [["tt.divisibility", 16]] for i in range(4)}
+    attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, names.index("seqs_ptr"))}
     src = ASTSource(tf.scatter_fill_kernel, sig, constexprs={(names.index(k),): v for k, v in consts.items()},
                     attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32)).asm["ptx"]

@@ -7,8 +7,8 @@ same prompts from replayed KV, and compare with real prefill token for token.
     python bench/replay_e2e.py --shared-prefix 256 --prompt-len 300   # prefix caching on, decoys first
     python bench/replay_e2e.py --real              # SmolLM2-135M on real text of 3 lengths, recorder defaults
 
-Runs, each in its own process on the same prompts (greedy, top-1 logprob per
-generated token):
+Runs, one engine after another on the same prompts (greedy, top-1 logprob per
+generated token; offline: in one child process, each run a new engine):
   * ``prefill``  - no connector: vLLM computes the prompt's KV
   * ``replay``   - kvfill, ``fill_mode: replay`` from a bank recorded over these prompts
   * ``normal``   - kvfill, synthetic normal(0, 0.1) KV
@@ -104,7 +104,20 @@ def decoys(ids: list[list[int]], shared: int) -> list[list[int]]:
     return [t[:shared] + t[shared:][::-1] for t in ids]
 
 
-def run_one(a) -> dict:
+def run_all(a) -> dict:
+    """The runs ``a.only`` names (comma-separated), one engine after another
+    in this process: each a new ``LLM`` (its own caches, prefix cache and
+    connector), vLLM imported once."""
+    import gc
+
+    results = {}
+    for run in a.only.split(","):
+        results[run] = run_one(a, run)
+        gc.collect()
+    return results
+
+
+def run_one(a, run: str) -> dict:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM, SamplingParams
@@ -113,12 +126,12 @@ def run_one(a) -> dict:
     ids = prompt_ids(a.model, a.prompts_file)
     kw = {}
     batched = max(2048, a.prompt_len + 16)
-    if a.only == "prefill_split":
+    if run == "prefill_split":
         # The last prompt token in a step of its own, after the rest: how a
         # filled request computes it (the rounding floor of computing it apart).
         kw.update(max_num_seqs=1, enable_chunked_prefill=True)
         batched = a.prompt_len - 1
-    kt = connector_config(a.only, a.bank)
+    kt = connector_config(run, a.bank)
     if kt is not None:
         kw["kv_transfer_config"] = kt
     llm = LLM(model=a.model, dtype=a.dtype, skip_tokenizer_init=True, enforce_eager=True, max_model_len=max_model_len(a),
@@ -135,7 +148,8 @@ def run_one(a) -> dict:
         c = o.outputs[0]
         rows.append({"tokens": list(c.token_ids),
                      "logprobs": [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)]})
-    return {"run": a.only, "outputs": rows}
+    del llm
+    return {"run": run, "outputs": rows}
 
 
 def serve_one(a, run: str, bank: str, prompts_file: str, log_dir: str) -> dict:
@@ -246,7 +260,7 @@ def main(argv=None) -> int:
     if a.shared_prefix and a.serve:
         p.error("--shared-prefix runs the offline engine; drop --serve")
     if a.only:
-        print_result(run_one(a))
+        print_result(run_all(a))
         return 0
     os.makedirs(out_dir, exist_ok=True)
     prompts_file = os.path.join(out_dir, "prompts.txt")
@@ -269,16 +283,16 @@ def main(argv=None) -> int:
     print(next(line for line in rec.stdout.splitlines() if line.startswith("wrote")), flush=True)
     results = {}
     runs = [r for r in RUNS if r == "prefill" or r in a.runs]
-    for run in runs if not a.serve else [r for r in runs if r != "prefill_split"]:
-        if a.serve:
+    if a.serve:
+        for run in [r for r in runs if r != "prefill_split"]:
             print(f"serving {run} ...", flush=True)
             results[run] = serve_one(a, run, bank, prompts_file, out_dir)
-            continue
-        cmd = [sys.executable, os.path.abspath(__file__), "--only", run, "--bank", bank, "--prompts-file",
-               prompts_file, "--model", a.model, "--dtype", a.dtype, "--prompt-len", str(a.prompt_len),
-               "--output-len", str(a.output_len), "--shared-prefix", str(a.shared_prefix)]
-        print(f"running {run} ...", flush=True)
-        results[run] = child_result(cmd, run, timeout=900)
+    else:
+        cmd = [sys.executable, os.path.abspath(__file__), "--only", ",".join(runs), "--bank", bank,
+               "--prompts-file", prompts_file, "--model", a.model, "--dtype", a.dtype, "--prompt-len",
+               str(a.prompt_len), "--output-len", str(a.output_len), "--shared-prefix", str(a.shared_prefix)]
+        print(f"running {', '.join(runs)} (one engine after another, one process) ...", flush=True)
+        results = child_result(cmd, "the runs", timeout=900 * len(runs))
     rows = [compare(results["prefill"], results[r]) for r in RUNS[1:] if r in results]
     from kvfill.bench.common import table
 
