@@ -122,6 +122,19 @@ def print_result(payload) -> None:
     print(RESULT + json.dumps(payload), flush=True)
 
 
+def run_each(runs: str, run_one) -> dict:
+    """In a bench child process: ``run_one(run)`` for each of the
+    comma-separated ``runs``, one after another (each builds its own engine,
+    so vLLM is imported once for all); run -> its result."""
+    import gc
+
+    results = {}
+    for run in runs.split(","):
+        results[run] = run_one(run)
+        gc.collect()  # the previous engine's caches before the next one's
+    return results
+
+
 def run_child(cmd: list[str], what: str, *, timeout: float | None = None, env: dict | None = None
               ) -> subprocess.CompletedProcess:
     """Run a bench child process (an engine run, a recording); if it fails,

@@ -58,7 +58,7 @@ import re
 import sys
 import time
 
-from kvfill.bench.common import child_result, print_result, run_child
+from kvfill.bench.common import child_result, print_result, run_child, run_each
 from kvfill.bench.models import make_tokenizer
 
 RUNS = ("prefill", "replay", "normal", "constant")
@@ -204,18 +204,6 @@ def read_expert_counts(worker) -> dict:
 
 
 # ------------------------------------------------------------ the runs (one child process)
-def run_all(a) -> dict:
-    """The runs ``a.only`` names (comma-separated), one engine after another
-    in this process (each a new ``LLM`` with its own hooks), vLLM imported once."""
-    import gc
-
-    results = {}
-    for run in a.only.split(","):
-        results[run] = run_one(a, run)
-        gc.collect()
-    return results
-
-
 def run_one(a, run: str) -> dict:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the hooks live in this process
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -345,7 +333,7 @@ def main(argv=None) -> int:
     out_dir = os.path.join(here, "..", "out", "moe-fidelity")
     a.model = os.path.abspath(a.model or os.path.join(here, "..", "out", "tiny-mixtral"))
     if a.only:
-        print_result(run_all(a))
+        print_result(run_each(a.only, lambda run: run_one(a, run)))
         return 0
     t_start = time.perf_counter()
     os.makedirs(out_dir, exist_ok=True)

@@ -44,7 +44,7 @@ import os
 import random
 import sys
 
-from kvfill.bench.common import child_result, print_result, run_child
+from kvfill.bench.common import child_result, print_result, run_child, run_each
 from kvfill.bench.models import make_model, make_tokenizer
 
 RUNS = ("prefill", "prefill_split", "replay", "normal", "constant")
@@ -102,19 +102,6 @@ def decoys(ids: list[list[int]], shared: int) -> list[list[int]]:
     """Per prompt, an unrecorded one with its first ``shared`` tokens and its
     other tokens reversed."""
     return [t[:shared] + t[shared:][::-1] for t in ids]
-
-
-def run_all(a) -> dict:
-    """The runs ``a.only`` names (comma-separated), one engine after another
-    in this process: each a new ``LLM`` (its own caches, prefix cache and
-    connector), vLLM imported once."""
-    import gc
-
-    results = {}
-    for run in a.only.split(","):
-        results[run] = run_one(a, run)
-        gc.collect()
-    return results
 
 
 def run_one(a, run: str) -> dict:
@@ -260,7 +247,7 @@ def main(argv=None) -> int:
     if a.shared_prefix and a.serve:
         p.error("--shared-prefix runs the offline engine; drop --serve")
     if a.only:
-        print_result(run_all(a))
+        print_result(run_each(a.only, lambda run: run_one(a, run)))
         return 0
     os.makedirs(out_dir, exist_ok=True)
     prompts_file = os.path.join(out_dir, "prompts.txt")
