@@ -36,8 +36,7 @@ class Recorder:
         if max(sizes) > 1:
             raise ValueError(f"KVFillConnector: recording needs every layer whole on one worker; got tensor, "
                              f"pipeline and decode context parallel sizes {sizes} (record with 1, 1, 1)")
-        self.record_dir = options.record_dir
-        self.positions = options.record_positions
+        self.record_dir = options.record_dir  # each item names its own positions (the scheduler's cap applied)
 
     def save(self, engine: FillEngine, planner: Planner, meta: KVFillConnectorMetadata) -> None:
         """Save positions ``[0, N)`` of each prompt the step completed, in the

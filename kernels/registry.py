@@ -15,8 +15,8 @@ import torch
 
 from . import values as V
 from .bank import Bank, BankError, free_bytes
-from .kv_rows import RowFormat
 from .dcp import NO_DCP, DcpGeometry
+from .kv_rows import RowFormat
 from .layout import Layout, default_slot_dim, layout_of
 
 
@@ -213,7 +213,8 @@ class Registry:
     def row_formats(self) -> dict[str, RowFormat]:
         """Layer -> how its cache row relates to a bank's (``kv_rows.py``):
         its parts, its K/V geometry (given or inferred) and the permutation
-        from the canonical order; ValueError for a geometry the view denies."""
+        from the canonical order; a view that is no known one of the geometry
+        keeps its own order, a geometry of sizes < 1 is a ValueError."""
         return {name: RowFormat.of(parts, self.kv.get(name), where=f"layer {name!r}")
                 for name, parts in self.row_parts().items()}
 
