@@ -10,7 +10,8 @@ Schema (one safetensors file, ``BANK_FORMAT`` version ``BANK_VERSION``)
   the KV the model computed for token position ``t`` of sequence ``s``.
 * Row order (``kv_rows.py``): an attention layer's row is canonical - K
   ``[num_kv_heads, head_size]`` then V ``[num_kv_heads, head_size_v]`` over
-  all the KV heads the recording worker held; an MLA row is its latent
+  all the model's KV heads (a recording under tensor parallelism merges its
+  ranks' heads); an MLA row is its latent
   ``[kv_lora_rank + rope dim]`` (one "head", ``head_size_v`` 0).  The same for
   every attention backend, cache layout and platform: staging a bank for an
   engine permutes it once into each cache's element order (vLLM CPU's K and V
@@ -33,6 +34,8 @@ Schema (one safetensors file, ``BANK_FORMAT`` version ``BANK_VERSION``)
 * Version 3 (ragged sequences, canonical rows) replaced version 2
   (rectangular ``[S, N, R]`` in the cache's own order); older banks are
   refused with how to record them again.
+* What one rank of a parallel engine loads of it - its KV heads, its
+  pipeline stage's layers, its DCP positions - is ``bank_part.py``.
 
 Replay rule
 -----------
@@ -56,7 +59,6 @@ shares a recorded prompt's beginning replays that prompt's rows there.
 """
 from __future__ import annotations
 
-import hashlib
 import os
 from typing import Mapping, Sequence
 
@@ -65,24 +67,9 @@ import torch
 
 from . import bank_file
 from .bank_file import BANK_FORMAT, BANK_VERSION, BankError, dtype_name, free_bytes  # noqa: F401 (public here)
+from .bank_index import BankIndex, sequence_key  # noqa: F401 (public here)
+from .bank_part import WHOLE, BankPart
 from .kv_rows import RowFormat
-
-_PREFIX = 16  # tokens compared for every sequence before the whole comparison (BankIndex)
-
-
-def sequence_key(token_ids: Sequence[int] | np.ndarray) -> str:
-    """The key of a token sequence: 16 hex digits of the SHA-256 of its ids as int64."""
-    ids = np.ascontiguousarray(np.asarray(token_ids, dtype=np.int64))
-    return hashlib.sha256(ids.tobytes()).hexdigest()[:16]
-
-
-def _lengths(num_sequences: int, lengths) -> np.ndarray:
-    if isinstance(lengths, (int, np.integer)):
-        return np.full(int(num_sequences), int(lengths), dtype=np.int64)
-    out = np.asarray(list(lengths), dtype=np.int64).reshape(-1)
-    if out.size != num_sequences or (out.size and out.min() < 1):
-        raise BankError(f"sequence lengths {out.tolist()[:8]}: expected {num_sequences} ints >= 1")
-    return out
 
 
 def _geometry(source: str, name: str, kv) -> tuple[int, int, int]:
@@ -92,78 +79,6 @@ def _geometry(source: str, name: str, kv) -> tuple[int, int, int]:
         raise BankError(f"{source}: layer {name!r} kv is {kv!r}; expected [num_kv_heads >= 1, head_size >= 1, "
                         f"head_size_v >= 0]")
     return tuple(int(x) for x in g)
-
-
-class BankIndex:
-    """What choosing a block's sequence needs: each recorded sequence's
-    length and token ids, read from the metadata alone (the scheduler never
-    loads rows).  ``lengths``: one int (every sequence's) or one per sequence."""
-
-    def __init__(self, num_sequences: int, lengths, sequence_tokens=()):
-        self.num_sequences = int(num_sequences)
-        self.lengths = _lengths(self.num_sequences, lengths)
-        self.tokens = None
-        if len(sequence_tokens):
-            self.tokens = [np.asarray(t, dtype=np.int64).reshape(-1) for t in sequence_tokens]
-            width = min(_PREFIX, int(self.lengths.max()))
-            # Each sequence's first tokens, -1 past its end: compared for every sequence at once.
-            self.head = np.full((self.num_sequences, width), -1, dtype=np.int64)
-            for s, t in enumerate(self.tokens):
-                self.head[s, :min(width, t.size)] = t[:width]
-
-    @property
-    def num_positions(self) -> int:
-        """The longest sequence's length."""
-        return int(self.lengths.max())
-
-    def _agree(self, ids: np.ndarray) -> np.ndarray:
-        """Per sequence: how many positions from the start its tokens equal the prompt's."""
-        width = self.head.shape[1]
-        m = min(ids.size, width)
-        head_len = np.minimum(self.lengths, m)
-        differs = (self.head[:, :m] != ids[None, :m]) | (np.arange(m)[None, :] >= head_len[:, None])
-        agree = np.where(differs.any(axis=1), differs.argmax(axis=1), m)
-        for s in np.flatnonzero(agree == m).tolist():  # agreeing so far: compare the whole sequence
-            n = min(ids.size, int(self.lengths[s]))
-            if n > m:
-                d = np.flatnonzero(self.tokens[s][:n] != ids[:n])
-                agree[s] = int(d[0]) if d.size else n
-        return agree
-
-    def sequences_for(self, prompt_token_ids: Sequence[int] | np.ndarray, ends) -> np.ndarray:
-        """The sequence the block ending at each of ``ends`` (positions,
-        exclusive, <= the prompt's length) replays: the module docstring's rule."""
-        ids = np.asarray(prompt_token_ids, dtype=np.int64).reshape(-1)
-        ends = np.asarray(ends, dtype=np.int64).reshape(-1)
-        out = np.full(ends.size, -1, dtype=np.int64)
-        if self.tokens is not None and ends.size:
-            agree = self._agree(ids)
-            need = np.minimum(ends[:, None], self.lengths[None, :])  # [ends, sequences]
-            cover = np.where(agree[None, :] >= need, need, -1)
-            best = cover.argmax(axis=1)  # the first of the largest: lowest-numbered among equals
-            out = np.where(cover[np.arange(ends.size), best] > 0, best, -1)
-        todo = np.flatnonzero(out < 0)
-        if todo.size:
-            # One pass of SHA-256 over the prompt, a digest at every end asked for.
-            order = todo[np.argsort(ends[todo], kind="stable")]
-            h, pos = hashlib.sha256(), 0
-            for k in order:
-                e = int(ends[k])
-                h.update(np.ascontiguousarray(ids[pos:e]).tobytes())
-                pos = e
-                out[k] = int.from_bytes(h.copy().digest()[:8], "little") % self.num_sequences
-        return out
-
-    def sequence_for(self, prompt_token_ids: Sequence[int] | np.ndarray) -> int:
-        """The sequence of a block ending at the prompt's end."""
-        n = len(prompt_token_ids)
-        return int(self.sequences_for(prompt_token_ids, [n])[0])
-
-    @classmethod
-    def read(cls, path: str | os.PathLike) -> "BankIndex":
-        """The index of a bank file, from its metadata alone, after checking
-        it against the file's tensors; BankError naming the file and key."""
-        return cls(*bank_file.read_index(os.fspath(path)))
 
 
 class Bank:
@@ -177,7 +92,9 @@ class Bank:
     float dtype its bytes encode (``dtype_name``); ``kv``: layer -> ``(heads,
     head_size, head_size_v)`` of a canonical row; ``parts``: layer -> the
     element dims of the cache tensors it was read from; ``metadata``:
-    provenance strings.
+    provenance strings; ``part``: what of the recorded bank this is
+    (``bank_part.py``; then ``kv`` is the part's geometry, ``sequence_lengths``
+    its local lengths and ``recorded_lengths`` the sequences' own).
     """
 
     def __init__(
@@ -191,6 +108,8 @@ class Bank:
         parts: Mapping[str, Sequence[Sequence[int]]] | None = None,
         metadata: Mapping[str, str] | None = None,
         source: str = "bank",
+        recorded_lengths: Sequence[int] | None = None,
+        part: BankPart = WHOLE,
     ):
         if not layers:
             raise BankError(f"{source}: holds no layers")
@@ -198,10 +117,12 @@ class Bank:
         self.layers, lengths = self._packed(layers, sequence_lengths, sequence_tokens)
         self.lengths = tuple(int(n) for n in lengths)
         self.starts = tuple(int(x) for x in np.concatenate([[0], np.cumsum(self.lengths)[:-1]]))
+        self.part = part
+        self.recorded_lengths = tuple(int(n) for n in recorded_lengths) if recorded_lengths else self.lengths
         self.sequence_tokens = tuple(tuple(int(x) for x in t) for t in sequence_tokens)
-        if self.sequence_tokens and [len(t) for t in self.sequence_tokens] != list(self.lengths):
+        if self.sequence_tokens and [len(t) for t in self.sequence_tokens] != list(self.recorded_lengths):
             raise BankError(f"{source}: sequence_tokens must be {self.num_sequences} lists of the sequences' "
-                            f"lengths {list(self.lengths)[:8]}, got lengths "
+                            f"lengths {list(self.recorded_lengths)[:8]}, got lengths "
                             f"{[len(t) for t in self.sequence_tokens][:8]}")
         self.value_dtypes = dict(value_dtypes or {})
         self.kv = {n: _geometry(source, n, g) for n, g in (kv or {}).items() if g}
@@ -265,7 +186,7 @@ class Bank:
 
     @property
     def index(self) -> BankIndex:
-        return BankIndex(self.num_sequences, self.lengths, self.sequence_tokens)
+        return BankIndex(self.num_sequences, self.recorded_lengths, self.sequence_tokens)
 
     def sequence_table(self) -> np.ndarray:
         """int64 ``[S, 2]``: each sequence's first row and length."""
@@ -274,8 +195,23 @@ class Bank:
     def describe(self) -> str:
         lo, hi = min(self.lengths), max(self.lengths)
         span = f"{lo}" if lo == hi else f"{lo}-{hi}"
-        return (f"{self.source}: {len(self.layers)} layers x {self.num_sequences} sequences of {span} positions "
-                f"({self.num_rows} rows), {self.bytes_per_token} B per token, {self.nbytes / 2**20:.1f} MiB")
+        part = "" if self.part.whole else f" ({self.part.describe()}: this rank's part)"
+        return (f"{self.source}{part}: {len(self.layers)} layers x {self.num_sequences} sequences of {span} "
+                f"positions ({self.num_rows} rows), {self.bytes_per_token} B per token, "
+                f"{self.nbytes / 2**20:.1f} MiB")
+
+    def select(self, part: BankPart) -> "Bank":
+        """This bank's ``part`` (``bank_part.py``) in memory of its own, as ``load(path, part)`` reads it."""
+        if not self.part.whole:
+            raise BankError(f"{self.source}: is already a part ({self.part.describe()}); select from a whole bank")
+        rows, local = part.rows(self.lengths)
+        layers = {n: part.take(n, self.kv.get(n), t.shape[1], lambda a, b, t=t: t[:, a:b], rows)
+                  for n, t in self.layers.items() if part.wants(n)}
+        return Bank(layers, sequence_lengths=local, sequence_tokens=self.sequence_tokens,
+                    value_dtypes={n: v for n, v in self.value_dtypes.items() if n in layers},
+                    kv={n: part.local_kv(n, g) for n, g in self.kv.items() if n in layers},
+                    parts={n: v for n, v in self.parts.items() if n in layers}, metadata=self.metadata,
+                    source=self.source, recorded_lengths=self.lengths, part=part)
 
     def rows_for(self, name: str, dtype: torch.dtype, fmt: RowFormat,
                  value_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -310,8 +246,11 @@ class Bank:
                                 f"head_size_v); the cache's element dims {cache_parts} are no known K/V view "
                                 f"(give the engine the layer's geometry: CacheGroup(kv=...))")
             if tuple(fmt.kv) != kv:
+                split = kv[1:] == tuple(fmt.kv)[1:] and kv[0] > fmt.kv[0] and self.part.tp_size == 1
                 raise BankError(f"{self.source}: layer {name!r} was recorded with {list(kv)} (heads, head_size, "
-                                f"head_size_v), the cache holds {list(fmt.kv)}: another model or head layout")
+                                f"head_size_v), the cache holds {list(fmt.kv)}: " + (
+                                    "a tensor-parallel rank's heads; load the rank's part (Bank.load(path, "
+                                    "BankPart(tp_rank, tp_size)))" if split else "another model or head layout"))
             return t, (fmt if fmt.order is not None else None)
         if t.shape[1] != row:
             raise BankError(f"{self.source}: layer {name!r} rows have {t.shape[1]} elements, the cache's have {row} "
@@ -325,12 +264,16 @@ class Bank:
 
     # ------------------------------------------------------------ files
     def save(self, path: str | os.PathLike) -> None:
-        """Write the bank file atomically (``bank_file.save``)."""
+        """Write the bank file atomically (``bank_file.save``); a whole bank only."""
+        if not self.part.whole:
+            raise BankError(f"{self.source}: a rank's part ({self.part.describe()}) is not a bank file's whole "
+                            f"bank; save the bank it was selected from")
         bank_file.save(self, os.fspath(path))
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "Bank":
-        """Read a bank file into memory this process owns; BankError when it
-        is not a well-formed bank of this format, its metadata disagrees with
-        its tensors, or it is larger than the host's available memory."""
-        return cls(**bank_file.load(os.fspath(path)))
+    def load(cls, path: str | os.PathLike, part: BankPart = WHOLE) -> "Bank":
+        """Read a bank file, or one rank's ``part`` of it (only that part is
+        read), into memory this process owns; BankError when it is not a
+        well-formed bank of this format, its metadata disagrees with its
+        tensors, or the part is larger than the host's available memory."""
+        return cls(**bank_file.load(os.fspath(path), part))
