@@ -10,7 +10,8 @@ buffer on the device, filled by the Triton kernel (partial first block, whole
 block, partial last block, out of order), and every byte of the buffer is
 compared with the torch backend's fill of a CPU copy (the torch backend is
 checked against an independent oracle by the CPU test suite).  Modes: constant,
-normal, and replay of a random bank of several sequences whose positions wrap.
+normal, and replay of a random bank of several sequences whose positions wrap
+(a TP 2 rank's part of it where the layout names its K/V heads).
 CUDA graphs: a captured ``fill_blocks`` and a captured replay fill
 (``FillEngine.fill_device_entries``), each replayed with new entries after its
 engine's last reference was dropped.
@@ -67,22 +68,28 @@ def _engine(layers, case, encoding, backend, std, bank=None):
 
 
 def random_bank(engine, dtype, seed=7):
-    """Random bits ``[sum(BANK_LENGTHS), row]`` per layer of a (bank-less)
-    engine, in ``dtype``, on the host (replay moves bits, it never decodes
-    them; the replaying engine uploads its copy), canonical K/V rows where the
-    layout names its heads (staging permutes them into the cache's order)."""
+    """Random bits per layer of a (bank-less) engine, in ``dtype``, on the
+    host (replay moves bits, it never decodes them; the replaying engine
+    uploads its copy): where every layer names its K/V heads, TP rank 1's part
+    of a canonical bank of twice the heads (``BankPart``: the slice a rank of
+    a TP 2 engine loads, staging permuting it into the cache's order), else a
+    bank of the layers' own rows; ``[sum(BANK_LENGTHS), row]`` each."""
     from kvfill.kernels import Bank
+    from kvfill.kernels.bank_part import BankPart
 
     g = torch.Generator(device="cpu").manual_seed(seed)
     itemsize = torch.empty((), dtype=dtype, device="cpu").element_size()
+    formats = engine.row_formats()
+    sliced = all(f.kv is not None for f in formats.values())
     layers, kv = {}, {}
-    for name, fmt in engine.row_formats().items():
-        row = sum(math.prod(p) for p in fmt.parts)
+    for name, fmt in formats.items():
+        row = sum(math.prod(p) for p in fmt.parts) * (2 if sliced else 1)
         raw = torch.randint(0, 256, (sum(BANK_LENGTHS) * row * itemsize,), dtype=torch.uint8, generator=g,
                             device="cpu")
         layers[name] = raw.view(dtype).view(sum(BANK_LENGTHS), row)
-        kv[name] = fmt.kv
-    return Bank(layers, sequence_lengths=BANK_LENGTHS, kv=kv)
+        kv[name] = (2 * fmt.kv[0], *fmt.kv[1:]) if sliced else fmt.kv
+    bank = Bank(layers, sequence_lengths=BANK_LENGTHS, kv=kv)
+    return bank.select(BankPart(tp_rank=1, tp_size=2)) if sliced else bank
 
 
 def check_case(case, dtype, encoding, device, mode):

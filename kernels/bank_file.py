@@ -43,18 +43,15 @@ def _index_of(meta: Mapping[str, str], path: str) -> tuple[int, list[int], list]
     return num_sequences, lengths, _meta_tokens(meta, path, lengths)
 
 
-def load(path: str) -> dict:
-    """The keyword arguments of ``Bank(...)`` for a bank file, its rows read
-    into memory this process owns (not a mapping of the file: rewriting or
-    truncating it later changes nothing here)."""
+def load(path: str, part) -> dict:
+    """The keyword arguments of ``Bank(...)`` for a bank file's ``part``
+    (``bank_part.BankPart``; only its columns and rows are read), in memory
+    this process owns (not a mapping of the file: rewriting or truncating it
+    later changes nothing here)."""
     from safetensors import safe_open
 
     meta = _read_metadata(path)
     _, lengths, tokens = _index_of(meta, path)
-    size, free = os.path.getsize(path), free_bytes(torch.device("cpu"))
-    if free is not None and size > free:
-        raise BankError(f"{path}: {size / 2**30:.2f} GiB does not fit the host's {free / 2**30:.2f} GiB "
-                        f"available memory")
     info = _meta_json(meta, "layers", path, dict, "an object: layer -> {dtype, row, value_dtype, kv, parts}")
     for name, v in info.items():
         kv = v.get("kv") if isinstance(v, dict) else None
@@ -64,18 +61,35 @@ def load(path: str) -> dict:
             raise BankError(f"{path}: metadata 'layers'[{name!r}] is {_short(v)}; expected an object with "
                             f"'dtype', 'row', 'value_dtype', 'kv' (null or [heads, head_size, head_size_v]) "
                             f"and a 'parts' list")
+    kvs = {n: v.get("kv") or None for n, v in info.items()}
+    rows, local = part.rows(lengths)
     with safe_open(path, framework="pt", device="cpu") as f:
-        layers = {n: f.get_tensor(n).clone() for n in f.keys()}
+        slices = {n: f.get_slice(n) for n in f.keys() if part.wants(n)}
+        need = sum(sum(b - a for a, b in part.columns(n, kvs.get(n), sl.get_shape()[1])) * sum(local)
+                   * _ITEMSIZE.get(sl.get_dtype(), 8) for n, sl in slices.items())
+        free = free_bytes(torch.device("cpu"))
+        if free is not None and need > free:
+            raise BankError(f"{path}: {part.describe()} takes {need / 2**30:.2f} GiB, more than the host's "
+                            f"{free / 2**30:.2f} GiB available memory")
+        layers = {n: part.take(n, kvs.get(n), sl.get_shape()[1], lambda a, b, sl=sl: sl[:, a:b], rows)
+                  for n, sl in slices.items()}
     return dict(
         layers=layers,
-        sequence_lengths=lengths,
+        sequence_lengths=local,
         sequence_tokens=tokens,
-        value_dtypes={n: str(v.get("value_dtype", "")) for n, v in info.items()},
-        kv={n: v["kv"] for n, v in info.items() if v.get("kv")},
-        parts={n: v["parts"] for n, v in info.items() if v.get("parts")},
+        recorded_lengths=lengths,
+        value_dtypes={n: str(v.get("value_dtype", "")) for n, v in info.items() if n in layers},
+        kv={n: part.local_kv(n, kv) for n, kv in kvs.items() if kv and n in layers},
+        parts={n: v["parts"] for n, v in info.items() if v.get("parts") and n in layers},
         metadata={k: v for k, v in meta.items() if k not in _RESERVED_META},
         source=path,
+        part=part,
     )
+
+
+# Bytes per element of safetensors' dtype names (an unknown one counts 8: the check errs on the safe side).
+_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4, "I16": 2,
+             "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1}
 
 
 def save(bank, path: str) -> None:

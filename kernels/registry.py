@@ -15,6 +15,7 @@ import torch
 
 from . import values as V
 from .bank import Bank, BankError, free_bytes
+from .bank_part import BankPart
 from .dcp import NO_DCP, DcpGeometry
 from .kv_rows import RowFormat
 from .layout import Layout, default_slot_dim, layout_of
@@ -153,6 +154,7 @@ class Registry:
         if bank is not None:
             # The rows live on in each tensor's device copy; the host bank (a
             # second copy when the caches are on a GPU) is not kept.
+            bank = self._rank_positions(bank)
             self.tensors = self._with_bank_rows(bank)
             self.bank_table = bank.sequence_table()
             self.bank_sequences = torch.from_numpy(self.bank_table).to(self.device)
@@ -186,6 +188,23 @@ class Registry:
                                        elem_dims=_logical_elem_dims(t, g.block_dim, None if state else g.slot_dim)))
                 elem_offset += layout.row_size
         return out, next_id
+
+    def _rank_positions(self, bank: Bank) -> Bank:
+        """The bank holding this rank's DCP positions (``bank_part.py``): as
+        loaded, or selected here from a whole bank."""
+        dcps = {self.groups[t.group].dcp for t in self.tensors if t.mode == V.REPLAY}
+        dcps = {d if d.sharded else NO_DCP for d in dcps} or {NO_DCP}
+        if len(dcps) > 1:
+            raise ValueError(f"replaying groups have different DCP geometries {sorted(map(str, dcps))}; one "
+                             f"bank serves one geometry")
+        dcp = dcps.pop()
+        have = bank.part.dcp if bank.part.dcp.sharded else NO_DCP
+        if have == dcp:
+            return bank
+        if bank.part.whole:
+            return bank.select(BankPart(dcp=dcp))
+        raise BankError(f"{bank.source}: loaded for {bank.part.describe()}, the caches are DCP rank {dcp.rank} of "
+                        f"{dcp.world_size} (interleave {dcp.interleave}); load the part of these caches' rank")
 
     def _with_bank_rows(self, bank: Bank) -> list[LayerTensor]:
         """Every replaying tensor given its layer's bank rows on the device,

@@ -32,7 +32,8 @@ class SlotRows:
         self.entry_sequence = entries.sequence
         self.block = blocks[entry]
         self.slot = slot
-        self.position = dcp.global_positions(entries.local_base[entry] + slot)
+        self.local = entries.local_base[entry] + slot  # rank-local position (l = t without DCP)
+        self.position = dcp.global_positions(self.local)
         self.sequence = entries.sequence[entry]
         self._device_index: dict = {}
 
@@ -58,16 +59,17 @@ def value_source(c: LaunchClass, t: LayerTensor, rows: SlotRows,
     starts of these rows only (indices into ``rows``, in that order).
 
     normal: the class's value table at the rows' hashed offsets; replay: the
-    layer's bank rows flattened, row ``start_s + position mod N_s`` of the
-    row's sequence ``s`` (``c.sequences``: the bank's first row and length of
-    each sequence), from the tensor's element offset within the layer's row.
+    layer's bank rows flattened, row ``start_s + l mod N_s`` of the row's
+    sequence ``s`` at rank-local position l (``c.sequences``: the bank's first
+    row and length of each sequence, this rank's part: ``bank_part.py``), from
+    the tensor's element offset within the layer's row.
     """
     position = rows.position if sel is None else rows.position[sel]
     if c.mode == V.REPLAY:
         first, length = c.sequences[:, 0], c.sequences[:, 1]
         sequence = rows.sequence if sel is None else rows.sequence[sel]
-        n = length[sequence]
-        start = (first[sequence] + position % n) * t.bank.shape[1] + t.elem_offset
+        local = rows.local if sel is None else rows.local[sel]
+        start = (first[sequence] + local % length[sequence]) * t.bank.shape[1] + t.elem_offset
         return t.bank.reshape(-1), torch.from_numpy(start).to(t.bank.device)
     if c.mode == V.NORMAL:
         return c.table, torch.from_numpy(V.row_offsets(t.key, position, t.elem_offset)).to(c.table.device)

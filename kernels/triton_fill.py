@@ -139,13 +139,12 @@ def scatter_fill_kernel(
                 start = (h // ROW_ALIGN).to(tl.int32) * ROW_ALIGN
                 vals = tl.load(table_ptr + (start[:, None] + e[None, :]), mask=mask)
             elif MODE == 3:
-                # Bank row (sequence, t mod N_s): contiguous along the row, so the
-                # loads vectorise like the stores.
+                # Bank row (sequence, l mod N_s) of the rank-local slot l: the bank
+                # holds this rank's positions in local order (bank_part.py; l = t
+                # without DCP); contiguous along the row, so the loads vectorise.
                 local = local_base + s
-                t = ((local // dcp_interleave) * (dcp_interleave * dcp_world_size)
-                     + dcp_rank * dcp_interleave + local % dcp_interleave)
-                # (t % N + N) % N: a device-built entry with a negative base still reads inside the bank
-                row = seq_first + ((t % seq_len + seq_len) % seq_len).to(tl.int64)
+                # (l % N + N) % N: a device-built entry with a negative base still reads inside the bank
+                row = seq_first + ((local % seq_len + seq_len) % seq_len).to(tl.int64)
                 src = tl.multiple_of(bank_off + row * BANK_ROW, BANK_ALIGN)
                 vals = tl.load(table_ptr + (src[:, None] + e[None, :]), mask=mask)
             elif MODE == 1:

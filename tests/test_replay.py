@@ -197,9 +197,10 @@ def test_replay_of_whole_pages_in_one_pass_on_the_vllm_cpu_layout(monkeypatch):
 @pytest.mark.parametrize("world", [1, 2, 4])
 @pytest.mark.parametrize("interleave", [1, 4])
 def test_replay_ranks_reassembled_equal_single_rank_replay(world, interleave, backend, layout):
-    """Each rank replays the rows of its tokens' global positions: token t on
-    rank (t // I) % W equals token t of the W = 1 replay (positions past the
-    recorded N_s wrap the same way on every rank)."""
+    """Each rank replays the rows of its tokens' global positions: token t <
+    N_s on rank (t // I) % W equals token t of the W = 1 replay; past N_s each
+    rank wraps within the rows it holds (``bank_part.py``): local slot l reads
+    its local row l mod L_r, L_r = how many of the N_s positions it holds."""
     g = torch.Generator(device="cpu").manual_seed(3)
     bank = Bank({f"layer.{i}": torch.randn(40 + 33, HEADS * C, generator=g, device="cpu").to(torch.float16)
                  for i in range(2)}, sequence_lengths=[40, 33])  # ragged: sequence 1 wraps at 33
@@ -220,10 +221,16 @@ def test_replay_ranks_reassembled_equal_single_rank_replay(world, interleave, ba
         r, loc = owner_and_local(t, world, interleave)
         got = slot_bytes(ranks[r], TABLE[loc // BS], loc % BS, layout)
         want = slot_bytes(ref, TABLE[t // BS], t % BS, layout)
-        assert torch.equal(got, want), f"token {t} on rank {r} (local {loc})"
-        # and the W = 1 replay holds sequence 1's row at position t mod 33 (its rows start at 40)
+        if t < 33:
+            assert torch.equal(got, want), f"token {t} on rank {r} (local {loc})"
+        # the W = 1 replay holds sequence 1's row at position t mod 33 (its rows start at 40)
         assert torch.equal(want[0].reshape(-1).cpu(), bank.layers["layer.0"][40 + t % 33].view(torch.uint8)), \
             f"token {t}"
+        # rank r: its local row loc mod L_r, the row of the position it holds there
+        dcp = DcpGeometry(world, r, interleave)
+        held = int(dcp.global_positions(loc % int(dcp.local_count(33))))
+        assert torch.equal(got[0].reshape(-1).cpu(), bank.layers["layer.0"][40 + held].view(torch.uint8)), \
+            f"token {t} on rank {r} (local {loc})"
 
 
 def test_verify_compares_replayed_slots_with_the_bank(backend):
