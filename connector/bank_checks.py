@@ -1,35 +1,90 @@
-"""Loading the bank a serving run replays, and what it logs about it:
-provenance that differs from the run's own settings, and recorded values that
-are not finite.
+"""Loading the bank a serving run replays: this rank's part of it
+(``rank_part``), refused when it does not fit the GPU beside what vLLM still
+allocates (``fit_error``), and what is logged about it: its size, provenance
+that differs from the run's own settings, and recorded values that are not
+finite.
 
-Neither refuses the bank - a bank recorded with another ``max_model_len``
-still replays real KV, only not bit for bit - but the replayed bits depend on
-them (the README's replay section), so a mismatch is said at startup.
+Provenance and values do not refuse the bank - a bank recorded with another
+``max_model_len`` still replays real KV, only not bit for bit - but the
+replayed bits depend on them (the README's replay section), so a mismatch is
+said at startup.
 """
 from __future__ import annotations
 
-from typing import Mapping
+import math
+from typing import TYPE_CHECKING, Mapping
 
 import torch
 from vllm.logger import init_logger
 
-from kvfill.kernels import Bank
+from kvfill.kernels import NO_DCP, Bank, BankError, CacheGroup
 from kvfill.kernels.bank import dtype_name
+from kvfill.kernels.bank_part import BankPart
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
 
 logger = init_logger("vllm.kvfill.connector")
 
 
-def load_bank(path: str, *, model: str, max_model_len: int, kv_cache_dtype: str) -> Bank:
-    """The bank in this process's memory, with a warning per mismatch above."""
-    bank = Bank.load(path)
+def rank_part(groups: Mapping[str, CacheGroup], tp_rank: int, tp_size: int) -> BankPart:
+    """What this rank replays (``kvfill/kernels/bank_part.py``): its TP rank's
+    KV heads, the layers of its replaying groups (its pipeline stage's), and
+    those groups' DCP positions."""
+    replayed = [g for g in groups.values() if g.mode is None]  # the engine's mode: replay
+    dcps = {g.dcp for g in replayed if g.dcp.sharded}
+    return BankPart(tp_rank, tp_size, frozenset(n for g in replayed for n in g.layers),
+                    dcps.pop() if len(dcps) == 1 else NO_DCP)  # several: the engine refuses them
+
+
+def load_bank(path: str, part: BankPart, vllm_config: "VllmConfig", device: torch.device) -> Bank:
+    """This rank's part of the bank in this process's memory, after checking
+    it fits the device beside vLLM's budget, with a warning per mismatch above."""
+    bank = Bank.load(path, part)
     logger.info("KVFillConnector: replaying %s", bank.describe())
-    for line in provenance_mismatches(bank.metadata, model=model, max_model_len=max_model_len,
-                                      kv_cache_dtype=kv_cache_dtype):
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        cache = vllm_config.cache_config
+        line = fit_error(bank.nbytes, free=free, total=total, utilization=cache.gpu_memory_utilization,
+                         kv_cache_memory_bytes=getattr(cache, "kv_cache_memory_bytes", None))
+        if line:
+            raise BankError(f"{path}: {line}")
+    model = vllm_config.model_config
+    for line in provenance_mismatches(bank.metadata, model=str(model.model), max_model_len=model.max_model_len,
+                                      kv_cache_dtype=vllm_config.cache_config.cache_dtype):
         logger.warning("KVFillConnector: %s", line)
     line = nonfinite_warning(bank.source, count_nonfinite(bank))
     if line:
         logger.warning("KVFillConnector: %s", line)
     return bank
+
+
+def fit_error(nbytes: int, *, free: int, total: int, utilization: float,
+              kv_cache_memory_bytes: int | None) -> str | None:
+    """Why a bank of ``nbytes`` cannot be uploaded next to vLLM's caches (None: it fits).
+
+    vLLM sizes the KV cache to leave, inside ``gpu_memory_utilization`` of the
+    GPU, what it allocates after registering the caches: the CUDA graphs it
+    captures in ``compile_or_warm_up_model`` (``profile_cudagraph_memory``'s
+    estimate) and the forward's activations.  That memory is free now but
+    spoken for, so the bank must fit in what lies outside vLLM's share:
+    ``free - (utilization x total - used)``.  With ``--kv-cache-memory-bytes``
+    vLLM does not size by utilization; the same share is kept as headroom.
+    """
+    used = total - free
+    spoken_for = max(0, int(utilization * total) - used)
+    room = free - spoken_for
+    if nbytes <= room:
+        return None
+    short, gib = nbytes - room, 2**30
+    lower = math.floor((utilization - short / total) * 100) / 100
+    return (f"this rank's part of the bank takes {nbytes / gib:.2f} GiB; the GPU has {free / gib:.2f} GiB free, "
+            f"{spoken_for / gib:.2f} GiB of them kept for what vLLM allocates after registering its caches (CUDA "
+            f"graphs, activations: inside --gpu-memory-utilization {utilization}), leaving {room / gib:.2f} GiB. "
+            f"Make room for {short / gib:.2f} GiB more: --gpu-memory-utilization {lower:.2f} or lower (a KV cache "
+            f"that much smaller)" + (f", or --kv-cache-memory-bytes {kv_cache_memory_bytes - short} or lower"
+                                     if kv_cache_memory_bytes else "")
+            + "; or record fewer sequences or positions")
 
 
 def provenance_mismatches(meta: Mapping[str, str], *, model: str, max_model_len: int,

@@ -1,10 +1,10 @@
 """The record role's reads (``kvfill.record``): after the forward that completes
 a prompt's positions ``[0, N)``, read every layer's rows of them from the
-request's own blocks and save them to ``record_dir/<key>.safetensors`` - one
-``[N, row]`` tensor per layer in the caches' dtype and the bank's canonical
-row order, written whole or not at all; N is the prompt's length, capped at
-``record_positions``.  The scheduler side (which step completes which prompt) is
-``scheduler._RecordTracker``.
+request's own blocks and save them to ``record_dir/<key>.tp<r>-pp<p>.safetensors``
+- one ``[N, row]`` tensor per layer in the caches' dtype and the bank's
+canonical row order, this rank's KV heads and layers, written whole or not at
+all; N is the prompt's length, capped at ``record_positions``.  The scheduler
+side (which step completes which prompt) is ``scheduler._RecordTracker``.
 """
 from __future__ import annotations
 
@@ -16,32 +16,67 @@ from vllm.logger import init_logger
 
 from kvfill.kernels import FillEngine
 from kvfill.kernels.bank import dtype_name
+from kvfill.kernels.bank_part import head_range
 
 from .metadata import KVFillConnectorMetadata
 from .options import FillOptions
 from .planner import Planner
 
 if TYPE_CHECKING:
-    from vllm.config import ParallelConfig
+    from vllm.config import ParallelConfig, VllmConfig
 
 logger = init_logger("vllm.kvfill.connector")
 
 
 class Recorder:
-    """Saves the rows of recorded prompts; refuses parallelism that splits a layer."""
+    """Saves this rank's part of the rows of recorded prompts.
 
-    def __init__(self, options: FillOptions, parallel: "ParallelConfig"):
-        sizes = (parallel.tensor_parallel_size, parallel.pipeline_parallel_size,
-                 parallel.decode_context_parallel_size)
-        if max(sizes) > 1:
-            raise ValueError(f"KVFillConnector: recording needs every layer whole on one worker; got tensor, "
-                             f"pipeline and decode context parallel sizes {sizes} (record with 1, 1, 1)")
+    Under tensor parallelism a rank saves its KV heads (``head_range``; a
+    head replicated on several ranks, MLA's latent row or one shared KV head
+    is saved by the first of them only), under pipeline parallelism its
+    stage's layers; each file names its part, and ``kvfill.record`` merges
+    them into one canonical bank, checking every layer and head arrived once.
+    """
+
+    def __init__(self, options: FillOptions, vllm_config: "VllmConfig", tp_rank: int = 0,
+                 pp_rank: int | None = None):
+        par = vllm_config.parallel_config
+        if par.decode_context_parallel_size > 1:
+            raise ValueError(f"KVFillConnector: recording needs decode context parallel size 1, got "
+                             f"{par.decode_context_parallel_size}: record at the same tensor parallel size with DCP "
+                             f"1 (DCP splits positions, not heads; the bank replays under any DCP size)")
         self.record_dir = options.record_dir  # each item names its own positions (the scheduler's cap applied)
+        self.tp_rank, self.tp_size = tp_rank, par.tensor_parallel_size
+        self.pp_rank, self.pp_size = _pp_rank(par) if pp_rank is None else pp_rank, par.pipeline_parallel_size
+        model = vllm_config.model_config
+        self.total_heads = 1 if getattr(model, "use_mla", False) else int(model.get_total_num_kv_heads())
+        replicas = max(1, self.tp_size // self.total_heads)
+        self.saves = tp_rank % replicas == 0  # the first rank of each head's replicas saves it
+        self.files_per_prompt = self.pp_size * (self.tp_size // replicas)
+
+    def _heads(self, formats) -> dict[str, list[int]]:
+        """Layer -> ``[lo, hi, total]``: the model's KV heads this rank's rows hold."""
+        out = {}
+        for name, f in formats.items():
+            if f.kv is None:
+                if self.tp_size > 1:
+                    raise ValueError(f"KVFillConnector: layer {name!r} has no K/V geometry (its cache's own order): "
+                                     f"its rows cannot be merged over tensor parallel size {self.tp_size}; record "
+                                     f"it at tensor parallel size 1")
+                continue
+            h = f.kv[0]  # this rank's heads; the model's: all of them at TP 1, TP x them when split
+            total = h if self.tp_size == 1 else h * self.tp_size if h > 1 else min(self.total_heads, self.tp_size)
+            lo, hi = head_range(total, self.tp_rank, self.tp_size, f"layer {name!r}")
+            if hi - lo != f.kv[0]:
+                raise ValueError(f"KVFillConnector: layer {name!r} holds {f.kv[0]} KV heads on TP rank "
+                                 f"{self.tp_rank}, expected heads [{lo}, {hi}) of the model's {total}")
+            out[name] = [lo, hi, total]
+        return out
 
     def save(self, engine: FillEngine, planner: Planner, meta: KVFillConnectorMetadata) -> None:
         """Save positions ``[0, N)`` of each prompt the step completed, in the
-        bank's canonical row order (``kvfill.kernels.kv_rows``)."""
-        if not meta.records:
+        bank's canonical row order (``kvfill.kernels.kv_rows``), this rank's part."""
+        if not meta.records or not self.saves:
             return
         from safetensors.torch import save_file
 
@@ -49,6 +84,8 @@ class Recorder:
         formats = engine.row_formats()
         layers = {name: {"kv": list(f.kv) if f.kv else None, "parts": [list(p) for p in f.parts]}
                   for name, f in formats.items()}
+        part = {"heads": json.dumps(self._heads(formats)), "tp_rank": str(self.tp_rank), "pp_rank": str(self.pp_rank),
+                "files_per_prompt": str(self.files_per_prompt)}
         os.makedirs(self.record_dir, exist_ok=True)
         for item in meta.records:
             n = item.positions
@@ -57,9 +94,18 @@ class Recorder:
             if short or not rows:
                 raise RuntimeError(f"KVFillConnector: recording {item.selection.req_id!r} read {short or 'no'} rows "
                                    f"of layers where {n} positions were expected (blocks freed before the read?)")
-            path = os.path.join(self.record_dir, f"{item.key}.safetensors")
+            path = os.path.join(self.record_dir, f"{item.key}.tp{self.tp_rank}-pp{self.pp_rank}.safetensors")
             save_file({name: formats[name].to_bank(r).cpu().contiguous() for name, r in rows.items()},
-                      path + ".part", metadata={"key": item.key, "positions": str(n),
+                      path + ".part", metadata={"key": item.key, "positions": str(n), **part,
                                                 "value_dtypes": json.dumps(vdtypes), "layers": json.dumps(layers)})
             os.replace(path + ".part", path)
-        logger.info("KVFillConnector: recorded %d prompts to %s", len(meta.records), self.record_dir)
+        logger.info("KVFillConnector: recorded %d prompts to %s (TP rank %d, PP rank %d)", len(meta.records),
+                    self.record_dir, self.tp_rank, self.pp_rank)
+
+
+def _pp_rank(par: "ParallelConfig") -> int:
+    if par.pipeline_parallel_size <= 1:
+        return 0
+    from vllm.distributed.parallel_state import get_pp_group
+
+    return get_pp_group().rank_in_group

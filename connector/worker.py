@@ -20,7 +20,7 @@ from vllm.logger import init_logger
 
 from kvfill.kernels import CacheGroup, FillEngine, FillPlan
 
-from .bank_checks import load_bank
+from .bank_checks import load_bank, rank_part
 from .cpu_layout import cpu_attention_parts
 from .metadata import KVFillConnectorMetadata, KVFillStats
 from .options import FillOptions
@@ -38,6 +38,15 @@ if TYPE_CHECKING:
 logger = init_logger("vllm.kvfill.connector")
 
 
+def current_tp_rank(vllm_config: "VllmConfig") -> int:
+    """This process's tensor parallel rank (0 without TP)."""
+    if vllm_config.parallel_config.tensor_parallel_size <= 1:
+        return 0
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    return get_tensor_model_parallel_rank()
+
+
 def current_dcp_rank(vllm_config: "VllmConfig") -> int:
     """This process's rank in its DCP group (0 without DCP)."""
     if vllm_config.parallel_config.decode_context_parallel_size <= 1:
@@ -49,7 +58,8 @@ def current_dcp_rank(vllm_config: "VllmConfig") -> int:
 
 class KVFillWorker:
     def __init__(self, vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", options: FillOptions,
-                 dcp_rank: int | None = None):
+                 dcp_rank: int | None = None, tp_rank: int | None = None, pp_rank: int | None = None):
+        """The ranks are vLLM's (its process groups) unless given."""
         self.options = options
         self.kv_cache_config = kv_cache_config
         self.dcp_rank = current_dcp_rank(vllm_config) if dcp_rank is None else dcp_rank
@@ -57,14 +67,11 @@ class KVFillWorker:
         self.planner = Planner(geometries_from_config(vllm_config, kv_cache_config),
                                granularity=options.granularity).for_rank(self.dcp_rank)
         self.startup_groups = startup_fill_group_ids(kv_cache_config) if options.startup_fill else set()
-        cache_dtype = vllm_config.cache_config.cache_dtype
-        specs = layer_specs_by_name(kv_cache_config)
-        self.specs = specs
-        self.cache_dtype = cache_dtype
+        self.cache_dtype = cache_dtype = vllm_config.cache_config.cache_dtype
+        self.specs = specs = layer_specs_by_name(kv_cache_config)
         self.on_cpu = _platform_is_cpu()
         model_config = getattr(vllm_config, "model_config", None)
         self.max_model_len = int(getattr(model_config, "max_model_len", 0) or 0)  # positions a request can have
-        self.model = str(getattr(model_config, "model", ""))
         self.cpu_layout_warned = False
         self.encodings = {name: layer_encoding(spec, cache_dtype) for name, spec in specs.items()}
         self.kv_geometry = {name: layer_kv_geometry(spec) for name, spec in specs.items()}
@@ -76,12 +83,10 @@ class KVFillWorker:
         self.failed_block_ids: set[int] = set()  # blocks of skipped fills, until vLLM asks
         kt = getattr(vllm_config, "kv_transfer_config", None)
         self.load_failure_policy = getattr(kt, "kv_load_failure_policy", "fail")
-        par = vllm_config.parallel_config
-        self.recorder = Recorder(options, par) if options.recording else None
-        if options.replay and not options.recording and par.tensor_parallel_size > 1:
-            raise ValueError(f"KVFillConnector: fill_mode 'replay' needs tensor parallel size 1, got "
-                             f"{par.tensor_parallel_size}: a bank holds every KV head of a layer, and slicing it "
-                             f"per rank is not implemented (pipeline and decode context parallelism work)")
+        self.vllm_config = vllm_config
+        self.tp_rank = current_tp_rank(vllm_config) if tp_rank is None else tp_rank
+        self.tp_size = vllm_config.parallel_config.tensor_parallel_size
+        self.recorder = Recorder(options, vllm_config, self.tp_rank, pp_rank) if options.recording else None
 
     # ------------------------------------------------------------ registration
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
@@ -93,8 +98,9 @@ class KVFillWorker:
             )
         bank = None
         if self.options.replay and not self.options.recording:
-            bank = load_bank(self.options.bank, model=self.model, max_model_len=self.max_model_len,
-                             kv_cache_dtype=self.cache_dtype)
+            # This rank's part only: its KV heads, its stage's layers, its DCP positions.
+            bank = load_bank(self.options.bank, rank_part(groups, self.tp_rank, self.tp_size), self.vllm_config,
+                             device=_cache_device(groups))
         self.engine = FillEngine(groups, values=self.options.values, backend=self.options.backend,
                                  layer_ids=_layer_ids(kv_caches), bank=bank,
                                  page_image_bytes=0 if self.options.recording else self.options.page_image_mib << 20)
@@ -282,3 +288,10 @@ def _layer_ids(kv_caches: dict[str, Any]) -> dict[str, int]:
     if len(set(out.values())) != len(out):  # names without unique indices
         out = {name: i for i, name in enumerate(kv_caches)}
     return out
+
+
+def _cache_device(groups: dict[str, CacheGroup]) -> torch.device:
+    for g in groups.values():
+        for cache in g.layers.values():
+            return (cache[0] if isinstance(cache, (list, tuple)) else cache).device
+    return torch.device("cpu")

@@ -23,28 +23,30 @@ removed at the end, on an error, on Ctrl-C and on SIGTERM; only when the bank
 cannot be written at the end is it kept, and the error says where.
 
 The size is estimated from the model's config before vLLM starts (positions
-recorded in all x layers x row bytes) and checked against ``--budget-gib``; the bank actually
-written is checked again.  Record with tensor and decode-context parallel size
-1 (whole layers on one worker); the bank then replays under any DCP size.
+recorded in all x layers x row bytes of all the model's KV heads) and checked
+against ``--budget-gib``; the bank actually written is checked again.
+
+Under tensor and pipeline parallelism each worker saves its part (its KV
+heads, its stage's layers) and the parts are merged into one canonical bank
+(``assemble.py``), the same as a TP 1 recording's: it replays at any TP, PP
+and DCP size, each rank loading only its part.  Decode context parallelism is
+not recorded under: record at the same TP size with DCP 1.
 """
 from __future__ import annotations
 
 import contextlib
 import datetime
 import hashlib
-import json
 import os
 import shutil
 import signal
 import tempfile
 import threading
-from typing import Sequence
-
-import torch
 
 from kvfill.kernels import Bank
 from kvfill.kernels.bank import sequence_key
 
+from .assemble import assemble, rows_path  # noqa: F401  (rows_path: where a worker saves)
 from .inputs import (  # noqa: F401  (public here: kvfill.record.RecordError, estimate, ...)
     Estimate, RecordError, check_budget, check_max_model_len, check_out, check_prompt_lengths, choose_positions,
     estimate, read_prompt_lines, read_prompts,
@@ -112,7 +114,7 @@ def record(
             "tokenizer": tokenizer or model,
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         }
-        bank = _assemble(work, unique, meta, out)
+        bank = assemble(work, unique, meta, out)
         if budget is not None and bank.nbytes > budget:
             raise RecordError(f"the recorded bank takes {bank.nbytes / 2**30:.3f} GiB, over --budget-gib "
                               f"{budget_gib}; nothing written")
@@ -161,37 +163,6 @@ def _work_dir(out: str):
     finally:
         if not keep:
             shutil.rmtree(work, ignore_errors=True)
-
-
-def _rows_path(work: str, token_ids: Sequence[int]) -> str:
-    """Where the worker saves a prompt's rows (``connector/recorder.py``)."""
-    return os.path.join(work, f"{sequence_key(token_ids)}.safetensors")
-
-
-def _assemble(work: str, unique: list, meta: dict, out: str) -> Bank:
-    """The bank of the rows recorded in ``work``, one file per prompt (its
-    recorded tokens), the sequences one after another."""
-    from safetensors import safe_open
-
-    layers: dict[str, list[torch.Tensor]] = {}
-    value_dtypes: dict[str, str] = {}
-    info: dict[str, dict] = {}
-    for t in unique:
-        path = _rows_path(work, t)
-        if not os.path.isfile(path):
-            raise RuntimeError(f"vLLM ran, but no rows were recorded for a prompt of {len(t)} tokens ({path})")
-        with safe_open(path, framework="pt") as f:
-            value_dtypes = json.loads(f.metadata()["value_dtypes"])
-            info = json.loads(f.metadata()["layers"])
-            for name in f.keys():
-                layers.setdefault(name, []).append(f.get_tensor(name))
-    first = next(iter(layers.values()))[0]
-    meta = {**meta, "dtype": str(first.dtype).removeprefix("torch.")}
-    return Bank({name: torch.cat(rows) for name, rows in layers.items()},
-                sequence_lengths=[len(t) for t in unique], sequence_tokens=unique,
-                value_dtypes={k: v for k, v in value_dtypes.items() if k in layers},
-                kv={k: v["kv"] for k, v in info.items() if k in layers and v.get("kv")},
-                parts={k: v["parts"] for k, v in info.items() if k in layers}, metadata=meta, source=out)
 
 
 def _write(bank: Bank, out: str, work: str) -> None:

@@ -315,7 +315,7 @@ def test_dcp_spans_per_group_and_rank_local_slots(tmp_path):
     assert meta.reqs_to_fill["r"] == (([1, 2], [5, 6, 7]), 33)
 
     for rank in (0, 1):
-        worker = KVFillWorker(cfg_ns, h.kv_cache_config, cfg, dcp_rank=rank)
+        worker = KVFillWorker(cfg_ns, h.kv_cache_config, cfg, dcp_rank=rank, tp_rank=rank)
         raw = h.poison.clone()
         views = h.views_over(raw)
         worker.register_kv_caches(views)

@@ -131,25 +131,27 @@ def _worker_config(tmp_path, **parallel):
     par = SimpleNamespace(**{"decode_context_parallel_size": 1, "tensor_parallel_size": 1,
                              "pipeline_parallel_size": 1, "prefill_context_parallel_size": 1,
                              "cp_kv_cache_interleave_size": 1, **parallel})
-    return SimpleNamespace(parallel_config=par, cache_config=h.config.cache_config), h.kv_cache_config
+    model = SimpleNamespace(model="m", max_model_len=64, use_mla=False,
+                            get_total_num_kv_heads=lambda: 2 * par.tensor_parallel_size)
+    return SimpleNamespace(parallel_config=par, cache_config=h.config.cache_config,
+                           model_config=model), h.kv_cache_config
 
 
-def test_replay_under_tensor_parallelism_and_recording_under_any_parallelism_are_refused(tmp_path):
+def test_recording_under_decode_context_parallelism_is_refused_with_the_way_out(tmp_path):
+    """DCP splits positions, not heads: a model served with DCP is recorded at
+    the same TP with DCP 1.  TP and PP record (each worker its part)."""
     from kvfill.connector.options import FillOptions
     from kvfill.connector.worker import KVFillWorker
-    from kvfill.kernels import Bank
 
-    bank = tmp_path / "b.safetensors"
-    Bank({"model.layers.0.self_attn.attn": torch.zeros(1, 4, 32, dtype=torch.bfloat16)}).save(bank)
-    cfg, kvc = _worker_config(tmp_path, tensor_parallel_size=2)
-    with pytest.raises(ValueError, match=r"fill_mode 'replay' needs tensor parallel size 1, got 2"):
-        KVFillWorker(cfg, kvc, FillOptions.from_extra_config({"bank": str(bank)}), dcp_rank=0)
-    cfg, kvc = _worker_config(tmp_path / "pp", pipeline_parallel_size=2)
     record = FillOptions.from_extra_config({"record_dir": str(tmp_path / "r"), "record_positions": 8})
-    with pytest.raises(ValueError, match=r"recording needs every layer whole on one worker; got tensor, pipeline "
-                                         r"and decode context parallel sizes \(1, 2, 1\)"):
-        KVFillWorker(cfg, kvc, record, dcp_rank=0)
-    KVFillWorker(cfg, kvc, FillOptions.from_extra_config({"bank": str(bank)}), dcp_rank=0)  # PP replays
+    cfg, kvc = _worker_config(tmp_path, tensor_parallel_size=2, decode_context_parallel_size=2)
+    with pytest.raises(ValueError, match=r"recording needs decode context parallel size 1, got 2: record at the "
+                                         r"same tensor parallel size with DCP 1"):
+        KVFillWorker(cfg, kvc, record, dcp_rank=0, tp_rank=0)
+    for parallel in ({"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}):
+        cfg, kvc = _worker_config(tmp_path / str(len(parallel)), **parallel)
+        recorder = KVFillWorker(cfg, kvc, record, dcp_rank=0, tp_rank=1, pp_rank=1).recorder
+        assert recorder.tp_rank == 1 and recorder.pp_rank == 1 and recorder.saves
 
 
 def test_replay_gives_unrecorded_group_kinds_zeros_or_the_synthetic_fill(tmp_path):

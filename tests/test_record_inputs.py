@@ -64,8 +64,10 @@ def write_rows(work, token_ids):
     """A prompt's rows as ``connector/recorder.py`` saves them."""
     from safetensors.torch import save_file
 
-    save_file({LAYER: torch.zeros(len(token_ids), 32, dtype=torch.bfloat16)}, recorder._rows_path(work, token_ids),
-              metadata={"value_dtypes": "{}", "layers": json.dumps({LAYER: {"kv": [2, 8, 8], "parts": []}})})
+    save_file({LAYER: torch.zeros(len(token_ids), 32, dtype=torch.bfloat16)}, recorder.rows_path(work, token_ids),
+              metadata={"value_dtypes": "{}", "layers": json.dumps({LAYER: {"kv": [2, 8, 8], "parts": []}}),
+                        "heads": json.dumps({LAYER: [0, 2, 2]}), "tp_rank": "0", "pp_rank": "0",
+                        "files_per_prompt": "1"})
 
 
 def fake_vllm(monkeypatch, during=None):

@@ -1,0 +1,106 @@
+"""One canonical bank from the parts the workers saved (``connector/recorder.py``).
+
+Each worker saves, per recorded prompt, one file of its part:
+``<key>.tp<r>-pp<p>.safetensors`` holding its layers (its pipeline stage's),
+each ``[N, row]`` of its KV heads in canonical order (K of its heads, then
+their V), with metadata naming the heads ``[lo, hi)`` of the model's ``total``
+each layer holds and how many files the run writes per prompt.  Here the
+parts of every prompt are checked - the expected number of files, every layer
+from one pipeline stage, every head of every layer exactly once - and merged:
+a layer's K columns in head order, then its V columns, the prompts one after
+another (a ragged bank, ``kvfill/kernels/bank.py``).
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+from typing import Sequence
+
+import torch
+
+from kvfill.kernels import Bank
+from kvfill.kernels.bank import sequence_key
+
+
+def rows_path(work: str, token_ids: Sequence[int], tp_rank: int = 0, pp_rank: int = 0) -> str:
+    """Where the worker of TP rank ``tp_rank``, PP rank ``pp_rank`` saves a prompt's rows."""
+    return os.path.join(work, f"{sequence_key(token_ids)}.tp{tp_rank}-pp{pp_rank}.safetensors")
+
+
+class _Part:
+    """One worker's file for one prompt."""
+
+    def __init__(self, path: str):
+        from safetensors import safe_open
+
+        with safe_open(path, framework="pt") as f:
+            meta = f.metadata()
+            self.rows = {name: f.get_tensor(name) for name in f.keys()}
+        try:
+            self.heads = json.loads(meta["heads"])
+            self.files = int(meta["files_per_prompt"])
+            self.layers = json.loads(meta["layers"])
+            self.value_dtypes = json.loads(meta["value_dtypes"])
+            self.where = f"TP rank {meta['tp_rank']}, PP rank {meta['pp_rank']}"
+        except (KeyError, ValueError, TypeError) as exc:
+            raise RuntimeError(f"{path}: not a recorder's rows file (metadata {exc})") from None
+        self.path = path
+
+
+def merge_layer(name: str, parts: list[tuple[list[int], torch.Tensor]], kv: Sequence[int] | None,
+                where: str) -> tuple[torch.Tensor, list[int] | None]:
+    """A layer's canonical rows from its parts ``([lo, hi, total], rows)``,
+    after checking they hold each of its heads exactly once; and its kv."""
+    if kv is None:  # no K/V geometry: recorded whole on one worker (the recorder refuses it under TP)
+        if len(parts) != 1:
+            raise RuntimeError(f"{where}: layer {name!r} (no K/V geometry) arrived {len(parts)} times; expected once")
+        return parts[0][1], None
+    _, d, dv = (int(x) for x in kv)
+    parts = sorted(parts, key=lambda p: p[0][0])
+    total = parts[0][0][2]
+    ranges = [(lo, hi) for (lo, hi, _), _ in parts]
+    if any(p[0][2] != total for p in parts) or [lo for lo, _ in ranges] != [0] + [hi for _, hi in ranges[:-1]] \
+            or ranges[-1][1] != total:
+        raise RuntimeError(f"{where}: layer {name!r} arrived with KV heads {ranges} of {total}; expected each of "
+                           f"[0, {total}) exactly once (a worker's rows missing or saved twice)")
+    keys = [rows[:, :(hi - lo) * d] for (lo, hi, _), rows in parts]
+    values = [rows[:, (hi - lo) * d:] for (lo, hi, _), rows in parts]
+    return torch.cat(keys + values, dim=1) if len(parts) > 1 else parts[0][1], [total, d, dv]
+
+
+def assemble(work: str, unique: list, meta: dict, out: str) -> Bank:
+    """The bank of the rows recorded in ``work`` for the prompts ``unique``
+    (their recorded tokens), the sequences one after another."""
+    layers: dict[str, list[torch.Tensor]] = {}
+    kvs, info, value_dtypes = {}, {}, {}
+    for t in unique:
+        key = sequence_key(t)
+        paths = sorted(glob.glob(os.path.join(work, f"{key}.tp*-pp*.safetensors")))
+        if not paths:
+            raise RuntimeError(f"vLLM ran, but no rows were recorded for a prompt of {len(t)} tokens "
+                               f"({rows_path(work, t)})")
+        parts = [_Part(p) for p in paths]
+        if any(p.files != len(parts) for p in parts):
+            raise RuntimeError(f"a prompt of {len(t)} tokens has {len(parts)} rows files "
+                               f"({[os.path.basename(p) for p in paths]}); its workers expected "
+                               f"{parts[0].files}: a worker's rows are missing")
+        by_layer: dict[str, list] = {}
+        for p in parts:
+            info.update(p.layers)
+            value_dtypes.update(p.value_dtypes)
+            for name, rows in p.rows.items():
+                by_layer.setdefault(name, []).append((p.heads.get(name, [0, 1, 1]), rows))
+        if layers and set(by_layer) != set(layers):
+            raise RuntimeError(f"a prompt of {len(t)} tokens was recorded with layers {sorted(by_layer)[:4]}..., "
+                               f"an earlier one with {sorted(layers)[:4]}...: every prompt needs every layer")
+        for name, got in by_layer.items():
+            rows, kvs[name] = merge_layer(name, got, info[name].get("kv"), f"prompt {key}")
+            layers.setdefault(name, []).append(rows)
+    first = next(iter(layers.values()))[0]
+    meta = {**meta, "dtype": str(first.dtype).removeprefix("torch.")}
+    return Bank({name: torch.cat(rows) for name, rows in layers.items()},
+                sequence_lengths=[len(t) for t in unique], sequence_tokens=unique,
+                value_dtypes={k: v for k, v in value_dtypes.items() if k in layers},
+                kv={k: v for k, v in kvs.items() if v}, parts={k: v["parts"] for k, v in info.items() if k in layers},
+                metadata=meta, source=out)
