@@ -1,0 +1,254 @@
+"""kvfill-record's command line takes vLLM's engine flags as ``vllm serve``
+does: those recording can honour reach ``record()`` (by name, or in
+``llm_kwargs`` under their ``LLM(**kwargs)`` names), those it cannot are
+refused before vLLM starts, naming the flag, the value and the reason, with
+nothing written.  vLLM never starts here: ``record()`` (or ``_run_vllm``) is
+replaced by a stand-in that keeps its arguments."""
+import json
+import os
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import kvfill.record as recorder  # noqa: E402
+from kvfill.bench.models import make_tokenizer  # noqa: E402
+from kvfill.record import RecordError  # noqa: E402
+from kvfill.record.__main__ import main  # noqa: E402
+from kvfill.record.cli import NAMED  # noqa: E402
+
+
+@pytest.fixture
+def out_dir(tmp_path):
+    """The folder of --out, empty: what it holds afterwards is what the recorder left."""
+    path = tmp_path / "out"
+    path.mkdir()
+    return path
+
+
+@pytest.fixture
+def base(tmp_path, out_dir):
+    """The flags every run needs: --model, --prompts, --out."""
+    model = tmp_path / "model"
+    model.mkdir()
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("w3 w4 w5\n")
+    return ["--model", str(model), "--prompts", str(prompts), "--out", str(out_dir / "b.safetensors")]
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """``record()`` replaced: each call's keyword arguments, nothing run."""
+    seen = []
+    monkeypatch.setattr(recorder, "record", lambda **kw: seen.append(kw))
+    return seen
+
+
+def run(argv, calls):
+    """main()'s exit code and the one record() call it made (None if none)."""
+    rc = main(argv)
+    assert len(calls) <= 1
+    return rc, (calls[0] if calls else None)
+
+
+# ------------------------------------------------------------------ refused flags
+REFUSED = [
+    (["--decode-context-parallel-size", "2"], "--decode-context-parallel-size 2",
+     "record a model served with DCP at the same --tensor-parallel-size with --decode-context-parallel-size 1"),
+    (["-dcp", "4"], "--decode-context-parallel-size 4", "DCP splits a layer's positions across ranks, not its heads"),
+    (["--prefill-context-parallel-size", "2"], "--prefill-context-parallel-size 2", "splits each prompt's positions"),
+    (["--data-parallel-size", "2"], "--data-parallel-size 2",
+     "data-parallel ranks are separate engines: record with one (--data-parallel-size 1); the bank replays on each"),
+    (["--kv-transfer-config", '{"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}'],
+     '--kv-transfer-config {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}',
+     "the recorder sets its own KV connector"),
+    (["--kv-transfer-config.kv_connector", "NixlConnector", "--kv-transfer-config.kv_role", "kv_both"],
+     '--kv-transfer-config {"kv_connector": "NixlConnector", "kv_role": "kv_both"}', "its own KV connector"),
+    (["--kv-offloading-size", "4"], "--kv-offloading-size 4", "KV offloading is a KV connector of its own"),
+    (["--enable-prefix-caching"], "--enable-prefix-caching True", "so every prompt is prefilled for real"),
+    (["--enable-chunked-prefill"], "--enable-chunked-prefill True",
+     "with chunks, vLLM frees sliding-window blocks behind the window between chunks, before the rows are read"),
+    (["--long-prefill-token-threshold", "64"], "--long-prefill-token-threshold 64",
+     "splits its prefill into chunks even with chunked prefill off"),
+    (["--max-num-scheduled-tokens", "64"], "--max-num-scheduled-tokens 64", "schedules each prompt whole"),
+    (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'],
+     '--speculative-config {"method": "ngram", "num_speculative_tokens": 2}', "speculative drafter"),
+    (["--spec-method", "ngram"], "--spec-method ngram", "speculative drafter"),
+    (["--spec-tokens", "3"], "--spec-tokens 3", "speculative drafter"),
+    (["--diffusion-config", '{"canvas_length": 4}'], '--diffusion-config {"canvas_length": 4}',
+     "speculative-decoding path"),
+    (["--runner", "pooling"], "--runner pooling", "this runner has no generate"),
+    (["--convert", "embed"], "--convert embed", "pooling model, which has no generate"),
+    (["--tokenizer-mode", "mistral"], "--tokenizer-mode mistral", "the bank keys its rows by those token ids"),
+    (["--revision", "v2"], "--revision v2", "pass the folder as --model"),
+    (["--tokenizer-revision", "v2"], "--tokenizer-revision v2", "pass the folder as --tokenizer"),
+    (["--max-model-len", "auto"], "--max-model-len auto", "give the serving run's number"),
+    (["--max-num-batched-tokens", "256", "--max-model-len", "512"], "--max-num-batched-tokens 256",
+     "vLLM needs it >= --max-model-len 512"),
+]
+
+
+@pytest.mark.parametrize("flags, named, reason", REFUSED, ids=[" ".join(f[0])[:40] for f in REFUSED])
+def test_a_flag_recording_cannot_honour_is_refused_before_vllm_starts(base, out_dir, calls, capsys, flags, named,
+                                                                      reason):
+    rc, call = run(base + flags, calls)
+    err = capsys.readouterr().err
+    assert rc == 2 and call is None
+    assert "kvfill-record: error: " in err and f"{named}: " in err and reason in err, err
+    assert os.listdir(out_dir) == []
+
+
+def test_every_refused_flag_is_named_in_the_one_error(base, out_dir, calls, capsys):
+    rc, call = run(base + ["-dcp", "2", "--enable-prefix-caching", "-dp", "2"], calls)
+    err = capsys.readouterr().err
+    assert rc == 2 and call is None
+    for named in ("--decode-context-parallel-size 2:", "--enable-prefix-caching True:", "--data-parallel-size 2:"):
+        assert named in err, err
+    assert os.listdir(out_dir) == []
+
+
+def test_a_refused_flag_in_a_config_file_is_refused_too(base, tmp_path, out_dir, calls, capsys):
+    config = tmp_path / "serve.yaml"
+    config.write_text("enable-prefix-caching: true\n")
+    rc, call = run(base + ["--config", str(config)], calls)
+    assert rc == 2 and call is None
+    assert "--enable-prefix-caching True: the recorder turns prefix caching off" in capsys.readouterr().err
+    assert os.listdir(out_dir) == []
+
+
+def test_the_recorders_own_off_switches_and_sizes_of_1_are_accepted(base, calls):
+    rc, call = run(base + ["--no-enable-prefix-caching", "--no-enable-chunked-prefill", "-dcp", "1", "-dp", "1"],
+                   calls)
+    assert rc == 0
+    assert call["llm_kwargs"] == {"enable_prefix_caching": False, "enable_chunked_prefill": False,
+                                  "decode_context_parallel_size": 1, "data_parallel_size": 1}
+
+
+def test_model_is_required(base, calls, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(base[2:])
+    assert exc.value.code == 2 and "the following arguments are required: --model" in capsys.readouterr().err
+    assert calls == []
+
+
+# ------------------------------------------------------------------ flags that reach record()
+PASSED = [
+    (["--tensor-parallel-size", "2"], {}, {"tensor_parallel_size": 2}),
+    (["-tp", "2", "--enable-expert-parallel"], {}, {"tensor_parallel_size": 2, "enable_expert_parallel": True}),
+    (["--pipeline-parallel-size", "2"], {}, {"pipeline_parallel_size": 2}),
+    (["--dtype", "float32"], {"dtype": "float32"}, {}),
+    (["--max-model-len", "512"], {"max_model_len": 512}, {}),
+    (["--trust-remote-code"], {}, {"trust_remote_code": True}),
+    (["--enforce-eager"], {}, {"enforce_eager": True}),
+    (["--quantization", "fp8"], {}, {"quantization": "fp8"}),
+    (["--max-num-seqs", "4", "--max-num-batched-tokens", "8192"], {},
+     {"max_num_seqs": 4, "max_num_batched_tokens": 8192}),
+    (["--kv-cache-dtype", "fp8", "--block-size", "32", "--tokenizer", "TOK"],
+     {"kv_cache_dtype": "fp8", "block_size": 32, "tokenizer": "TOK"}, {}),
+]
+
+
+@pytest.mark.parametrize("flags, named, llm_kwargs", PASSED, ids=[" ".join(f[0])[:40] for f in PASSED])
+def test_an_engine_flag_reaches_record_by_name_or_in_llm_kwargs(base, calls, flags, named, llm_kwargs):
+    rc, call = run(base + flags, calls)
+    assert rc == 0
+    assert {k: call[k] for k in NAMED if k in call} == named
+    assert call["llm_kwargs"] == llm_kwargs
+
+
+def test_without_engine_flags_the_recorder_keeps_its_own_settings(base, calls):
+    """Only the flags given reach record(): its defaults (and vLLM's) stand."""
+    rc, call = run(base, calls)
+    assert rc == 0
+    assert call == {"model": base[1], "prompts_file": base[3], "out": base[5], "positions": None, "budget_gib": None,
+                    "llm_kwargs": {}}
+
+
+def test_kvfills_own_flags_are_parsed(base, calls):
+    rc, call = run(base + ["--positions", "5", "--budget-gib", "1.5"], calls)
+    assert rc == 0 and (call["positions"], call["budget_gib"]) == (5, 1.5)
+
+
+def test_a_flag_given_at_vllms_default_still_overrides_the_recorders_setting(base, calls):
+    """--no-enforce-eager is EngineArgs' default, but the recorder runs eager
+    unless told: given, it reaches LLM (a compiled serving run's numerics)."""
+    rc, call = run(base + ["--no-enforce-eager"], calls)
+    assert rc == 0 and call["llm_kwargs"] == {"enforce_eager": False}
+
+
+def test_flags_are_spelled_as_vllm_serve_takes_them(base, calls):
+    """Underscores for dashes, human-readable numbers, dotted JSON fields."""
+    rc, call = run(base + ["--tensor_parallel_size", "2", "--max-model-len", "1k", "-cc.mode", "0"], calls)
+    assert rc == 0 and call["max_model_len"] == 1000
+    assert call["llm_kwargs"]["tensor_parallel_size"] == 2
+    assert int(call["llm_kwargs"]["compilation_config"].mode) == 0
+
+
+@pytest.mark.parametrize("form", ["--config FILE", "--config=FILE"])
+def test_a_config_file_reaches_record_and_the_command_line_wins(base, tmp_path, calls, form):
+    config = tmp_path / "serve.yaml"
+    config.write_text("tensor-parallel-size: 2\nmax-model-len: 256\nenforce-eager: false\n")
+    flag = form.replace("FILE", str(config)).split(" ")
+    rc, call = run(base + flag + ["--max-model-len", "512"], calls)
+    assert rc == 0 and call["max_model_len"] == 512
+    assert call["llm_kwargs"] == {"tensor_parallel_size": 2, "enforce_eager": False}
+
+
+def test_a_config_file_that_is_not_yaml_is_an_argparse_error(base, tmp_path, calls, capsys):
+    config = tmp_path / "serve.json"
+    config.write_text("{}")
+    with pytest.raises(SystemExit) as exc:
+        main(base + ["--config", str(config)])
+    assert exc.value.code == 2 and "kvfill-record: error: --config: Config file must be of a yaml/yml type" \
+        in capsys.readouterr().err
+
+
+def test_a_dotted_flag_without_its_value_is_an_argparse_error(base, calls, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(base + ["--compilation-config.mode"])
+    assert exc.value.code == 2 and "--compilation-config.mode: expected one argument" in capsys.readouterr().err
+
+
+def test_engine_flags_reach_vllm_through_the_recorder(tmp_path, out_dir, monkeypatch, capsys):
+    """The real record() up to vLLM: llm_kwargs arrive at _run_vllm, which
+    overlays them on the recorder's own LLM settings."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2, "hidden_size": 64,
+        "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1024,
+        "dtype": "bfloat16"}))
+    make_tokenizer(str(model))
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("w3 w4 w5 w6\n")
+    seen = {}
+
+    def stand_in(model, token_ids, work, dtype, kv_cache_dtype, block_size, max_model_len, llm_kwargs, tokenizer=None):
+        seen.update(dtype=dtype, max_model_len=max_model_len, llm_kwargs=llm_kwargs)
+        raise RecordError("the stand-in vLLM stops here")
+
+    monkeypatch.setattr(recorder, "_run_vllm", stand_in)
+    rc = main(["--model", str(model), "--prompts", str(prompts), "--out", str(out_dir / "b.safetensors"),
+               "-tp", "2", "--dtype", "float32", "--max-model-len", "64", "--trust-remote-code"])
+    assert rc == 2 and "the stand-in vLLM stops here" in capsys.readouterr().err
+    assert seen == {"dtype": "float32", "max_model_len": 64,
+                    "llm_kwargs": {"tensor_parallel_size": 2, "trust_remote_code": True}}
+    assert os.listdir(out_dir) == []
+
+
+# ------------------------------------------------------------------ --help
+def test_help_lists_kvfills_flags_and_vllms_engine_flags(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert exc.value.code == 0
+    for flag in ("--prompts", "--out", "--positions", "--budget-gib", "--model", "--tensor-parallel-size",
+                 "--decode-context-parallel-size", "--kv-cache-dtype"):
+        assert flag in out, flag
+
+
+def test_help_with_a_keyword_shows_the_matching_flags_as_vllm_does(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--help=tensor-parallel"])
+    out = capsys.readouterr().out
+    assert exc.value.code == 0 and "--tensor-parallel-size" in out and "--prompts" not in out
