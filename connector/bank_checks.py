@@ -69,7 +69,9 @@ def fit_error(nbytes: int, *, free: int, total: int, utilization: float,
     estimate) and the forward's activations.  That memory is free now but
     spoken for, so the bank must fit in what lies outside vLLM's share:
     ``free - (utilization x total - used)``.  With ``--kv-cache-memory-bytes``
-    vLLM does not size by utilization; the same share is kept as headroom.
+    vLLM does not size by utilization (nor know what it allocates later); the
+    same share is kept, so a smaller KV cache makes room only where that share
+    is used up, and a lower utilization otherwise.
     """
     used = total - free
     spoken_for = max(0, int(utilization * total) - used)
@@ -77,14 +79,17 @@ def fit_error(nbytes: int, *, free: int, total: int, utilization: float,
     if nbytes <= room:
         return None
     short, gib = nbytes - room, 2**30
-    lower = math.floor((utilization - short / total) * 100) / 100
+    ways = []
+    lower = math.floor((utilization - short / total) * 100) / 100  # the KV cache smaller by the shortfall
+    if lower > 0:
+        ways.append(f"--gpu-memory-utilization {lower:.2f} or lower (a KV cache that much smaller)")
+    if kv_cache_memory_bytes and spoken_for == 0 and kv_cache_memory_bytes > short:
+        ways.append(f"--kv-cache-memory-bytes {kv_cache_memory_bytes - short} or lower")
+    ways.append("record fewer sequences or positions, or split the bank over more ranks (TP, DCP)")
     return (f"this rank's part of the bank takes {nbytes / gib:.2f} GiB; the GPU has {free / gib:.2f} GiB free, "
             f"{spoken_for / gib:.2f} GiB of them kept for what vLLM allocates after registering its caches (CUDA "
             f"graphs, activations: inside --gpu-memory-utilization {utilization}), leaving {room / gib:.2f} GiB. "
-            f"Make room for {short / gib:.2f} GiB more: --gpu-memory-utilization {lower:.2f} or lower (a KV cache "
-            f"that much smaller)" + (f", or --kv-cache-memory-bytes {kv_cache_memory_bytes - short} or lower"
-                                     if kv_cache_memory_bytes else "")
-            + "; or record fewer sequences or positions")
+            f"Make room for {short / gib:.2f} GiB more: " + "; or ".join(ways))
 
 
 def provenance_mismatches(meta: Mapping[str, str], *, model: str, max_model_len: int,

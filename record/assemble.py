@@ -73,7 +73,7 @@ def assemble(work: str, unique: list, meta: dict, out: str) -> Bank:
     """The bank of the rows recorded in ``work`` for the prompts ``unique``
     (their recorded tokens), the sequences one after another."""
     layers: dict[str, list[torch.Tensor]] = {}
-    kvs, info, value_dtypes = {}, {}, {}
+    kvs, info, value_dtypes, merged = {}, {}, {}, set()
     for t in unique:
         key = sequence_key(t)
         paths = sorted(glob.glob(os.path.join(work, f"{key}.tp*-pp*.safetensors")))
@@ -96,11 +96,14 @@ def assemble(work: str, unique: list, meta: dict, out: str) -> Bank:
                                f"an earlier one with {sorted(layers)[:4]}...: every prompt needs every layer")
         for name, got in by_layer.items():
             rows, kvs[name] = merge_layer(name, got, info[name].get("kv"), f"prompt {key}")
+            if len(got) > 1:  # a worker's cache dims name its heads only: not the merged row's
+                merged.add(name)
             layers.setdefault(name, []).append(rows)
     first = next(iter(layers.values()))[0]
     meta = {**meta, "dtype": str(first.dtype).removeprefix("torch.")}
     return Bank({name: torch.cat(rows) for name, rows in layers.items()},
                 sequence_lengths=[len(t) for t in unique], sequence_tokens=unique,
                 value_dtypes={k: v for k, v in value_dtypes.items() if k in layers},
-                kv={k: v for k, v in kvs.items() if v}, parts={k: v["parts"] for k, v in info.items() if k in layers},
+                kv={k: v for k, v in kvs.items() if v},
+                parts={k: v["parts"] for k, v in info.items() if k in layers and k not in merged},
                 metadata=meta, source=out)
