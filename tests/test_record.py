@@ -104,6 +104,29 @@ def test_replay_through_vllms_openai_server_equals_served_real_prefill(tmp_path)
     assert not rows["constant"]["identical"]
 
 
+def test_a_bank_recorded_at_tp_2_replays_at_tp_1_and_tp_2_as_real_prefill_decodes(tmp_path):
+    """vLLM CPU at tensor parallel size 2 (one core per worker): each worker
+    saves its 4 of the tiny Llama's 8 KV heads and the recorder merges them
+    into the canonical bank a TP 1 recording writes; replayed at TP 2 (each
+    rank loading its heads) and at TP 1, greedy tokens equal real prefill's at
+    the replaying size, logprobs within 1e-3 (TP 2's reduction order)."""
+    import json
+
+    from kvfill.bench import parallel_replay
+    from kvfill.kernels import Bank
+
+    out, work = tmp_path / "parallel.json", tmp_path / "work"
+    rc = parallel_replay.main(["--record", "tp2", "--replay", "tp2", "tp1", "--prompts", "2", "--prompt-len", "64",
+                               "--output-len", "6", "--no-constant", "--tolerance", "1e-3", "--out-dir", str(work),
+                               "--json", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert rc == 0, rows
+    assert [(r["run"], r["tokens_equal_to_prefill"]) for r in rows] == [
+        ("bank recorded tp2, replayed tp2", "12/12"), ("bank recorded tp2, replayed tp1", "12/12")]
+    bank = Bank.load(work / "bank-tp2.safetensors")
+    assert set(bank.kv.values()) == {(8, 128, 128)} and len(bank.layers) == 4 and bank.lengths == (64, 64)
+
+
 def test_replay_on_a_sliding_window_hybrid_model_equals_real_prefill(tmp_path):
     """Gemma3 alternating sliding-window (256 tokens) and full attention - two
     KV cache groups - with 300-token prompts: both groups replayed, greedy
