@@ -44,7 +44,8 @@ The value of (layer, position t, element e) for a request replaying sequence
 wraps: row ``t mod N_s``.  A wrapped key was rotated (RoPE) for position
 ``t mod N_s``, not ``t``: attention over it is that of a repeated context,
 not of one long one.  The recorder keeps every prompt whole by default, so a
-recorded prompt never wraps.
+recorded prompt never wraps.  (Under DCP a rank holds only its positions and
+wraps within them: ``bank_part.py``.)
 
 Which sequence a block replays: a function of the tokens up to that block's
 end, as real KV is (what makes vLLM's prefix caching correct).  For the
