@@ -5,10 +5,8 @@
 
 A bank row per token and attention layer is K then V over the model's KV
 heads (``head_size`` each), or MLA's latent + rope row (``kvfill/kernels/bank.py``).
-The "per rank" column is what a rank needs when it loads only what it writes
-- the sizing of per-rank loading, which replay does not do yet: today a
-replaying worker loads the whole bank, and replay refuses tensor parallelism
-(docs/replay.md):
+The "per rank" column is what a replaying rank loads: only what it writes
+(``kvfill/kernels/bank_part.py``, docs/replay.md):
 
 * tensor parallel size T: its ``max(1, H / T)`` KV heads (with fewer KV heads
   than ranks, vLLM replicates a head over ``T / H`` ranks: each holds one);

@@ -1,6 +1,7 @@
 """kvfill.record: record real KV once, for replay fills.
 
     python -m kvfill.record --model MODEL --prompts FILE --out BANK [--positions CAP] [--budget-gib G]
+                            [vLLM engine flags: --tensor-parallel-size T, --dtype, ... (cli.py)]
     kvfill-record ...                        (the same, installed as a console script)
 
 Runs vLLM's engine with real prefill over the prompts (FILE: UTF-8 text, one
