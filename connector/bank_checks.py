@@ -33,8 +33,13 @@ def rank_part(groups: Mapping[str, CacheGroup], tp_rank: int, tp_size: int) -> B
     those groups' DCP positions."""
     replayed = [g for g in groups.values() if g.mode is None]  # the engine's mode: replay
     dcps = {g.dcp for g in replayed if g.dcp.sharded}
+    single = frozenset(n for g in replayed for n in g.layers if (_kv_of(g, n) or (0,))[0] == 1)
     return BankPart(tp_rank, tp_size, frozenset(n for g in replayed for n in g.layers),
-                    dcps.pop() if len(dcps) == 1 else NO_DCP)  # several: the engine refuses them
+                    dcps.pop() if len(dcps) == 1 else NO_DCP, whole_layers=single)  # several DCPs: refused
+
+
+def _kv_of(group: CacheGroup, name: str):
+    return group.kv.get(name) if isinstance(group.kv, Mapping) else group.kv
 
 
 def load_bank(path: str, part: BankPart, vllm_config: "VllmConfig", device: torch.device) -> Bank:
@@ -80,12 +85,15 @@ def fit_error(nbytes: int, *, free: int, total: int, utilization: float,
         return None
     short, gib = nbytes - room, 2**30
     ways = []
-    lower = math.floor((utilization - short / total) * 100) / 100  # the KV cache smaller by the shortfall
-    if lower > 0:
+    lower = math.floor((utilization - short / total) * 100) / 100
+    if lower > 0 and not kv_cache_memory_bytes:  # vLLM sizes its KV cache that much smaller
         ways.append(f"--gpu-memory-utilization {lower:.2f} or lower (a KV cache that much smaller)")
+    elif lower > 0 and spoken_for > 0:  # the share kept for vLLM that much smaller
+        ways.append(f"--gpu-memory-utilization {lower:.2f} or lower")
     if kv_cache_memory_bytes and spoken_for == 0 and kv_cache_memory_bytes > short:
         ways.append(f"--kv-cache-memory-bytes {kv_cache_memory_bytes - short} or lower")
-    ways.append("record fewer sequences or positions, or split the bank over more ranks (TP, DCP)")
+    ways.append("record fewer sequences or positions, or split the bank over more ranks (TP for heads, PP for "
+                "layers, DCP for positions)")
     return (f"this rank's part of the bank takes {nbytes / gib:.2f} GiB; the GPU has {free / gib:.2f} GiB free, "
             f"{spoken_for / gib:.2f} GiB of them kept for what vLLM allocates after registering its caches (CUDA "
             f"graphs, activations: inside --gpu-memory-utilization {utilization}), leaving {room / gib:.2f} GiB. "

@@ -55,11 +55,14 @@ class Recorder:
         self.files_per_prompt = self.pp_size * (self.tp_size // replicas)
 
     def _heads(self, formats) -> dict[str, list[int]]:
-        """Layer -> ``[lo, hi, total]``: the model's KV heads this rank's rows hold."""
+        """Layer -> ``[lo, hi, total]``: the model's KV heads this rank's rows
+        hold (``formats``: the layers read).  A layer in its cache's own order
+        has no heads to merge: whole on one rank (TP 1, or MLA's latent: every
+        rank caches it, rank 0 saves it), refused otherwise."""
         out = {}
         for name, f in formats.items():
             if f.kv is None:
-                if self.tp_size > 1:
+                if self.tp_size > 1 and self.total_heads != 1:
                     raise ValueError(f"KVFillConnector: layer {name!r} has no K/V geometry (its cache's own order): "
                                      f"its rows cannot be merged over tensor parallel size {self.tp_size}; record "
                                      f"it at tensor parallel size 1")
@@ -84,7 +87,7 @@ class Recorder:
         formats = engine.row_formats()
         layers = {name: {"kv": list(f.kv) if f.kv else None, "parts": [list(p) for p in f.parts]}
                   for name, f in formats.items()}
-        part = {"heads": json.dumps(self._heads(formats)), "tp_rank": str(self.tp_rank), "pp_rank": str(self.pp_rank),
+        part = {"tp_rank": str(self.tp_rank), "pp_rank": str(self.pp_rank),
                 "files_per_prompt": str(self.files_per_prompt)}
         os.makedirs(self.record_dir, exist_ok=True)
         for item in meta.records:
@@ -93,7 +96,9 @@ class Recorder:
             short = {name: r.shape[0] for name, r in rows.items() if r.shape[0] != n}
             if short or not rows:
                 raise RuntimeError(f"KVFillConnector: recording {item.selection.req_id!r} read {short or 'no'} rows "
-                                   f"of layers where {n} positions were expected (blocks freed before the read?)")
+                                   f"of layers where {n} positions were expected (blocks freed before the read; "
+                                   f"a pipeline stage of no attention layer?)")
+            part["heads"] = json.dumps(self._heads({name: formats[name] for name in rows}))
             path = os.path.join(self.record_dir, f"{item.key}.tp{self.tp_rank}-pp{self.pp_rank}.safetensors")
             save_file({name: formats[name].to_bank(r).cpu().contiguous() for name, r in rows.items()},
                       path + ".part", metadata={"key": item.key, "positions": str(n), **part,

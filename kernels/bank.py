@@ -197,8 +197,9 @@ class Bank:
         lo, hi = min(self.lengths), max(self.lengths)
         span = f"{lo}" if lo == hi else f"{lo}-{hi}"
         part = "" if self.part.whole else f" ({self.part.describe()}: this rank's part)"
+        held = "positions held here" if self.part.dcp.sharded else "positions"
         return (f"{self.source}{part}: {len(self.layers)} layers x {self.num_sequences} sequences of {span} "
-                f"positions ({self.num_rows} rows), {self.bytes_per_token} B per token, "
+                f"{held} ({self.num_rows} rows), {self.bytes_per_token} B per token, "
                 f"{self.nbytes / 2**20:.1f} MiB")
 
     def select(self, part: BankPart) -> "Bank":

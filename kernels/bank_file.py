@@ -65,8 +65,16 @@ def load(path: str, part) -> dict:
     rows, local = part.rows(lengths)
     with safe_open(path, framework="pt", device="cpu") as f:
         slices = {n: f.get_slice(n) for n in f.keys() if part.wants(n)}
-        need = sum(sum(b - a for a, b in part.columns(n, kvs.get(n), sl.get_shape()[1])) * sum(local)
-                   * _ITEMSIZE.get(sl.get_dtype(), 8) for n, sl in slices.items())
+        for n, sl in slices.items():  # a part's columns are cut by kv: it must name the rows
+            kv, width = kvs.get(n), sl.get_shape()[1]
+            if kv and width != kv[0] * (kv[1] + kv[2]):
+                raise BankError(f"{path}: layer {n!r} rows have {width} elements, its kv {kv} names "
+                                f"{kv[0] * (kv[1] + kv[2])}")
+        try:
+            need = sum(sum(b - a for a, b in part.columns(n, kvs.get(n), sl.get_shape()[1])) * sum(local)
+                       * _ITEMSIZE.get(sl.get_dtype(), 8) for n, sl in slices.items())
+        except BankError as exc:
+            raise BankError(f"{path}: {exc}") from None
         free = free_bytes(torch.device("cpu"))
         if free is not None and need > free:
             raise BankError(f"{path}: {part.describe()} takes {need / 2**30:.2f} GiB, more than the host's "

@@ -22,7 +22,10 @@ every recorded position.  A rank writes only part of it, and loads only that:
   sequence (N <= r*I) keeps the I rows W = 1 would give its first I slots.
 
 A layer stored in its cache's own order (no K/V geometry) cannot be split by
-heads: loading it under TP > 1 is a BankError.
+heads: loading it under TP > 1 is a BankError, unless the rank's cache holds
+it whole (``whole_layers``: one KV head, e.g. MLA's fp8-packed latent).  One
+bank serves one DCP geometry: groups sharded differently (a draft model's
+unsharded layers beside sharded ones) are refused by the engine.
 """
 from __future__ import annotations
 
@@ -62,6 +65,7 @@ class BankPart:
     tp_size: int = 1
     layers: frozenset[str] | None = None  # None: every layer the bank holds
     dcp: DcpGeometry = NO_DCP
+    whole_layers: frozenset[str] = frozenset()  # one KV head: whole on every rank, whatever its order
 
     def __post_init__(self):
         r, t = self.tp_rank, self.tp_size
@@ -70,6 +74,7 @@ class BankPart:
                              f"size >= 1 and 0 <= rank < size")
         if self.layers is not None:
             object.__setattr__(self, "layers", frozenset(self.layers))
+        object.__setattr__(self, "whole_layers", frozenset(self.whole_layers))
 
     @property
     def whole(self) -> bool:
@@ -80,7 +85,7 @@ class BankPart:
 
     def columns(self, name: str, kv: Sequence[int] | None, row: int) -> list[tuple[int, int]]:
         """The column ranges of a layer's canonical rows this rank holds, and its local geometry."""
-        if self.tp_size == 1:
+        if self.tp_size == 1 or name in self.whole_layers:
             return [(0, row)]
         if kv is None:
             raise BankError(f"layer {name!r} holds rows in its cache's own element order (no K/V geometry): they "

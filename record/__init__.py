@@ -82,7 +82,9 @@ def record(
     check_max_model_len(max_model_len, positions)
     lines = read_prompt_lines(prompts_file)
     line_numbers = [no for no, _ in lines]
-    tok = AutoTokenizer.from_pretrained(tokenizer or model)
+    # vLLM's --trust-remote-code holds for the recorder's own reads of the model folder too
+    trust = bool((llm_kwargs or {}).get("trust_remote_code", False))
+    tok = AutoTokenizer.from_pretrained(tokenizer or model, trust_remote_code=trust)
     ids = [list(tok(p).input_ids) for _, p in lines]
     lengths = choose_positions(ids, positions)
     check_prompt_lengths(ids, line_numbers, max_model_len)
@@ -94,7 +96,7 @@ def record(
             unique.append(t[:n])
     if len(unique) < len(ids):
         log(f"{len(ids) - len(unique)} prompt(s) repeat an earlier prompt's recorded tokens: recorded once")
-    est = estimate(model, len(unique), sum(len(t) for t in unique), dtype, kv_cache_dtype)
+    est = estimate(model, len(unique), sum(len(t) for t in unique), dtype, kv_cache_dtype, trust_remote_code=trust)
     log(f"bank estimate: {est}")
     budget = None if budget_gib is None else int(budget_gib * 2**30)
     if budget is not None and est.nbytes > budget:

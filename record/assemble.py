@@ -64,6 +64,11 @@ def merge_layer(name: str, parts: list[tuple[list[int], torch.Tensor]], kv: Sequ
             or ranges[-1][1] != total:
         raise RuntimeError(f"{where}: layer {name!r} arrived with KV heads {ranges} of {total}; expected each of "
                            f"[0, {total}) exactly once (a worker's rows missing or saved twice)")
+    bad = [((lo, hi), tuple(rows.shape)) for (lo, hi, _), rows in parts
+           if rows.shape[1] != (hi - lo) * (d + dv) or rows.shape[0] != parts[0][1].shape[0]]
+    if bad:
+        raise RuntimeError(f"{where}: layer {name!r} parts {bad} are not [positions, heads x {d + dv}] rows of the "
+                           f"same positions (heads, shape)")
     keys = [rows[:, :(hi - lo) * d] for (lo, hi, _), rows in parts]
     values = [rows[:, (hi - lo) * d:] for (lo, hi, _), rows in parts]
     return torch.cat(keys + values, dim=1) if len(parts) > 1 else parts[0][1], [total, d, dv]

@@ -45,14 +45,14 @@ _DTYPE_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2
 _UNBANKED_LAYER_TYPES = frozenset({"linear_attention", "mamba", "conv", "moe", "chunked_attention"})
 
 
-def estimate(model: str, sequences: int, positions: int, dtype: str = "auto", kv_cache_dtype: str = "auto"
-             ) -> Estimate:
+def estimate(model: str, sequences: int, positions: int, dtype: str = "auto", kv_cache_dtype: str = "auto",
+             trust_remote_code: bool = False) -> Estimate:
     """Bank size from the model's config.json: ``positions`` (recorded in
     all) x attention layers x K+V row bytes (MLA: the latent + rope row).  An
     estimate: the bank written is checked too."""
     from transformers import AutoConfig
 
-    cfg = AutoConfig.from_pretrained(model)
+    cfg = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
     text = getattr(cfg, "get_text_config", lambda: cfg)()
     layers = text.num_hidden_layers
     types = getattr(text, "layer_types", None)

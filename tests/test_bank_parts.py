@@ -197,6 +197,57 @@ def test_a_layer_without_kv_geometry_is_whole_at_tp_1_and_refused_above(tmp_path
         Bank.load(saved(bank, tmp_path), BankPart(1, 2))
 
 
+def test_a_file_whose_kv_does_not_name_its_rows_is_refused_before_a_part_is_cut(tmp_path):
+    """Cut by a wrong geometry, a part would hold other heads' bytes: refused, naming both sizes."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    path = saved(make_bank({"l0": (2, 4, 4)}), tmp_path)
+    with safe_open(path, framework="pt") as f:
+        meta, rows = f.metadata(), f.get_tensor("l0")
+    layers = json.loads(meta["layers"])
+    layers["l0"]["kv"] = [2, 4, 6]  # names 20 elements; the rows have 16
+    save_file({"l0": rows}, path, metadata={**meta, "layers": json.dumps(layers)})
+    with pytest.raises(BankError, match=r"layer 'l0' rows have 16 elements, its kv \[2, 4, 6\] names 20"):
+        Bank.load(path, BankPart(0, 2))
+
+
+def test_a_one_head_layer_in_its_caches_own_order_is_whole_on_every_rank(tmp_path):
+    """MLA's fp8-packed latent (no K/V view kvfill knows): every TP rank caches
+    it whole, so a rank whose part names it in ``whole_layers`` loads it whole."""
+    bank = make_bank({"attn": (8, 8, 8), "mla_packed": None})
+    for rank in range(4):
+        part = BankPart(rank, 4, whole_layers={"mla_packed"})
+        for got in (bank.select(part), Bank.load(saved(bank, tmp_path), part)):
+            assert torch.equal(bits(got.layers["mla_packed"]), bits(bank.layers["mla_packed"]))
+            assert got.layers["attn"].shape[1] == 2 * 8 * 2  # the other layer still split: 2 of 8 heads
+
+
+def test_a_recording_tp_rank_merges_heads_only_of_the_layers_it_read(tmp_path):
+    """The recorder names the heads of the layers whose rows it read: a layer
+    of no K/V geometry is refused under TP > 1 unless the model is MLA (its
+    latent whole on every rank, saved by rank 0)."""
+    from types import SimpleNamespace
+
+    from kvfill.connector.options import FillOptions
+    from kvfill.connector.recorder import Recorder
+    from kvfill.kernels.kv_rows import RowFormat
+
+    def recorder(tp_rank, total, use_mla=False):
+        par = SimpleNamespace(tensor_parallel_size=2, pipeline_parallel_size=1, decode_context_parallel_size=1)
+        model = SimpleNamespace(use_mla=use_mla, get_total_num_kv_heads=lambda: total)
+        options = FillOptions.from_extra_config({"record_dir": str(tmp_path), "record_positions": 8})
+        return Recorder(options, SimpleNamespace(parallel_config=par, model_config=model), tp_rank, 0)
+
+    attn, packed = RowFormat.of([[4, 8], [4, 8]]), RowFormat.of([[4, 164]])  # no geometry named
+    assert recorder(1, 8)._heads({"attn": attn}) == {"attn": [4, 8, 8]}
+    with pytest.raises(ValueError, match=r"layer 'packed' has no K/V geometry .* tensor parallel size 2"):
+        recorder(0, 8)._heads({"attn": attn, "packed": packed})
+    mla = recorder(0, 128, use_mla=True)
+    assert mla._heads({"packed": packed}) == {} and mla.saves and mla.files_per_prompt == 1
+    assert not recorder(1, 128, use_mla=True).saves
+
+
 @pytest.mark.parametrize("heads, tp, match", [
     (6, 4, r"layer 'l0': 6 KV heads cannot be split over tensor parallel size 4; expected a size dividing 6"),
     (2, 3, r"layer 'l0': 2 KV heads cannot be replicated over tensor parallel size 3; expected a multiple of 2"),
@@ -649,8 +700,10 @@ def test_with_kv_cache_memory_bytes_the_message_names_a_kv_cache_smaller_by_the_
 
     kv_bytes = 50 * GIB
     line = fit_error(6 * GIB, free=4 * GIB, total=80 * GIB, utilization=0.9, kv_cache_memory_bytes=kv_bytes)
-    assert "0.00 GiB of them kept" in line and "Make room for 2.00 GiB more: " in line, line
-    assert f"; or --kv-cache-memory-bytes {kv_bytes - 2 * GIB} or lower; or record fewer" in line, line
+    assert "0.00 GiB of them kept" in line, line
+    # a lower utilization would change nothing here (vLLM's share is used up, its KV cache sized by the flag)
+    assert f"Make room for 2.00 GiB more: --kv-cache-memory-bytes {kv_bytes - 2 * GIB} or lower; or record fewer" \
+        in line, line
 
 
 def test_with_vllms_share_not_used_up_a_smaller_kv_cache_is_not_suggested():
