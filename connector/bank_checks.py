@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Mapping
 import torch
 from vllm.logger import init_logger
 
-from kvfill.kernels import NO_DCP, Bank, BankError, CacheGroup
+from kvfill.kernels import NO_DCP, Bank, CacheGroup
 from kvfill.kernels.bank import dtype_name
 from kvfill.kernels.bank_part import BankPart
 
@@ -45,15 +45,17 @@ def _kv_of(group: CacheGroup, name: str):
 def load_bank(path: str, part: BankPart, vllm_config: "VllmConfig", device: torch.device) -> Bank:
     """This rank's part of the bank in this process's memory, after checking
     it fits the device beside vLLM's budget, with a warning per mismatch above."""
-    bank = Bank.load(path, part)
-    logger.info("KVFillConnector: replaying %s", bank.describe())
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
+    fits = None
+    if device.type == "cuda":  # checked from the file's header, before a row is read
         cache = vllm_config.cache_config
-        line = fit_error(bank.nbytes, free=free, total=total, utilization=cache.gpu_memory_utilization,
-                         kv_cache_memory_bytes=getattr(cache, "kv_cache_memory_bytes", None))
-        if line:
-            raise BankError(f"{path}: {line}")
+
+        def fits(nbytes: int) -> str | None:
+            free, total = torch.cuda.mem_get_info(device)
+            return fit_error(nbytes, free=free, total=total, utilization=cache.gpu_memory_utilization,
+                             kv_cache_memory_bytes=getattr(cache, "kv_cache_memory_bytes", None))
+
+    bank = Bank.load(path, part, fits)
+    logger.info("KVFillConnector: replaying %s", bank.describe())
     model = vllm_config.model_config
     for line in provenance_mismatches(bank.metadata, model=str(model.model), max_model_len=model.max_model_len,
                                       kv_cache_dtype=vllm_config.cache_config.cache_dtype):

@@ -273,9 +273,10 @@ class Bank:
         bank_file.save(self, os.fspath(path))
 
     @classmethod
-    def load(cls, path: str | os.PathLike, part: BankPart = WHOLE) -> "Bank":
+    def load(cls, path: str | os.PathLike, part: BankPart = WHOLE, fits=None) -> "Bank":
         """Read a bank file, or one rank's ``part`` of it (only that part is
         read), into memory this process owns; BankError when it is not a
         well-formed bank of this format, its metadata disagrees with its
-        tensors, or the part is larger than the host's available memory."""
-        return cls(**bank_file.load(os.fspath(path), part))
+        tensors, or the part is larger than the host's available memory or
+        ``fits(nbytes)`` says why it does not fit (asked before reading rows)."""
+        return cls(**bank_file.load(os.fspath(path), part, fits))

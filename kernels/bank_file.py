@@ -43,11 +43,12 @@ def _index_of(meta: Mapping[str, str], path: str) -> tuple[int, list[int], list]
     return num_sequences, lengths, _meta_tokens(meta, path, lengths)
 
 
-def load(path: str, part) -> dict:
+def load(path: str, part, fits=None) -> dict:
     """The keyword arguments of ``Bank(...)`` for a bank file's ``part``
     (``bank_part.BankPart``; only its columns and rows are read), in memory
     this process owns (not a mapping of the file: rewriting or truncating it
-    later changes nothing here)."""
+    later changes nothing here).  ``fits(nbytes)``: why the part's bytes do
+    not fit where they go (None: they do), asked before any row is read."""
     from safetensors import safe_open
 
     meta = _read_metadata(path)
@@ -79,6 +80,9 @@ def load(path: str, part) -> dict:
         if free is not None and need > free:
             raise BankError(f"{path}: {part.describe()} takes {need / 2**30:.2f} GiB, more than the host's "
                             f"{free / 2**30:.2f} GiB available memory")
+        problem = fits(need) if fits is not None else None
+        if problem:
+            raise BankError(f"{path}: {problem}")
         layers = {n: part.take(n, kvs.get(n), sl.get_shape()[1], lambda a, b, sl=sl: sl[:, a:b], rows)
                   for n, sl in slices.items()}
     return dict(

@@ -197,6 +197,19 @@ def test_a_layer_without_kv_geometry_is_whole_at_tp_1_and_refused_above(tmp_path
         Bank.load(saved(bank, tmp_path), BankPart(1, 2))
 
 
+def test_a_part_that_does_not_fit_is_refused_before_a_row_is_read(tmp_path, monkeypatch):
+    """``fits`` gets the part's bytes from the file's header (TP rank 1 of 2:
+    half of every row); its answer is the error, and no layer is read."""
+    bank = make_bank({"l0": (8, 8, 8), "l1": (8, 8, 8)})
+    path, asked = saved(bank, tmp_path), []
+    part = BankPart(1, 2)
+    want = bank.select(part).nbytes
+    monkeypatch.setattr(BankPart, "take", lambda *a, **k: pytest.fail("a layer's rows were read"))
+    with pytest.raises(BankError, match=r"needs room: the GPU is full"):
+        Bank.load(path, part, fits=lambda nbytes: asked.append(nbytes) or "needs room: the GPU is full")
+    assert asked == [want]
+
+
 def test_a_file_whose_kv_does_not_name_its_rows_is_refused_before_a_part_is_cut(tmp_path):
     """Cut by a wrong geometry, a part would hold other heads' bytes: refused, naming both sizes."""
     from safetensors import safe_open
