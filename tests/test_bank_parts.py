@@ -787,3 +787,20 @@ def test_rank_part_is_the_replaying_groups_layers_heads_and_dcp_geometry():
     plain = rank_part({"full": CacheGroup({"a.0": t}), "mamba": CacheGroup({"m.3": [t]}, mode="zero")}, 0, 1)
     assert plain == BankPart(0, 1, frozenset({"a.0"}))
     assert not plain.dcp.sharded and plain.wants("a.0") and not plain.wants("m.3")
+
+
+@pytest.mark.parametrize("heads, d, dv, tp, pp, dcp", [(8, 16, 16, 2, 1, 1), (8, 16, 16, 4, 2, 2),
+                                                        (2, 16, 16, 4, 1, 1), (1, 36, 0, 4, 1, 4)])
+def test_bank_memory_tables_per_rank_bytes_are_what_the_largest_rank_loads(heads, d, dv, tp, pp, dcp):
+    """``bench/bank_memory.py``'s formula (the README's memory table) against
+    the loader: the most any rank's part holds of a bank of that shape."""
+    from kvfill.bench.bank_memory import ModelKV, rank_bytes
+
+    layers, sequences, positions = 4, 2, 37
+    bank = Bank({f"l{i}": torch.zeros(sequences * positions, heads * (d + dv), dtype=torch.bfloat16)
+                 for i in range(layers)}, sequence_lengths=[positions] * sequences,
+                kv={f"l{i}": (heads, d, dv) for i in range(layers)})
+    stages = [{f"l{i}" for i in range(s * layers // pp, (s + 1) * layers // pp)} for s in range(pp)]
+    most = max(bank.select(BankPart(r, tp, stage, DcpGeometry(dcp, r % dcp, 1) if dcp > 1 else DcpGeometry())).nbytes
+               for r in range(tp) for stage in stages)
+    assert rank_bytes(ModelKV("m", layers, heads, d, dv), sequences, positions, tp, pp, dcp) == most
