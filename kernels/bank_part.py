@@ -65,7 +65,9 @@ class BankPart:
     tp_size: int = 1
     layers: frozenset[str] | None = None  # None: every layer the bank holds
     dcp: DcpGeometry = NO_DCP
-    whole_layers: frozenset[str] = frozenset()  # one KV head: whole on every rank, whatever its order
+    # Layers of no K/V geometry (their cache's own order) that a rank's cache holds whole: one KV head
+    # (MLA's packed latent).  Canonical rows are cut by their heads whatever this says.
+    whole_layers: frozenset[str] = frozenset()
 
     def __post_init__(self):
         r, t = self.tp_rank, self.tp_size
@@ -85,7 +87,7 @@ class BankPart:
 
     def columns(self, name: str, kv: Sequence[int] | None, row: int) -> list[tuple[int, int]]:
         """The column ranges of a layer's canonical rows this rank holds, and its local geometry."""
-        if self.tp_size == 1 or name in self.whole_layers:
+        if self.tp_size == 1 or (kv is None and name in self.whole_layers):  # K/V rows: cut by their heads
             return [(0, row)]
         if kv is None:
             raise BankError(f"layer {name!r} holds rows in its cache's own element order (no K/V geometry): they "

@@ -804,3 +804,25 @@ def test_bank_memory_tables_per_rank_bytes_are_what_the_largest_rank_loads(heads
     most = max(bank.select(BankPart(r, tp, stage, DcpGeometry(dcp, r % dcp, 1) if dcp > 1 else DcpGeometry())).nbytes
                for r in range(tp) for stage in stages)
     assert rank_bytes(ModelKV("m", layers, heads, d, dv), sequences, positions, tp, pp, dcp) == most
+
+
+@pytest.mark.parametrize("heads, tp", [(8, 8), (2, 4)])
+def test_a_rank_whose_caches_hold_one_of_several_heads_loads_only_that_head(heads, tp, tmp_path):
+    """At TP >= H each rank's caches hold one KV head, as MLA's do: the part
+    ``rank_part`` gives (one-head layers in ``whole_layers``) still cuts a
+    canonical layer of H heads to the rank's head; only a layer of no K/V
+    geometry is taken whole."""
+    from kvfill.connector.bank_checks import rank_part
+
+    bank = make_bank({"l0": (heads, 8, 8)})
+    path = saved(bank, tmp_path)
+    for rank in range(tp):
+        group = CacheGroup({"l0": torch.zeros(2, 2, 8, 8)}, kv={"l0": (1, 8, 8)})
+        part = rank_part({"full": group}, rank, tp)
+        assert part.whole_layers == {"l0"}
+        got = Bank.load(path, part)
+        head = rank // (tp // heads)
+        assert got.kv["l0"] == (1, 8, 8)
+        assert torch.equal(bits(got.layers["l0"]), bits(bank.select(BankPart(rank, tp)).layers["l0"]))
+        k, v = truth((heads, 8, 8), 0)
+        assert torch.equal(bits(got.layers["l0"]), canonical_rows(k[:, head:head + 1], v[:, head:head + 1]))
