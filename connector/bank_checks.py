@@ -33,13 +33,10 @@ def rank_part(groups: Mapping[str, CacheGroup], tp_rank: int, tp_size: int) -> B
     those groups' DCP positions."""
     replayed = [g for g in groups.values() if g.mode is None]  # the engine's mode: replay
     dcps = {g.dcp for g in replayed if g.dcp.sharded}
-    single = frozenset(n for g in replayed for n in g.layers if (_kv_of(g, n) or (0,))[0] == 1)
+    single = frozenset(n for g in replayed for n in g.layers if (g.kv_of(n) or (0,))[0] == 1)
     return BankPart(tp_rank, tp_size, frozenset(n for g in replayed for n in g.layers),
                     dcps.pop() if len(dcps) == 1 else NO_DCP, whole_layers=single)  # several DCPs: refused
 
-
-def _kv_of(group: CacheGroup, name: str):
-    return group.kv.get(name) if isinstance(group.kv, Mapping) else group.kv
 
 
 def load_bank(path: str, part: BankPart, vllm_config: "VllmConfig", device: torch.device) -> Bank:

@@ -94,6 +94,8 @@ class BankPart:
                             f"cannot be split over tensor parallel size {self.tp_size}; record the bank on a "
                             f"platform whose cache view kvfill knows (kvfill/kernels/kv_rows.py)")
         h, d, dv = (int(x) for x in kv)
+        if row != h * (d + dv):  # cut by a geometry that does not name them, a part holds other heads' bytes
+            raise BankError(f"layer {name!r} rows have {row} elements, its kv {[h, d, dv]} names {h * (d + dv)}")
         lo, hi = head_range(h, self.tp_rank, self.tp_size, f"layer {name!r}")
         out = [(lo * d, hi * d)]
         if dv:

@@ -78,6 +78,10 @@ class CacheGroup:
     dcp: DcpGeometry = NO_DCP
     kv: Mapping[str, tuple[int, int, int]] | tuple[int, int, int] | None = None
 
+    def kv_of(self, layer: str) -> tuple[int, int, int] | None:
+        """The K/V geometry given for ``layer`` (None: inferred from its view)."""
+        return self.kv.get(layer) if isinstance(self.kv, Mapping) else self.kv
+
 
 @dataclass(frozen=True)
 class RegisteredGroup:
@@ -167,7 +171,7 @@ class Registry:
             if lname in seen:
                 raise ValueError(f"layer {lname!r} is registered in more than one group")
             seen.add(lname)
-            self.kv[lname] = g.kv.get(lname) if isinstance(g.kv, Mapping) else g.kv
+            self.kv[lname] = g.kv_of(lname)
             lid = layer_ids.get(lname, next_id)
             next_id = max(next_id, lid + 1)
             enc = g.encoding.get(lname, V.ENC_AUTO) if isinstance(g.encoding, Mapping) else g.encoding
