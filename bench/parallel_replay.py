@@ -37,7 +37,9 @@ import sys
 
 from kvfill.bench.common import child_result, print_result, table
 from kvfill.bench.models import make_model, make_tokenizer
-from kvfill.bench.replay_e2e import PEAKED_STD, compare, connector_config, prompt_ids, write_prompts
+from kvfill.bench.replay_e2e import (
+    PEAKED_STD, compare, connector_config, greedy_rows, prompt_ids, write_prompts,
+)
 
 
 def engine_kwargs(config: str) -> dict:
@@ -75,10 +77,7 @@ def generate(a, kt: dict | None) -> list[dict]:
               max_num_seqs=len(ids), disable_log_stats=True, seed=0, enable_prefix_caching=False,
               **({"kv_transfer_config": kt} if kt else {}), **kw)
     params = SamplingParams(max_tokens=a.output_len, temperature=0.0, logprobs=1, ignore_eos=True, detokenize=False)
-    outs = llm.generate([TokensPrompt(prompt_token_ids=t) for t in ids], params, use_tqdm=False)
-    rows = [{"tokens": list(o.outputs[0].token_ids),
-             "logprobs": [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]}
-            for o in outs]
+    rows = greedy_rows(llm.generate([TokensPrompt(prompt_token_ids=t) for t in ids], params, use_tqdm=False))
     del llm
     return rows
 

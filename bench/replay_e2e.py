@@ -129,14 +129,16 @@ def run_one(a, run: str) -> dict:
     if a.shared_prefix:
         llm.generate([TokensPrompt(prompt_token_ids=d) for d in decoys(ids, a.shared_prefix)],
                      SamplingParams(max_tokens=1, ignore_eos=True, detokenize=False), use_tqdm=False)
-    outs = llm.generate([TokensPrompt(prompt_token_ids=t) for t in ids], params, use_tqdm=False)
-    rows = []
-    for o in outs:
-        c = o.outputs[0]
-        rows.append({"tokens": list(c.token_ids),
-                     "logprobs": [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)]})
+    rows = greedy_rows(llm.generate([TokensPrompt(prompt_token_ids=t) for t in ids], params, use_tqdm=False))
     del llm
     return {"run": run, "outputs": rows}
+
+
+def greedy_rows(outs) -> list[dict]:
+    """Each output's tokens and the logprob of each (``logprobs=1``): what ``compare`` reads."""
+    return [{"tokens": list(o.outputs[0].token_ids),
+             "logprobs": [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]}
+            for o in outs]
 
 
 def serve_one(a, run: str, bank: str, prompts_file: str, log_dir: str) -> dict:
