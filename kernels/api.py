@@ -8,7 +8,8 @@ import numpy as np
 import torch
 
 from .capture import (  # noqa: F401  (captured_engines, release_captured_fills: public here too)
-    captured_engines, check_capture_ids, pin, pinned, release_captured_fills, stream_capturing, whole_block_entries,
+    captured_engines, check_capture_device, check_capture_ids, pin, pinned, release_captured_fills, stream_capturing,
+    whole_block_entries,
 )
 from .engine import FillEngine
 from .layout import default_slot_dim
@@ -107,11 +108,7 @@ def _engine(tensors, block_dim, mean, std, seed, backend, *, capturing=False) ->
 
 def _fill_captured(engine: FillEngine, block_ids: torch.Tensor) -> None:
     """Inside CUDA graph capture: the plan is built on the device (capture.py)."""
-    if engine.device.type == "cuda" and torch.cuda.current_device() != engine.device.index:
-        raise RuntimeError(
-            f"under CUDA graph capture the caches' device ({engine.device}) must be the current device "
-            f"(cuda:{torch.cuda.current_device()}): the fill would run on an uncaptured stream"
-        )
+    check_capture_device(engine.device)
     check_capture_ids(block_ids, engine.device)
     if block_ids.numel() == 0:
         return

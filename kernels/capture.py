@@ -70,6 +70,17 @@ def stream_capturing() -> bool:
     return cuda_available() and torch.cuda.is_current_stream_capturing()
 
 
+def check_capture_device(device: torch.device) -> None:
+    """Under capture, refuse caches on a GPU other than the current one:
+    capture records the current device's stream, so a launch on another
+    device's stream would run once, eagerly, and be missing from the graph."""
+    if device.type == "cuda" and torch.cuda.current_device() != device.index:
+        raise RuntimeError(
+            f"under CUDA graph capture the caches' device ({device}) must be the current device "
+            f"(cuda:{torch.cuda.current_device()}): the fill would run on an uncaptured stream"
+        )
+
+
 def check_capture_ids(block_ids, device: torch.device) -> None:
     """Under capture, refuse block ids that are not a tensor on ``device``."""
     if isinstance(block_ids, torch.Tensor) and block_ids.device == device:

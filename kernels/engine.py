@@ -21,7 +21,7 @@ import torch
 from . import values as V
 from .backend import BACKENDS, FillBackend
 from .bank import Bank
-from .capture import pin, stream_capturing
+from .capture import check_capture_device, pin, stream_capturing
 from .kv_rows import RowFormat
 from .plan import FillPlan, GroupFill
 from .registry import CacheGroup, RegisteredGroup, Registry
@@ -204,8 +204,11 @@ class FillEngine:
         warmed up (``warmup()``) - a first launch would load a module - and
         is pinned until ``release_captured_fills()``: the graph reads its
         layer table and bank copy, so dropping the engine must not free them.
+        Its caches' GPU must be the current device (else refused): capture
+        records the current device's stream only.
         """
         if stream_capturing():
+            check_capture_device(self.device)
             if not self._warmed:
                 raise RuntimeError(
                     "fill_device_entries under CUDA graph capture needs engine.warmup() before capture "

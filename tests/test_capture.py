@@ -165,6 +165,23 @@ def test_a_captured_replay_fill_pins_its_user_held_engine(capture):
     assert engine_ref() is None and captured_engines() == ()
 
 
+def test_a_captured_replay_fill_of_caches_on_another_device_is_refused(capture, monkeypatch):
+    """``fill_device_entries`` keeps the capture rule of ``fill_blocks``: with
+    cuda:0 current and the engine's caches on cuda:1, the launch would run
+    once, eagerly, and be missing from the graph.  Nothing is written."""
+    buf, c = cache(seed=9)
+    poison = buf.clone()
+    eng = replay_engine_over(c)
+    eng.warmup()
+    monkeypatch.setattr(FillEngine, "device", property(lambda self: torch.device("cuda", 1)))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    capture.on = True
+    with pytest.raises(RuntimeError, match=r"caches' device \(cuda:1\) must be the current device \(cuda:0\)"):
+        eng.fill_device_entries("g", torch.tensor([[2, 0, 4, 0, 1]], dtype=torch.int32))
+    capture.on = False
+    assert torch.equal(buf, poison) and captured_engines() == ()
+
+
 def test_capturing_an_engine_that_was_not_warmed_up_is_refused(capture):
     buf, c = cache(seed=8)
     poison = buf.clone()
