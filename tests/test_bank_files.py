@@ -319,3 +319,27 @@ def test_a_malformed_kv_geometry_is_refused_naming_the_layer(kv):
     with pytest.raises(BankError, match=r"^mine: layer 'l' kv is .*; expected \[num_kv_heads >= 1, head_size >= 1, "
                                         r"head_size_v >= 0\]"):
         Bank({"l": torch.zeros(1, 4, 8, dtype=torch.bfloat16)}, kv={"l": kv}, source="mine")
+
+
+@pytest.fixture
+def meta_default_device():
+    """torch's default device set elsewhere than the host (the GPU run sets
+    ``cuda``; ``meta`` stands in for it on the CPU: factories follow it)."""
+    before = torch.get_default_device()
+    torch.set_default_device("meta")
+    try:
+        yield
+    finally:
+        torch.set_default_device(before)
+
+
+def test_a_bank_loads_into_host_memory_whatever_torchs_default_device(tmp_path, meta_default_device):
+    from kvfill.kernels.bank_part import BankPart
+
+    path, rows = good_bank(tmp_path)
+    whole = Bank.load(path)
+    part = Bank.load(path, BankPart(tp_rank=1, tp_size=2, layers=frozenset({"l0"})))  # column slices
+    for bank in (whole, part):
+        assert {t.device.type for t in bank.layers.values()} == {"cpu"}, bank.describe()
+    assert all(torch.equal(whole.layers[n], rows[n]) for n in rows)
+    assert torch.equal(part.layers["l0"], torch.cat([rows["l0"][:, 2:4], rows["l0"][:, 6:8]], dim=1))
