@@ -1,6 +1,6 @@
 """Loading the bank a serving run replays: this rank's part of it
 (``rank_part``), refused when it does not fit the GPU beside what vLLM still
-allocates (``fit_error``), and what is logged about it: its size, provenance
+allocates (``bank_fit.fit_error``), and what is logged about it: its size, provenance
 that differs from the run's own settings, and recorded values that are not
 finite.
 
@@ -11,7 +11,6 @@ said at startup.
 """
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING, Mapping
 
 import torch
@@ -20,6 +19,8 @@ from vllm.logger import init_logger
 from kvfill.kernels import NO_DCP, Bank, CacheGroup
 from kvfill.kernels.bank import dtype_name
 from kvfill.kernels.bank_part import BankPart
+
+from .bank_fit import fit_error
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -49,6 +50,7 @@ def load_bank(path: str, part: BankPart, vllm_config: "VllmConfig", device: torc
         def fits(nbytes: int) -> str | None:
             free, total = torch.cuda.mem_get_info(device)
             return fit_error(nbytes, free=free, total=total, utilization=cache.gpu_memory_utilization,
+                             held=torch.cuda.memory_reserved(device),
                              kv_cache_memory_bytes=getattr(cache, "kv_cache_memory_bytes", None))
 
     bank = Bank.load(path, part, fits)
@@ -61,42 +63,6 @@ def load_bank(path: str, part: BankPart, vllm_config: "VllmConfig", device: torc
     if line:
         logger.warning("KVFillConnector: %s", line)
     return bank
-
-
-def fit_error(nbytes: int, *, free: int, total: int, utilization: float,
-              kv_cache_memory_bytes: int | None) -> str | None:
-    """Why a bank of ``nbytes`` cannot be uploaded next to vLLM's caches (None: it fits).
-
-    vLLM sizes the KV cache to leave, inside ``gpu_memory_utilization`` of the
-    GPU, what it allocates after registering the caches: the CUDA graphs it
-    captures in ``compile_or_warm_up_model`` (``profile_cudagraph_memory``'s
-    estimate) and the forward's activations.  That memory is free now but
-    spoken for, so the bank must fit in what lies outside vLLM's share:
-    ``free - (utilization x total - used)``.  With ``--kv-cache-memory-bytes``
-    vLLM does not size by utilization (nor know what it allocates later); the
-    same share is kept, so a smaller KV cache makes room only where that share
-    is used up, and a lower utilization otherwise.
-    """
-    used = total - free
-    spoken_for = max(0, int(utilization * total) - used)
-    room = free - spoken_for
-    if nbytes <= room:
-        return None
-    short, gib = nbytes - room, 2**30
-    ways = []
-    lower = math.floor((utilization - short / total) * 100) / 100
-    if lower > 0 and not kv_cache_memory_bytes:  # vLLM sizes its KV cache that much smaller
-        ways.append(f"--gpu-memory-utilization {lower:.2f} or lower (a KV cache that much smaller)")
-    elif lower > 0 and spoken_for > 0:  # the share kept for vLLM that much smaller
-        ways.append(f"--gpu-memory-utilization {lower:.2f} or lower")
-    if kv_cache_memory_bytes and spoken_for == 0 and kv_cache_memory_bytes > short:
-        ways.append(f"--kv-cache-memory-bytes {kv_cache_memory_bytes - short} or lower")
-    ways.append("record fewer sequences or positions, or split the bank over more ranks (TP for heads, PP for "
-                "layers, DCP for positions)")
-    return (f"this rank's part of the bank takes {nbytes / gib:.2f} GiB; the GPU has {free / gib:.2f} GiB free, "
-            f"{spoken_for / gib:.2f} GiB of them kept for what vLLM allocates after registering its caches (CUDA "
-            f"graphs, activations: inside --gpu-memory-utilization {utilization}), leaving {room / gib:.2f} GiB. "
-            f"Make room for {short / gib:.2f} GiB more: " + "; or ".join(ways))
 
 
 def provenance_mismatches(meta: Mapping[str, str], *, model: str, max_model_len: int,

@@ -1,0 +1,60 @@
+"""Whether a rank's part of a bank fits its GPU beside what vLLM still
+allocates, by vLLM's own memory budget (``vllm/v1/worker/gpu_worker.py``:
+``request_memory``, ``determine_available_memory``).  Plain arithmetic, no
+vLLM import: the device image (no vLLM) tests it too.
+"""
+from __future__ import annotations
+
+import math
+
+
+# vLLM keeps this much below its own budget where it sizes a KV cache
+# (gpu_worker.py: "the memory profiling may slightly underestimate").
+MARGIN_BYTES = 150 << 20
+
+
+def vllm_still_needs(*, total: int, utilization: float, held: int) -> int:
+    """What vLLM allocates after ``register_kv_caches`` (CUDA graphs, the
+    forward's activations), by vLLM's own budget: at start-up it requests
+    ``ceil(total x utilization)`` (``request_memory``) and sizes its KV cache
+    so that everything it allocates from then on - weights, KV cache, graphs,
+    activations - fits in it (``determine_available_memory``).  What it
+    still needs is the budget less what it has taken since that snapshot;
+    ``held``, the bytes this process's torch allocator holds now (weights and
+    KV cache), stands for that: it leaves out the context, NCCL and other
+    processes' memory, which were there at the snapshot and are not in the
+    budget."""
+    return max(0, math.ceil(total * utilization) - held)
+
+
+def fit_error(nbytes: int, *, free: int, total: int, utilization: float, held: int,
+              kv_cache_memory_bytes: int | None) -> str | None:
+    """Why a bank of ``nbytes`` cannot be uploaded next to vLLM's caches (None: it fits).
+
+    The bank must fit in what is free now less what vLLM still needs
+    (``vllm_still_needs``) and vLLM's own margin.  With
+    ``--kv-cache-memory-bytes`` vLLM sizes no KV cache by utilization (nor
+    knows what it allocates later); the same budget is kept, so a smaller KV
+    cache makes room only where that budget is used up, and a lower
+    utilization otherwise.
+    """
+    still = vllm_still_needs(total=total, utilization=utilization, held=held)
+    room = free - still - MARGIN_BYTES
+    if nbytes <= room:
+        return None
+    short, gib = nbytes - room, 2**30
+    ways = []
+    lower = math.floor((utilization - short / total) * 100) / 100
+    if lower > 0 and not kv_cache_memory_bytes:  # vLLM sizes its KV cache that much smaller
+        ways.append(f"--gpu-memory-utilization {lower:.2f} or lower (a KV cache that much smaller)")
+    elif lower > 0 and still > 0:  # the budget kept for vLLM that much smaller
+        ways.append(f"--gpu-memory-utilization {lower:.2f} or lower")
+    if kv_cache_memory_bytes and still == 0 and kv_cache_memory_bytes > short:
+        ways.append(f"--kv-cache-memory-bytes {kv_cache_memory_bytes - short} or lower")
+    ways.append("record fewer sequences or positions, or split the bank over more ranks (TP for heads, PP for "
+                "layers, DCP for positions)")
+    return (f"this rank's part of the bank takes {nbytes / gib:.2f} GiB; the GPU has {free / gib:.2f} GiB free, "
+            f"{still / gib:.2f} GiB of them kept for what vLLM allocates after registering its caches (CUDA "
+            f"graphs, activations: its budget of --gpu-memory-utilization {utilization} x {total / gib:.2f} GiB "
+            f"less the {held / gib:.2f} GiB it holds) and {MARGIN_BYTES >> 20} MiB of margin, leaving "
+            f"{max(room, 0) / gib:.2f} GiB. Make room for {short / gib:.2f} GiB more: " + "; or ".join(ways))

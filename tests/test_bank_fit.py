@@ -1,0 +1,183 @@
+"""Whether a rank's bank part fits its GPU (``connector/bank_fit.py``),
+checked against vLLM's own memory budget, modelled here as vLLM 0.32 does it
+(``vllm/v1/worker/gpu_worker.py``):
+
+* ``request_memory``: at start-up, after the CUDA context, NCCL and any other
+  process took what they take (the *baseline*), vLLM requests
+  ``ceil(total x utilization)``;
+* ``determine_available_memory``: its KV cache is that budget less the
+  weights, the forward's peak activations and the CUDA graphs' estimate
+  (or ``--kv-cache-memory-bytes`` exactly);
+* after ``register_kv_caches`` it still allocates the activations and graphs.
+
+A bank accepted must leave that, plus vLLM's 150 MiB margin, free.
+"""
+import math
+import re
+
+import numpy as np
+import pytest
+
+from kvfill.connector.bank_fit import MARGIN_BYTES, fit_error
+
+GIB = 2**30
+H200 = 143_771 * 2**20  # what torch reports for an H200's memory
+
+
+def vllm_after_register(*, total, baseline, utilization, weights, activations, graphs, kv_cache_memory_bytes=None):
+    """The GPU as the connector sees it in ``register_kv_caches`` and what vLLM
+    allocates after it: ``(dict(free, total, held), still_needed)``."""
+    requested = math.ceil(total * utilization)
+    assert total - baseline >= requested or kv_cache_memory_bytes, "vLLM itself refuses to start"
+    kv = kv_cache_memory_bytes or requested - weights - activations - graphs
+    held = weights + kv
+    return dict(free=total - baseline - held, total=total, held=held), activations + graphs
+
+
+def largest_accepted(gpu, utilization, kv_cache_memory_bytes=None):
+    """The largest bank fit_error accepts (bisection over bytes)."""
+    lo, hi = 0, gpu["free"] + 1
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        ok = fit_error(mid, utilization=utilization, kv_cache_memory_bytes=kv_cache_memory_bytes, **gpu) is None
+        lo, hi = (mid, hi) if ok else (lo, mid)
+    return lo
+
+
+# name, vLLM's start (total, baseline, utilization, weights, activations, graphs[, kv bytes])
+CASES = [
+    ("dedicated H200, 1.5 GiB baseline", dict(total=H200, baseline=3 * GIB // 2, utilization=0.9, weights=16 * GIB,
+                                              activations=4 * GIB, graphs=2 * GIB)),
+    ("dedicated H200, no baseline", dict(total=H200, baseline=0, utilization=0.9, weights=16 * GIB,
+                                         activations=4 * GIB, graphs=2 * GIB)),
+    ("second of two instances at 0.45", dict(total=H200, baseline=3 * GIB // 2 + math.ceil(H200 * 0.45),
+                                             utilization=0.45, weights=16 * GIB, activations=4 * GIB,
+                                             graphs=2 * GIB)),
+    ("80 GiB GPU, 8 GiB taken by another process", dict(total=80 * GIB, baseline=8 * GIB, utilization=0.85,
+                                                        weights=40 * GIB, activations=3 * GIB, graphs=GIB)),
+    ("--kv-cache-memory-bytes inside the budget", dict(total=H200, baseline=3 * GIB // 2, utilization=0.9,
+                                                       weights=16 * GIB, activations=4 * GIB, graphs=2 * GIB,
+                                                       kv_cache_memory_bytes=60 * GIB)),
+]
+
+
+@pytest.mark.parametrize("name, start", CASES, ids=[c[0] for c in CASES])
+def test_the_largest_bank_accepted_leaves_vllm_what_it_still_allocates_and_its_margin(name, start):
+    gpu, still = vllm_after_register(**start)
+    u, kvb = start["utilization"], start.get("kv_cache_memory_bytes")
+    largest = largest_accepted(gpu, u, kvb)
+    left = gpu["free"] - largest
+    assert left >= still + MARGIN_BYTES, (name, left, still)
+    if kvb is None:  # not more than that kept: vLLM sized its KV cache to use its budget whole
+        assert left == still + MARGIN_BYTES, (name, left / GIB, still / GIB)
+    else:  # a KV cache smaller than the budget allows: the budget's rest is kept (vLLM's to use)
+        assert left == math.ceil(gpu["total"] * u) - gpu["held"] + MARGIN_BYTES
+    assert fit_error(largest + 1, utilization=u, kv_cache_memory_bytes=kvb, **gpu) is not None
+
+
+def test_a_bank_the_room_of_utilization_x_total_less_used_would_take_is_refused():
+    """The issue's figures: a dedicated H200 with a 1.5 GiB baseline. ``u x
+    total - used`` counts the baseline as vLLM's and keeps 1.5 GiB too little;
+    a bank that size is refused now, naming what is kept and why."""
+    start = CASES[0][1]
+    gpu, still = vllm_after_register(**start)
+    used = gpu["total"] - gpu["free"]
+    naive_room = gpu["free"] - max(0, int(0.9 * gpu["total"]) - used)
+    line = fit_error(naive_room, utilization=0.9, kv_cache_memory_bytes=None, **gpu)
+    assert line is not None
+    assert f"{still / GIB:.2f} GiB of them kept for what vLLM allocates after registering its caches" in line, line
+    assert "150 MiB of margin" in line
+
+
+def test_with_kv_cache_memory_bytes_past_the_budget_only_the_margin_is_kept_and_a_smaller_kv_cache_named():
+    """``--kv-cache-memory-bytes`` larger than vLLM's budget allows: vLLM has
+    no budget left for its graphs and activations (its own warning says it
+    may run out of memory); kvfill keeps the margin and names a KV cache
+    smaller by the shortfall."""
+    kv_bytes = 50 * GIB
+    gpu = dict(free=4 * GIB, total=80 * GIB, held=76 * GIB)  # held past 0.9 x 80 = 72
+    line = fit_error(6 * GIB, utilization=0.9, kv_cache_memory_bytes=kv_bytes, **gpu)
+    assert "0.00 GiB of them kept" in line, line
+    short = 6 * GIB - (4 * GIB - MARGIN_BYTES)
+    assert f"Make room for {short / GIB:.2f} GiB more: --kv-cache-memory-bytes {kv_bytes - short} or lower; or " \
+        "record fewer" in line, line
+    # vLLM's KV cache that much smaller: that much more free, that much less held
+    assert fit_error(6 * GIB, utilization=0.9, kv_cache_memory_bytes=kv_bytes - short,
+                     free=gpu["free"] + short, total=gpu["total"], held=gpu["held"] - short) is None
+
+
+def test_with_vllms_budget_not_used_up_a_smaller_kv_cache_is_not_suggested():
+    """12 of the 20 free GiB are vLLM's: a KV cache smaller by the shortfall
+    would only grow what it still needs (free and kept rise together), so
+    only a lower utilization is offered."""
+    line = fit_error(10 * GIB, free=20 * GIB, total=80 * GIB, utilization=0.9, held=60 * GIB,
+                     kv_cache_memory_bytes=50 * GIB)
+    assert "--gpu-memory-utilization 0.87 or lower" in line and "--kv-cache-memory-bytes" not in line, line
+
+
+def with_smaller_kv_cache(nbytes, gpu, utilization, lower):
+    """fit_error after vLLM's KV cache shrinks by what utilization ``lower``
+    gives up: that much more free and that much less held."""
+    shrink = math.ceil(utilization * gpu["total"]) - math.ceil(lower * gpu["total"])
+    return fit_error(nbytes, free=gpu["free"] + shrink, total=gpu["total"], held=gpu["held"] - shrink,
+                     utilization=lower, kv_cache_memory_bytes=None)
+
+
+def suggested_utilization(line):
+    return float(line.split("--gpu-memory-utilization ")[2].split(" ")[0])
+
+
+def test_a_bank_that_does_not_fit_names_its_bytes_what_is_kept_and_a_utilization_that_fits():
+    gpu = dict(free=20 * GIB, total=80 * GIB, held=60 * GIB)  # vLLM's budget 72: 12 still to allocate
+    line = fit_error(10 * GIB, utilization=0.9, kv_cache_memory_bytes=None, **gpu)
+    assert line.startswith("this rank's part of the bank takes 10.00 GiB; the GPU has 20.00 GiB free, 12.00 GiB of "
+                           "them kept for what vLLM allocates after registering its caches"), line
+    assert "less the 60.00 GiB it holds) and 150 MiB of margin, leaving 7.85 GiB. Make room for 2.15 GiB more: " \
+           "--gpu-memory-utilization 0.87 or lower" in line, line
+    assert with_smaller_kv_cache(10 * GIB, gpu, 0.9, 0.87) is None
+    assert with_smaller_kv_cache(10 * GIB, gpu, 0.9, 0.88) is not None  # 0.87 is the largest
+
+
+def test_the_suggested_utilization_fits_whenever_one_does():
+    """Seeded random GPUs (vLLM started over a random baseline) and banks
+    that a utilization of 0.01 or more makes room for: the suggested value,
+    plugged back in with the KV cache that much smaller, fits."""
+    rng = np.random.default_rng(7)
+    checked = 0
+    for _ in range(300):
+        u = float(rng.choice([0.5, 0.8, 0.85, 0.9, 0.92, 0.95]))
+        total = 80 * GIB
+        baseline = int(rng.integers(0, int((1 - u) * total)))
+        gpu, _ = vllm_after_register(total=total, baseline=baseline, utilization=u, weights=int(rng.integers(1, 30)) * GIB,
+                                     activations=int(rng.integers(1, 8)) * GIB, graphs=GIB)
+        nbytes = int(rng.integers(1, 40 * GIB))
+        line = fit_error(nbytes, utilization=u, kv_cache_memory_bytes=None, **gpu)
+        if line is None:
+            continue
+        short = float(re.search(r"Make room for ([0-9.]+) GiB more", line).group(1)) * GIB
+        if short > (u - 0.01) * total or "--gpu-memory-utilization" not in line.split("Make room")[1]:
+            continue
+        lower = suggested_utilization(line)
+        assert 0 < lower < u, (nbytes, gpu, u, line)
+        assert with_smaller_kv_cache(nbytes, gpu, u, lower) is None, (nbytes, gpu, u, lower)
+        checked += 1
+    assert checked > 50
+
+
+def test_a_bank_no_utilization_makes_room_for_is_not_given_a_utilization_of_zero_or_less():
+    """A part larger than the whole GPU: no --gpu-memory-utilization fits it."""
+    line = fit_error(100 * GIB, free=20 * GIB, total=80 * GIB, utilization=0.9, held=60 * GIB,
+                     kv_cache_memory_bytes=None)
+    assert line is not None and "takes 100.00 GiB" in line
+    suggested = re.findall(r"--gpu-memory-utilization (-?[0-9.]+) or lower", line)
+    assert not suggested or float(suggested[0]) > 0, line
+
+
+@pytest.mark.parametrize("nbytes, free, total, utilization, held", [
+    (7 * GIB, 20 * GIB, 80 * GIB, 0.9, 60 * GIB),  # 12 kept + margin, 7.85 left
+    (1, GIB, 10 * GIB, 0.5, 5 * GIB),              # budget used up: the margin only
+    (5 * GIB, 6 * GIB, 10 * GIB, 0.1, 4 * GIB),    # held past the budget
+])
+def test_a_bank_that_fits_beside_vllms_budget_is_no_error(nbytes, free, total, utilization, held):
+    assert fit_error(nbytes, free=free, total=total, utilization=utilization, held=held,
+                     kv_cache_memory_bytes=None) is None
