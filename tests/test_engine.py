@@ -194,6 +194,7 @@ def test_repeated_fill_blocks_reuse_one_engine():
     assert num_cached_engines() == 2 and (t[:3] == 1.0).all() and (t[3] == 2.0).all()
 
 
+@pytest.mark.needs_vllm
 @pytest.mark.cpu_only
 def test_repo_root_on_sys_path_does_not_load_a_second_copy():
     """transformers probes for the HF `kernels` package with find_spec and

@@ -22,6 +22,10 @@ import kvfill.record as recorder
 from kvfill.record import RecordError, estimate
 from kvfill.record.__main__ import main
 
+# The recorder parses vLLM's engine flags and tokenizes with transformers (vLLM's):
+# skipped where vLLM is not installed (the device image).
+pytestmark = pytest.mark.needs_vllm
+
 LAYER = "model.layers.0.self_attn.attn"
 TINY_LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2,
               "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
