@@ -5,13 +5,19 @@ vLLM, no network); prints a compact table last and writes JSON.
     python bench/gpu_check.py --out bench/results          # on a GPU machine
     TRITON_INTERPRET=1 python bench/gpu_check.py --smoke   # CPU dry run (tests do this)
 
+Every case runs on its own: one that raises (a compile error, out of memory,
+a CUDA error) is reported as that case's error and the check goes on; the
+summary and JSON are always written, and the exit status counts it.
+
 Correctness: each cache layout of kvfill.kernels.testing is built over a poisoned
 buffer on the device, filled by the Triton kernel (partial first block, whole
 block, partial last block, out of order), and every byte of the buffer is
 compared with the torch backend's fill of a CPU copy (the torch backend is
 checked against an independent oracle by the CPU test suite).  Modes: constant,
-normal, and replay of a random bank of several sequences whose positions wrap
-(a TP 2 rank's part of it where the layout names its K/V heads).
+normal, and replay of a random bank of several sequences whose positions wrap:
+where the layout's K/V heads are known (named by the view, or given as vLLM's
+GPU view ``[B, H, N, 2 x head]`` is, std-*), TP rank 1's part of a canonical
+bank of twice the heads, permuted into the cache's element order at staging.
 CUDA graphs: a captured ``fill_blocks`` and a captured replay fill
 (``FillEngine.fill_device_entries``), each replayed with new entries after its
 engine's last reference was dropped.
@@ -62,7 +68,8 @@ class Budget:
 
 def _engine(layers, case, encoding, backend, std, bank=None):
     group = CacheGroup(
-        layers, num_blocks=LZ.NUM_BLOCKS, block_dim=case.block_dim, slot_dim=case.slot_dim, encoding=encoding
+        layers, num_blocks=LZ.NUM_BLOCKS, block_dim=case.block_dim, slot_dim=case.slot_dim, encoding=encoding,
+        kv=case.kv,
     )
     return FillEngine({"g": group}, mean=0.25, std=std, seed=11, backend=backend, bank=bank)
 
@@ -117,18 +124,33 @@ def check_case(case, dtype, encoding, device, mode):
 MODES = ("constant", "normal", "replay")
 
 
+def isolated(name, log, fn, *args, **kwargs):
+    """``(fn(...), None)``, or ``(None, error)`` where it raised: one case's
+    compile error, out-of-memory or CUDA error is that case's result, and the
+    check goes on to the next."""
+    try:
+        return fn(*args, **kwargs), None
+    except Exception as exc:  # noqa: BLE001  (every failure is reported, none ends the run)
+        error = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+        log(f"ERROR {name}: {error}")
+        return None, error
+
+
 def correctness(device, log, budget):
+    """A row per layout x dtype x mode: ``bad_bytes`` (0: byte-exact; None:
+    it raised, ``error`` says what); failures counts both."""
     rows, failures = [], 0
     for case in LZ.CASES:
         for mode in MODES:
             if not budget.spend(f"correctness {case.name} {mode} (all dtypes)"):
                 continue
             for dname, dtype, encoding in LZ.DTYPES:
-                bad = check_case(case, dtype, encoding, device, mode)
+                bad, error = isolated(f"{case.name} {dname} {mode}", log, check_case, case, dtype, encoding, device,
+                                      mode)
                 failures += bad != 0
                 if bad:
                     log(f"MISMATCH {case.name} {dname} {mode}: {bad} bytes")
-                rows.append({"layout": case.name, "dtype": dname, "mode": mode, "bad_bytes": bad})
+                rows.append({"layout": case.name, "dtype": dname, "mode": mode, "bad_bytes": bad, "error": error})
     return rows, failures
 
 
@@ -258,13 +280,29 @@ def main(argv=None):
     budget = Budget(a.budget_s)
     rows, failures = correctness(device, log, budget)
     log(f"correctness: {len(rows)} layout x dtype x mode cases, {failures} with mismatched bytes")
-    graph_failed = check_graph_capture(device, log) if budget.spend("CUDA graph capture of fill_blocks") else None
+    errors = [f"{r['layout']} {r['dtype']} {r['mode']}: {r['error']}" for r in rows if r["error"]]
+
+    def failed_checks(name, check):  # a check that raised failed
+        if not budget.spend(name):
+            return None
+        failed, error = isolated(name, log, check, device, log)
+        if error:
+            errors.append(f"{name}: {error}")
+            return [f"raised {error}"]
+        return failed
+
+    graph_failed = failed_checks("CUDA graph capture of fill_blocks", check_graph_capture)
     graph_ok = None if graph_failed is None else not graph_failed
     log(f"CUDA graph capture of fill_blocks: {'n/a' if graph_ok is None else graph_ok}")
-    replay_failed = check_replay_capture(device, log) if budget.spend("CUDA graph capture of a replay fill") else None
+    replay_failed = failed_checks("CUDA graph capture of a replay fill", check_replay_capture)
     replay_graph_ok = None if replay_failed is None else not replay_failed
     log(f"CUDA graph capture of a replay fill: {'n/a' if replay_graph_ok is None else replay_graph_ok}")
-    guard_ok = check_device_guard(device, log) if budget.spend("device guard") else None
+    guard_ok = None
+    if budget.spend("device guard"):
+        guard_ok, error = isolated("device guard", log, check_device_guard, device, log)
+        if error:
+            guard_ok = False
+            errors.append(f"device guard: {error}")
     log(f"device guard (fill with another GPU current): {'n/a (one GPU)' if guard_ok is None else guard_ok}")
 
     sizes = [1] if a.smoke else a.sizes
@@ -275,19 +313,26 @@ def main(argv=None):
         for mode in ("constant", "normal", "replay"):
             if not budget.spend(f"perf {mib} MiB {mode}"):
                 continue
-            perf += fill_bench.run_case(device, fill_bytes=mib * MiB, num_layers=layers, num_requests=16,
-                                        mode=mode, repeat=repeat)
-            log(f"timed {mib} MiB {mode}")
+            got, error = isolated(f"perf {mib} MiB {mode}", log, fill_bench.run_case, device, fill_bytes=mib * MiB,
+                                  num_layers=layers, num_requests=16, mode=mode, repeat=repeat)
+            perf += got or []
+            if error:
+                errors.append(f"perf {mib} MiB {mode}: {error}")
+            else:
+                log(f"timed {mib} MiB {mode}")
     # Launch-bound step: 256 requests x 80 layers, one small block each.
     n_req, n_layers = (4, 3) if a.smoke else (256, 80)
     for mode in ("constant", "normal"):
         if not budget.spend(f"perf launch-bound {mode}"):
             continue
-        perf += fill_bench.run_case(
-            device, fill_bytes=0, num_layers=n_layers, num_requests=n_req, mode=mode, repeat=repeat,
-            heads=1, content=128, label=f"launch-bound R{n_req} L{n_layers}",
-        )
-        log(f"timed launch-bound step {mode}")
+        got, error = isolated(f"perf launch-bound {mode}", log, fill_bench.run_case,
+                              device, fill_bytes=0, num_layers=n_layers, num_requests=n_req, mode=mode, repeat=repeat,
+                              heads=1, content=128, label=f"launch-bound R{n_req} L{n_layers}")
+        perf += got or []
+        if error:
+            errors.append(f"perf launch-bound {mode}: {error}")
+        else:
+            log(f"timed launch-bound step {mode}")
     # Replay's goal: >= 90% of the synthetic (normal) fill's bandwidth, size by size.
     kv = {(r["case"], r["mode"]): r for r in perf if r["impl"] == "kvfill"}
     replay_ratio = {case: round(kv[(case, "normal")]["ms"] / r["ms"], 3) if r["ms"] else None
@@ -304,6 +349,7 @@ def main(argv=None):
         "command": "python bench/gpu_check.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "seconds": round(time.time() - t0, 1),
         "skipped_for_budget": budget.skipped,
+        "errors": errors,
         "correctness": {"cases": len(rows), "failures": failures, "graph_capture": graph_ok,
                         "graph_capture_failed": graph_failed, "replay_graph_capture": replay_graph_ok,
                         "replay_graph_capture_failed": replay_failed, "device_guard": guard_ok,
@@ -324,6 +370,9 @@ def main(argv=None):
     ]
     summary += [f"MISMATCH {r['layout']} {r['dtype']} {r['mode']}: {r['bad_bytes']} bytes"
                 for r in rows if r["bad_bytes"]][:8]
+    if errors:
+        summary.append(f"ERRORS ({len(errors)}; each case went on to the next):")
+        summary += [f"  {e}" for e in errors[:12]]
     summary += [f"CUDA graph: {n}" for n in (graph_failed or []) + (replay_failed or [])]
     if budget.skipped:
         summary.append(f"SKIPPED for the budget ({a.budget_s:g} s): {len(budget.skipped)} sections: "
@@ -334,8 +383,9 @@ def main(argv=None):
         f.write(text + "\n")
     print("\n" + text)
     # Every failed check counts: a fast row whose bytes are wrong is a failure, not a figure.
+    perf_errors = sum(e.startswith("perf ") for e in errors)
     return (failures + (graph_ok is False) + (replay_graph_ok is False) + (guard_ok is False)
-            + len(unverified))
+            + len(unverified) + perf_errors)
 
 
 def _word(ok, none="n/a"):

@@ -81,6 +81,10 @@ class Case:
     slot_dim: int | None = 2
     kernel_split: int = 1
     block_size: int = BLOCK_SIZE
+    # (num_kv_heads, head_size, head_size_v) where the view does not name its
+    # K/V heads itself ([B, H, N, 2 x head]: vLLM's per-layer view on the GPU);
+    # a bank's canonical rows are permuted into it and cut per TP rank.
+    kv: tuple[int, int, int] | None = None
 
     @property
     def state_list(self) -> bool:
@@ -196,13 +200,14 @@ def _mamba(buf, dtype):
     return out
 
 
-CASES = [Case(f"std-{name}", _standard(name), dense_nbytes) for name in STANDARD_LAYOUTS] + [
+KV = (HEADS, HEAD_DIM, HEAD_DIM)
+CASES = [Case(f"std-{name}", _standard(name), dense_nbytes, kv=KV) for name in STANDARD_LAYOUTS] + [
     Case("fa-2xB", _fa_old, dense_nbytes, block_dim=1),
     Case("nhd-Bx2", _nhd, dense_nbytes),
     Case("hnd-Bx2", _hnd, dense_nbytes),
     Case("mla", _mla, lambda s: (NUM_LAYERS * NUM_BLOCKS * BLOCK_SIZE * MLA_DIM + 3) * s, slot_dim=1),
     Case("mamba-states", _mamba, lambda s: NUM_LAYERS * NUM_BLOCKS * 39 * s, slot_dim=None),
-    Case("LBNHC-kernel-split2", _kernel_split(2), dense_nbytes, kernel_split=2),
-    Case("LBNHC-padded", _padded(64), lambda s: dense_nbytes(s, 64)),
+    Case("LBNHC-kernel-split2", _kernel_split(2), dense_nbytes, kernel_split=2, kv=KV),
+    Case("LBNHC-padded", _padded(64), lambda s: dense_nbytes(s, 64), kv=KV),
 ]
 CASE_IDS = [c.name for c in CASES]

@@ -39,6 +39,47 @@ def test_gpu_check_replay_rows_fail_when_the_kernel_replays_nothing(tmp_path, mo
     assert failures == 18
 
 
+def test_a_gpu_check_case_that_raises_is_its_own_error_and_the_check_goes_on(tmp_path, monkeypatch, capsys):
+    """One raising case (a compile error, out of memory, a CUDA error) is
+    reported with its reason; every later case, the performance rows and the
+    summary still run, and the exit status counts it."""
+    real = gpu_check.check_case
+    monkeypatch.setattr(gpu_check.LZ, "CASES", gpu_check.LZ.CASES[:2])
+
+    def check_case(case, dtype, encoding, device, mode):
+        if case.name == "std-LBHNC" and dtype == gpu_check.torch.float16 and mode == "normal":
+            raise RuntimeError("CUDA error: an illegal memory access was encountered\nmore")
+        return real(case, dtype, encoding, device, mode)
+
+    monkeypatch.setattr(gpu_check, "check_case", check_case)
+    monkeypatch.setattr(gpu_check.fill_bench, "run_case", lambda *a, **k: (_ for _ in ()).throw(MemoryError("OOM")))
+    failures = gpu_check.main(["--smoke", "--out", str(tmp_path), "--device", "cpu", "--sizes", "1"])
+    out = capsys.readouterr().out
+    assert "ERROR std-LBHNC fp16 normal: RuntimeError: CUDA error: an illegal memory access was encountered" in out
+    assert "correctness: constant 20/20, normal 19/20, replay 20/20 cases byte-exact" in out
+    assert failures == 1 + 5  # the case and the five perf runs that raised
+    import json
+
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert report["correctness"]["failures"] == 1 and len(report["errors"]) == 6
+    summary = (tmp_path / "gpu-check-summary.txt").read_text()
+    assert "ERRORS (6; each case went on to the next):" in summary and "perf 1 MiB replay: MemoryError: OOM" in summary
+
+
+def test_gpu_check_replays_canonical_rows_of_a_tp_part_into_vllms_gpu_view(tmp_path):
+    """vLLM's per-layer GPU view ``[B, H, N, 2 x head]`` does not name its heads;
+    the std-* cases give them, so the device replays TP rank 1's part of a
+    canonical bank, permuted into the cache's order at staging."""
+    case = next(c for c in gpu_check.LZ.CASES if c.name == "std-LBNHC")
+    host = gpu_check.torch.zeros(case.nbytes(2), dtype=gpu_check.torch.uint8)
+    engine = gpu_check._engine(case.make(host, gpu_check.torch.bfloat16), case, "auto", "torch", 0.0)
+    fmt = engine.row_formats()["layer.0"]
+    assert fmt.kv == case.kv and fmt.order is not None and list(fmt.order) != sorted(fmt.order)
+    bank = gpu_check.random_bank(engine, gpu_check.torch.bfloat16)
+    assert (bank.part.tp_rank, bank.part.tp_size) == (1, 2)
+    assert bank.kv["layer.0"] == case.kv  # the rank's heads: half of the canonical bank's
+
+
 def test_gpu_check_names_what_its_budget_skipped(tmp_path, capsys):
     assert gpu_check.main(["--smoke", "--out", str(tmp_path), "--device", "cpu", "--budget-s", "0"]) == 0
     out = capsys.readouterr().out
@@ -102,6 +143,7 @@ def test_compiled_kernel_stores_16_bytes_per_thread():
             assert row.get("ld.v4", 0) >= 4, row
 
 
+@pytest.mark.needs_vllm
 def test_planner_bench_selects_what_the_in_tree_connector_selects(capsys):
     from kvfill.bench import planner_bench
 
@@ -110,6 +152,7 @@ def test_planner_bench_selects_what_the_in_tree_connector_selects(capsys):
     assert "ratio in-tree / kvfill" in capsys.readouterr().out
 
 
+@pytest.mark.needs_vllm
 def test_main_job_runs_vllm_with_kvfill_by_plugin_name(tmp_path, capsys):
     """The main job end to end on vLLM's CPU engine, small: kvfill (loaded by
     name through the vllm.general_plugins entry point) and the in-tree connector."""
@@ -133,6 +176,7 @@ def test_main_job_runs_vllm_with_kvfill_by_plugin_name(tmp_path, capsys):
     assert "all requests produced their outputs" in capsys.readouterr().out
 
 
+@pytest.mark.needs_vllm
 def test_host_bench_compares_both_connectors_on_a_tiny_step():
     from kvfill.bench import host_bench
 
@@ -168,6 +212,7 @@ def test_kernel_compiles_for_sm90_for_every_layout_in_the_zoo():
         assert any(k.startswith("st.") for k in row), row  # every variant stores
 
 
+@pytest.mark.needs_vllm
 def test_main_job_on_a_hybrid_sliding_window_model(tmp_path):
     """Two KV cache groups in a real vLLM engine: Gemma3 alternating sliding-window
     and full attention; kvfill fills fewer bytes than whole blocks and every
@@ -189,6 +234,7 @@ def test_main_job_on_a_hybrid_sliding_window_model(tmp_path):
     assert full_only < row["fill_bytes"] < 2 * full_only
 
 
+@pytest.mark.needs_vllm
 def test_serving_benchmark_drives_a_real_server_with_vllms_client(tmp_path):
     """bench/serve.py end to end, small: vLLM's OpenAI server with kvfill (by
     plugin name) on loopback, driven by `vllm bench serve`, stopped after; the
@@ -214,6 +260,7 @@ def test_serving_benchmark_drives_a_real_server_with_vllms_client(tmp_path):
     assert "--host" in payload["commands"]["kvfill"][0] and "127.0.0.1" in payload["commands"]["kvfill"][0]
 
 
+@pytest.mark.needs_vllm
 def test_stopping_a_server_stops_its_whole_process_group(tmp_path):
     """A server whose leader exited (startup failure) may leave children: stop()
     ends the group anyway."""
