@@ -28,16 +28,18 @@ if TYPE_CHECKING:
 logger = init_logger("vllm.kvfill.connector")
 
 
-def rank_part(groups: Mapping[str, CacheGroup], tp_rank: int, tp_size: int) -> BankPart:
+def rank_part(groups: Mapping[str, CacheGroup], tp_rank: int, tp_size: int,
+              max_positions: int | None = None) -> BankPart:
     """What this rank replays (``kvfill/kernels/bank_part.py``): its TP rank's
-    KV heads, the layers of its replaying groups (its pipeline stage's), and
-    those groups' DCP positions."""
+    KV heads, the layers of its replaying groups (its pipeline stage's), those
+    groups' DCP positions, and positions below ``max_positions`` (the serving
+    max_model_len: rows past it are never read)."""
     replayed = [g for g in groups.values() if g.mode is None]  # the engine's mode: replay
     dcps = {g.dcp for g in replayed if g.dcp.sharded}
     single = frozenset(n for g in replayed for n in g.layers if (g.kv_of(n) or (0,))[0] == 1)
     return BankPart(tp_rank, tp_size, frozenset(n for g in replayed for n in g.layers),
-                    dcps.pop() if len(dcps) == 1 else NO_DCP, whole_layers=single)  # several DCPs: refused
-
+                    dcps.pop() if len(dcps) == 1 else NO_DCP, whole_layers=single,  # several DCPs: refused
+                    max_positions=max_positions)
 
 
 def load_bank(path: str, part: BankPart, vllm_config: "VllmConfig", device: torch.device) -> Bank:

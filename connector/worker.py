@@ -98,9 +98,9 @@ class KVFillWorker:
             )
         bank = None
         if self.options.replay and not self.options.recording:
-            # This rank's part only: its KV heads, its stage's layers, its DCP positions.
-            bank = load_bank(self.options.bank, rank_part(groups, self.tp_rank, self.tp_size), self.vllm_config,
-                             device=_cache_device(groups))
+            # This rank's part only: its KV heads, its stage's layers, its DCP positions below max_model_len.
+            part = rank_part(groups, self.tp_rank, self.tp_size, self.max_model_len or None)
+            bank = load_bank(self.options.bank, part, self.vllm_config, device=_cache_device(groups))
         self.engine = FillEngine(groups, values=self.options.values, backend=self.options.backend,
                                  layer_ids=_layer_ids(kv_caches), bank=bank,
                                  page_image_bytes=0 if self.options.recording else self.options.page_image_mib << 20)

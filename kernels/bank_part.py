@@ -11,6 +11,10 @@ every recorded position.  A rank writes only part of it, and loads only that:
   rank's row is its heads' K, then their V: columns ``[lo*D, hi*D)`` and
   ``[H*D + lo*Dv, H*D + hi*Dv)`` of the canonical row.
 * pipeline parallelism: the stage's layers only (``layers``).
+* the serving length (``max_positions``, vLLM's ``max_model_len``): rows of
+  positions no request can reach are not loaded.  A sequence recorded longer
+  is cut to ``max_positions``; positions below it replay the same rows
+  (``t mod N`` = t = ``t mod max_positions`` for every t < max_positions).
 * decode context parallelism (``DcpGeometry`` W, r, I): rank r holds the
   tokens t with ``(t // I) % W == r`` at rank-local index l, so of a
   sequence of N positions it loads the rows of its own positions
@@ -68,19 +72,25 @@ class BankPart:
     # Layers of no K/V geometry (their cache's own order) that a rank's cache holds whole: one KV head
     # (MLA's packed latent).  Canonical rows are cut by their heads whatever this says.
     whole_layers: frozenset[str] = frozenset()
+    max_positions: int | None = None  # None: every recorded position; else positions [0, max_positions)
 
     def __post_init__(self):
         r, t = self.tp_rank, self.tp_size
         if not all(isinstance(v, int) and not isinstance(v, bool) for v in (r, t)) or t < 1 or not 0 <= r < t:
             raise ValueError(f"tensor parallel rank {r!r} of size {t!r} is invalid; expected ints with "
                              f"size >= 1 and 0 <= rank < size")
+        m = self.max_positions
+        if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < 1):
+            raise ValueError(f"max_positions {m!r} is invalid; expected None or an int >= 1 (the serving "
+                             f"max_model_len)")
         if self.layers is not None:
             object.__setattr__(self, "layers", frozenset(self.layers))
         object.__setattr__(self, "whole_layers", frozenset(self.whole_layers))
 
     @property
     def whole(self) -> bool:
-        return self.tp_size == 1 and self.layers is None and not self.dcp.sharded
+        return (self.tp_size == 1 and self.layers is None and not self.dcp.sharded
+                and self.max_positions is None)
 
     def wants(self, name: str) -> bool:
         return self.layers is None or name in self.layers
@@ -110,13 +120,19 @@ class BankPart:
     def rows(self, lengths: Sequence[int]) -> tuple[np.ndarray | None, list[int]]:
         """The whole bank's rows this rank holds, in local order (None: all),
         and each sequence's local length."""
-        if not self.dcp.sharded:
-            return None, [int(n) for n in lengths]
+        lengths = [int(n) for n in lengths]
+        cut = [n if self.max_positions is None else min(n, self.max_positions) for n in lengths]
+        if not self.dcp.sharded and cut == lengths:
+            return None, lengths
         index, local = [], []
         first = 0
-        for n in (int(x) for x in lengths):
-            count = int(self.dcp.local_count(n)) or self.dcp.interleave
-            index.append(first + self.dcp.global_positions(np.arange(count)) % n)
+        for n, kept in zip(lengths, cut):
+            if self.dcp.sharded:
+                count = int(self.dcp.local_count(kept)) or self.dcp.interleave
+                index.append(first + self.dcp.global_positions(np.arange(count)) % n)
+            else:
+                count = kept
+                index.append(first + np.arange(count))
             local.append(count)
             first += n
         return np.concatenate(index), local
@@ -140,6 +156,8 @@ class BankPart:
             bits.append(f"{len(self.layers)} layers")
         if self.dcp.sharded:
             bits.append(f"DCP rank {self.dcp.rank}/{self.dcp.world_size} (interleave {self.dcp.interleave})")
+        if self.max_positions is not None:
+            bits.append(f"positions < {self.max_positions}")
         return ", ".join(bits) or "whole"
 
 

@@ -236,6 +236,7 @@ def test_a_one_head_layer_in_its_caches_own_order_is_whole_on_every_rank(tmp_pat
             assert got.layers["attn"].shape[1] == 2 * 8 * 2  # the other layer still split: 2 of 8 heads
 
 
+@pytest.mark.needs_vllm
 def test_a_recording_tp_rank_merges_heads_only_of_the_layers_it_read(tmp_path):
     """The recorder names the heads of the layers whose rows it read: a layer
     of no K/V geometry is refused under TP > 1 unless the model is MLA (its
@@ -666,6 +667,7 @@ def test_a_prompt_missing_a_layer_another_prompt_has_is_refused(tmp_path):
 
 
 # ------------------------------------------------------------------ connector/bank_checks.py (vLLM)
+@pytest.mark.needs_vllm
 def test_rank_part_is_the_replaying_groups_layers_heads_and_dcp_geometry():
     from kvfill.connector.bank_checks import rank_part
 
@@ -698,6 +700,7 @@ def test_bank_memory_tables_per_rank_bytes_are_what_the_largest_rank_loads(heads
     assert rank_bytes(ModelKV("m", layers, heads, d, dv), sequences, positions, tp, pp, dcp) == most
 
 
+@pytest.mark.needs_vllm
 @pytest.mark.parametrize("heads, tp", [(8, 8), (2, 4)])
 def test_a_rank_whose_caches_hold_one_of_several_heads_loads_only_that_head(heads, tp, tmp_path):
     """At TP >= H each rank's caches hold one KV head, as MLA's do: the part
@@ -718,3 +721,49 @@ def test_a_rank_whose_caches_hold_one_of_several_heads_loads_only_that_head(head
         assert torch.equal(bits(got.layers["l0"]), bits(bank.select(BankPart(rank, tp)).layers["l0"]))
         k, v = truth((heads, 8, 8), 0)
         assert torch.equal(bits(got.layers["l0"]), canonical_rows(k[:, head:head + 1], v[:, head:head + 1]))
+
+
+# ------------------------------------------------------------------ serving length
+def capped_fill(bank, dcp, max_len, seed, backend):
+    """A rank's caches filled for requests of ``min(REQUEST_s, max_len)``
+    tokens (a server of that max_model_len reaches no further)."""
+    buf = poisoned_buffer(len(FILL_LAYERS) * DCP_NB * N * 2 * 8 * 2, seed=seed)
+    _, views = standard_views(2, DCP_NB, 2, N, 8, torch.bfloat16, "LBNHC", raw=buf)
+    eng = FillEngine({"g": CacheGroup(dict(zip(FILL_LAYERS, views)), slot_dim=2, kv=(2, 4, 4), dcp=dcp)},
+                     bank=bank, backend=backend)
+    entries = []
+    for s, (m, table) in enumerate(zip(REQUEST, TABLES)):
+        count = int(dcp.local_count(min(m, max_len)))
+        entries += [(table[k], 0, min(N, count - k * N), k * N, s) for k in range(-(-count // N))]
+    eng.fill({"g": GroupFill(*zip(*entries))})
+    return buf
+
+
+@pytest.mark.parametrize("dcp", [DcpGeometry(), DcpGeometry(2, 1, 1), DcpGeometry(4, 3, 2)], ids=str)
+@pytest.mark.parametrize("max_len", [9, 16, 30])
+def test_rows_past_the_serving_max_model_len_are_not_loaded_and_the_fill_is_the_same(dcp, max_len, backend,
+                                                                                      tmp_path):
+    """A bank recorded longer than the server's max_model_len: the part cut
+    at it holds fewer rows (those no request can read), and every position a
+    request can have replays the same bytes as from the uncut part."""
+    bank = make_bank({n: (2, 4, 4) for n in FILL_LAYERS}, lengths=DCP_LENGTHS, tokens=DCP_TOKENS)
+    path = saved(bank, tmp_path)
+    full = Bank.load(path, BankPart(dcp=dcp))
+    cut = Bank.load(path, BankPart(dcp=dcp, max_positions=max_len))
+    assert cut.lengths == tuple(int(dcp.local_count(min(n, max_len))) or dcp.interleave for n in DCP_LENGTHS)
+    assert cut.nbytes < full.nbytes and cut.recorded_lengths == full.recorded_lengths
+    assert torch.equal(bank.select(BankPart(dcp=dcp, max_positions=max_len)).layers[FILL_LAYERS[0]],
+                       cut.layers[FILL_LAYERS[0]])
+    assert_same_bytes(capped_fill(cut, dcp, max_len, seed=120, backend=backend),
+                      capped_fill(full, dcp, max_len, seed=120, backend=backend))
+
+
+@pytest.mark.needs_vllm
+def test_rank_part_cuts_at_the_serving_max_model_len():
+    from kvfill.connector.bank_checks import rank_part
+
+    t = torch.zeros(2, 2, 8, 8)
+    part = rank_part({"full": CacheGroup({"a.0": t})}, 0, 1, max_positions=4096)
+    assert part.max_positions == 4096 and not part.whole and "positions < 4096" in part.describe()
+    with pytest.raises(ValueError, match=r"max_positions 0 is invalid; expected None or an int >= 1"):
+        BankPart(max_positions=0)
