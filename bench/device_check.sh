@@ -14,18 +14,15 @@
 #     limit 90 s past it);
 #   * the exit status is non-zero if either failed.
 # PY names the python to run (default python3); kvfill is put on the path
-# through a namespace shim, so nothing is installed.
+# through a namespace shim (bench/device_env.sh), so nothing is installed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-bench/results}
 mkdir -p "$out"
 site=$(mktemp -d)
 trap 'rm -rf "$site"' EXIT
-mkdir -p "$site/kvfill"
-ln -s "$PWD/kernels" "$site/kvfill/kernels"
-ln -s "$PWD/connector" "$site/kvfill/connector"
-ln -s "$PWD/bench" "$site/kvfill/bench"
-export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+source bench/device_env.sh
+kvfill_device_env "$site" || exit 1
 PY=${PY:-python3}
 TEST_BUDGET=${KVFILL_TEST_BUDGET_S:-210}
 CHECK_BUDGET=${KVFILL_CHECK_BUDGET_S:-170}

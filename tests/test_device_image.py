@@ -1,0 +1,122 @@
+"""The suite as the first GPU run sees it, on the CPU: in a stand-in for the
+device image (``tests/device_image.py``: torch, triton, pytest, hypothesis,
+safetensors and numpy; no vLLM; kvfill not installed) with kvfill put on the
+path by the same code as ``bench/device_check.sh`` (``bench/device_env.sh``).
+
+There, the whole suite must collect, every test that needs vLLM must skip,
+nothing else may fail, and banks must load into host memory while torch's
+default device is not the CPU (``meta`` stands in for ``cuda``).  The inner
+runs set ``KVFILL_IN_DEVICE_IMAGE``, so this file does not run itself.
+"""
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+
+import pytest
+
+import device_image
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+pytestmark = [
+    pytest.mark.cpu_only,  # the GPU run is the device image itself
+    pytest.mark.skipif(bool(os.environ.get("KVFILL_IN_DEVICE_IMAGE")), reason="already inside the device image"),
+]
+
+
+@pytest.fixture(scope="module")
+def image(tmp_path_factory):
+    """The image's python and a folder for the shim."""
+    base = tmp_path_factory.mktemp("device-image")
+    return device_image.build(str(base / "venv")), base
+
+
+def in_image(image, *args, env=None, timeout=1200):
+    """``args`` run in the device image, with kvfill on the path as
+    device_check.sh puts it there (bench/device_env.sh)."""
+    python, base = image
+    site = base / f"site-{len(list(base.iterdir()))}"
+    environ = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    environ.update(TRITON_INTERPRET="1", KVFILL_IN_DEVICE_IMAGE="1", **(env or {}))
+    script = 'source bench/device_env.sh && kvfill_device_env "$1" && shift && exec "$@"'
+    return subprocess.run(["bash", "-c", script, "device-image", str(site), python, *args], cwd=ROOT, env=environ,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_the_image_has_no_vllm_and_kvfill_only_from_the_shim(image):
+    """The stand-in itself: what the device lacks is absent, what it has is there."""
+    code = ("import importlib.util as u, importlib.metadata as md, kvfill, kvfill.record, torch, triton, "
+            "hypothesis, safetensors, numpy\n"
+            "print([u.find_spec(m) is None for m in ('vllm', 'transformers', 'pytest_benchmark')])\n"
+            "print(list(kvfill.__path__))\n"
+            "import sysconfig; site = [sysconfig.get_paths()['purelib']]\n"
+            "print([d.metadata['Name'] for d in md.distributions(path=site) if d.metadata['Name'] == 'kvfill'])\n")
+    out = in_image(image, "-c", code, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    absent, path, dists = out.stdout.strip().splitlines()
+    assert absent == "[True, True, True]"
+    assert str(image[1]) in path and str(ROOT) not in path, path  # the shim's namespace, not the repo
+    assert dists == "[]"
+
+
+def node_ids(text: str) -> set[str]:
+    return {line.strip() for line in text.splitlines() if "::" in line and not line.startswith(("SKIPPED", "ERROR"))}
+
+
+def function_ids(text: str) -> set[str]:
+    """Node ids without their parameters: without vLLM the layout zoo's
+    ``vllm-*`` cases are the same geometries built by kvfill (``std-*``,
+    tests/cases.py), so parameter ids differ by design; functions may not."""
+    return {n.split("[", 1)[0] for n in node_ids(text)}
+
+
+def test_the_whole_suite_collects_in_the_image(image):
+    """Every test function collects there, or its module skips for vLLM; a
+    collection error stops a pytest run before any test runs."""
+    inner = in_image(image, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "-rs", "tests",
+                     timeout=600)
+    assert inner.returncode == 0, inner.stdout[-4000:] + inner.stderr[-2000:]
+    assert "error" not in inner.stdout.splitlines()[-1], inner.stdout[-2000:]
+    skipped_modules = set(re.findall(r"^SKIPPED \[\d+\] (tests/\S+\.py):\d+: could not import 'vllm",
+                                     inner.stdout, re.M))
+    outer = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                            "tests"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert outer.returncode == 0, outer.stdout[-3000:]
+    missing = {n for n in function_ids(outer.stdout) - function_ids(inner.stdout)
+               if n.split("::")[0] not in skipped_modules}
+    assert not missing, sorted(missing)[:20]
+
+
+def test_the_suite_passes_in_the_image_with_every_vllm_test_skipped(image, tmp_path):
+    """The whole suite there (device_check.sh's fuzz count): no failure, no
+    error; every test marked needs_vllm skipped for that reason."""
+    report = tmp_path / "junit.xml"
+    inner = in_image(image, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", f"--junitxml={report}", "tests",
+                     env={"KVFILL_FUZZ_EXAMPLES": "20"})
+    assert inner.returncode == 0, inner.stdout[-6000:]
+    cases = {f"{c.get('classname')}::{c.get('name')}": c for c in ET.parse(report).iter("testcase")}
+    assert len(cases) > 1000
+    marked = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                             "-m", "needs_vllm", "tests"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    want = node_ids(marked.stdout)
+    assert len(want) >= 20, marked.stdout[-2000:]
+    for node in want:
+        path, name = node.split("::", 1)
+        case = cases.get(f"{path.removesuffix('.py').replace('/', '.')}::{name}")
+        assert case is not None, node
+        skipped = case.find("skipped")
+        assert skipped is not None and "needs vLLM" in skipped.get("message", ""), node
+
+
+def test_banks_load_into_host_memory_in_the_image_with_a_non_cpu_default_device(image):
+    """The bank file tests with torch's default device ``meta`` (tensor
+    factories follow it, as they follow ``cuda`` in the GPU run)."""
+    inner = in_image(image, "-m", "pytest", "-p", "no:cacheprovider", "-rfE", "tests/test_bank_files.py",
+                     env={"KVFILL_TEST_DEFAULT_DEVICE": "meta"}, timeout=600)
+    assert inner.returncode == 0, inner.stdout[-4000:]
+    assert "default device meta" in inner.stdout and "vLLM absent" in inner.stdout, inner.stdout[:1000]
+    passed = re.search(r"(\d+) passed", inner.stdout)
+    assert passed and int(passed.group(1)) > 50, inner.stdout[-1000:]
