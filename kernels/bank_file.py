@@ -56,12 +56,13 @@ def load(path: str, part, fits=None) -> dict:
     info = _meta_json(meta, "layers", path, dict, "an object: layer -> {dtype, row, value_dtype, kv, parts}")
     for name, v in info.items():
         kv = v.get("kv") if isinstance(v, dict) else None
-        if not isinstance(v, dict) or not isinstance(v.get("parts", []), list) or not (
-                kv is None or (isinstance(kv, list) and len(kv) == 3
-                               and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in kv))):
+        parts = v.get("parts", []) if isinstance(v, dict) else None
+        if not isinstance(v, dict) or not (isinstance(parts, list) and all(
+                isinstance(p, list) and all(_is_int(x) and x >= 1 for x in p) for p in parts)) or not (
+                kv is None or (isinstance(kv, list) and len(kv) == 3 and all(_is_int(x) and x >= 0 for x in kv))):
             raise BankError(f"{path}: metadata 'layers'[{name!r}] is {_short(v)}; expected an object with "
                             f"'dtype', 'row', 'value_dtype', 'kv' (null or [heads, head_size, head_size_v]) "
-                            f"and a 'parts' list")
+                            f"and 'parts' (a list of lists of dims >= 1)")
     kvs = {n: v.get("kv") or None for n, v in info.items()}
     rows, local = part.rows(lengths)
     with safe_open(path, framework="pt", device="cpu") as f:
@@ -186,12 +187,17 @@ def _short(value, limit: int = 120) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
 def _meta_tokens(meta: Mapping[str, str], path: str, lengths: list[int]) -> list:
-    what = f"[] or {len(lengths)} lists of token ids, one per sequence, as long as 'sequence_lengths' says"
+    what = (f"[] or {len(lengths)} lists of token ids (ints in [0, 2^63)), one per sequence, as long as "
+            f"'sequence_lengths' says")
     tokens = _meta_json(meta, "sequence_tokens", path, list, what)
     if tokens and (len(tokens) != len(lengths)
                    or any(not isinstance(t, list) or len(t) != n for t, n in zip(tokens, lengths))
-                   or any(isinstance(x, bool) or not isinstance(x, int) for t in tokens for x in t)):
+                   or any(not _is_int(x) or not 0 <= x < 2**63 for t in tokens for x in t)):
         raise BankError(f"{path}: metadata 'sequence_tokens' holds {len(tokens)} entries of lengths "
                         f"{[len(t) if isinstance(t, list) else None for t in tokens][:8]}; expected {what}")
     return tokens

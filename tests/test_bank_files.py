@@ -13,7 +13,7 @@ pytest.importorskip("safetensors")  # a torch + triton only image (the GPU check
 from safetensors import safe_open  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
-from kvfill.kernels import Bank, BankError, BankIndex  # noqa: E402
+from kvfill.kernels import Bank, BankError, BankIndex, DcpGeometry  # noqa: E402
 from kvfill.kernels.bank import BANK_VERSION  # noqa: E402
 
 S, ROW = 2, 8
@@ -103,9 +103,10 @@ def test_tensors_that_disagree_with_the_sequence_lengths_are_refused_naming_the_
             read(path)
 
 
-TOKENS_EXPECTED = r"expected \[\] or 2 lists of token ids, one per sequence, as long as 'sequence_lengths' says"
+TOKENS_EXPECTED = (r"expected \[\] or 2 lists of token ids \(ints in \[0, 2\^63\)\), one per sequence, as long as "
+                   r"'sequence_lengths' says")
 KV_EXPECTED = (r"expected an object with 'dtype', 'row', 'value_dtype', 'kv' \(null or \[heads, head_size, "
-               r"head_size_v\]\) and a 'parts' list")
+               r"head_size_v\]\) and 'parts' \(a list of lists of dims >= 1\)")
 
 
 def _layers_json(**l0):
@@ -132,6 +133,11 @@ def _layers_json(**l0):
     ("sequence_tokens", "[[1, 2, 3, 4], [1, 2, 3, 4, 5, 6, 7.5]]",
      r"metadata 'sequence_tokens' holds 2 entries of lengths \[4, 7\]; " + TOKENS_EXPECTED),
     ("sequence_tokens", None, r"metadata 'sequence_tokens' is missing"),
+    # token ids are ints in [0, 2**63): one past int64 and a negative one
+    ("sequence_tokens", f"[[1, 2, 3, 4], [1, 2, 3, 4, 5, 6, {2**63}]]",
+     r"metadata 'sequence_tokens' holds 2 entries of lengths \[4, 7\]; " + TOKENS_EXPECTED),
+    ("sequence_tokens", "[[1, 2, 3, -4], [1, 2, 3, 4, 5, 6, 7]]",
+     r"metadata 'sequence_tokens' holds 2 entries of lengths \[4, 7\]; " + TOKENS_EXPECTED),
     ("layers", "[1]", r"metadata 'layers' is a list; expected an object"),
     ("layers", '{"l0": 3}', r"metadata 'layers'\['l0'\] is 3; expected an object"),
     ("layers", "nope", r"metadata 'layers' is not JSON"),
@@ -143,16 +149,29 @@ def _layers_json(**l0):
     ("layers", _layers_json(kv=[2, 2.0, 2]), r"metadata 'layers'\['l0'\] is .*; " + KV_EXPECTED),
     ("layers", _layers_json(kv=[2, True, 3]), r"metadata 'layers'\['l0'\] is .*; " + KV_EXPECTED),
     ("layers", _layers_json(parts="[[2, 4]]"), r"metadata 'layers'\['l0'\] is .*; " + KV_EXPECTED),
+    # parts: a list of lists of dims >= 1 (each cache tensor's element dims)
+    ("layers", _layers_json(parts=[5]), r"metadata 'layers'\['l0'\] is .*'parts': \[5\].*; " + KV_EXPECTED),
+    ("layers", _layers_json(parts=[[2, "4"]]), r"metadata 'layers'\['l0'\] is .*; " + KV_EXPECTED),
+    ("layers", _layers_json(parts=[[2, 0]]), r"metadata 'layers'\['l0'\] is .*; " + KV_EXPECTED),
+    ("layers", _layers_json(parts=[[True]]), r"metadata 'layers'\['l0'\] is .*; " + KV_EXPECTED),
     # well-formed kv naming another row size than the tensor's 8 elements
     ("layers", _layers_json(kv=[2, 2, 3]), r"layer 'l0' rows have 8 elements, its kv \[2, 2, 3\] names 10"),
     ("layers", _layers_json(kv=[1, 4, 0]), r"layer 'l0' rows have 8 elements, its kv \[1, 4, 0\] names 4"),
 ])
 def test_malformed_metadata_gets_a_bank_error_naming_the_key(tmp_path, key, value, expected):
+    from kvfill.kernels.bank_part import BankPart
+
     path, _ = good_bank(tmp_path)
     rewrite_metadata(path, **{key: value})
-    with pytest.raises(BankError, match=expected) as err:
-        Bank.load(path)
-    assert str(path) in str(err.value)
+    # a server reads the index first, then each rank its part (TP 2, DCP 2)
+    reads = [Bank.load, lambda p: Bank.load(p, BankPart(1, 2, frozenset({"l0"}))),
+             lambda p: Bank.load(p, BankPart(dcp=DcpGeometry(2, 1, 1)))]
+    if key == "sequence_tokens":
+        reads.append(BankIndex.read)
+    for read in reads:
+        with pytest.raises(BankError, match=expected) as err:
+            read(path)
+        assert str(path) in str(err.value)
 
 
 @pytest.mark.parametrize("version", ["1", "2", "4", None])
