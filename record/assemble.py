@@ -48,10 +48,28 @@ class _Part:
         self.path = path
 
 
-def merge_layer(name: str, parts: list[tuple[list[int], torch.Tensor]], kv: Sequence[int] | None,
+def check_parts_agree(name: str, parts: list[tuple], where: str) -> None:
+    """Every part of a layer ``(heads, rows, kv, origin)`` holds the same
+    dtype and the same head_size / head_size_v as the first: merged, parts
+    of two dtypes would be promoted silently, and two geometries of one row
+    width would split K from V at the wrong column."""
+    _, rows0, kv0, origin0 = parts[0]
+    for _, rows, kv, origin in parts[1:]:
+        if rows.dtype != rows0.dtype:
+            raise RuntimeError(f"{where}: layer {name!r} arrived as {rows.dtype} from {origin} and as {rows0.dtype} "
+                               f"from {origin0}; every worker records the same cache dtype")
+        if (kv is None) != (kv0 is None) or (kv is not None and list(kv[1:]) != list(kv0[1:])):
+            raise RuntimeError(f"{where}: layer {name!r} arrived with kv {kv} (heads, head_size, head_size_v) from "
+                               f"{origin} and {kv0} from {origin0}; every worker's heads have the same sizes")
+
+
+def merge_layer(name: str, parts: list[tuple], kv: Sequence[int] | None,
                 where: str) -> tuple[torch.Tensor, list[int] | None]:
-    """A layer's canonical rows from its parts ``([lo, hi, total], rows)``,
-    after checking they hold each of its heads exactly once; and its kv."""
+    """A layer's canonical rows from its parts ``([lo, hi, total], rows, kv,
+    origin)``, after checking they agree (``check_parts_agree``) and hold
+    each of its heads exactly once; and its kv."""
+    check_parts_agree(name, parts, where)
+    parts = [(heads, rows) for heads, rows, _, _ in parts]
     if kv is None:  # no K/V geometry: recorded whole on one worker (the recorder refuses it under TP)
         if len(parts) != 1:
             raise RuntimeError(f"{where}: layer {name!r} (no K/V geometry) arrived {len(parts)} times; expected once")
@@ -95,12 +113,18 @@ def assemble(work: str, unique: list, meta: dict, out: str) -> Bank:
             info.update(p.layers)
             value_dtypes.update(p.value_dtypes)
             for name, rows in p.rows.items():
-                by_layer.setdefault(name, []).append((p.heads.get(name, [0, 1, 1]), rows))
+                kv = (p.layers.get(name) or {}).get("kv")
+                by_layer.setdefault(name, []).append((p.heads.get(name, [0, 1, 1]), rows, kv, p.where))
         if layers and set(by_layer) != set(layers):
             raise RuntimeError(f"a prompt of {len(t)} tokens was recorded with layers {sorted(by_layer)[:4]}..., "
                                f"an earlier one with {sorted(layers)[:4]}...: every prompt needs every layer")
         for name, got in by_layer.items():
-            rows, kvs[name] = merge_layer(name, got, info[name].get("kv"), f"prompt {key}")
+            rows, kv = merge_layer(name, got, got[0][2], f"prompt {key}")
+            if name in layers and (rows.dtype != layers[name][0].dtype or kv != kvs[name]):
+                raise RuntimeError(f"prompt {key}: layer {name!r} arrived as {rows.dtype} with kv {kv}, an earlier "
+                                   f"prompt's as {layers[name][0].dtype} with kv {kvs[name]}; every prompt is "
+                                   f"recorded by the same workers and caches")
+            kvs[name] = kv
             if len(got) > 1:  # a worker's cache dims name its heads only: not the merged row's
                 merged.add(name)
             layers.setdefault(name, []).append(rows)

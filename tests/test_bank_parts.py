@@ -767,3 +767,45 @@ def test_rank_part_cuts_at_the_serving_max_model_len():
     assert part.max_positions == 4096 and not part.whole and "positions < 4096" in part.describe()
     with pytest.raises(ValueError, match=r"max_positions 0 is invalid; expected None or an int >= 1"):
         BankPart(max_positions=0)
+
+
+def rewrite_part(path, rows=None, kv=None):
+    """A worker's rows file with its rows converted (``rows``: a dtype) or
+    its layers' kv changed, the rest as saved."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(path, framework="pt") as f:
+        meta, tensors = dict(f.metadata()), {n: f.get_tensor(n) for n in f.keys()}
+    if rows is not None:
+        tensors = {n: t.to(rows) for n, t in tensors.items()}
+    if kv is not None:
+        meta["layers"] = json.dumps({n: {**v, "kv": kv} for n, v in json.loads(meta["layers"]).items()})
+    save_file(tensors, path, metadata=meta)
+
+
+@pytest.mark.parametrize("change, expected", [
+    (dict(rows=torch.float32), r"layer 'model\.layers\.0\.self_attn\.attn' arrived as torch\.float32 from TP rank 1, "
+                               r"PP rank 0 and as torch\.bfloat16 from TP rank 0, PP rank 0; every worker records "
+                               r"the same cache dtype"),
+    # 4 heads x (4 + 8): the same row width as 4 x (8 + 4), K and V split elsewhere
+    (dict(kv=[4, 4, 8]), r"layer 'model\.layers\.0\.self_attn\.attn' arrived with kv \[4, 4, 8\] \(heads, head_size, "
+                         r"head_size_v\) from TP rank 1, PP rank 0 and \[4, 8, 4\] from TP rank 0, PP rank 0"),
+], ids=["dtype", "geometry"])
+def test_parts_that_disagree_on_dtype_or_head_sizes_are_refused_naming_both(change, expected, tmp_path):
+    from kvfill.record.assemble import assemble, rows_path
+
+    write_rows_files(tmp_path, asm_bank(), 2, 1)
+    rewrite_part(rows_path(str(tmp_path), ASM_TOKENS[1], 1, 0), **change)
+    with pytest.raises(RuntimeError, match=expected):
+        assemble(str(tmp_path), ASM_TOKENS, {}, "out")
+
+
+def test_a_prompt_recorded_in_another_dtype_than_an_earlier_one_is_refused(tmp_path):
+    from kvfill.record.assemble import assemble, rows_path
+
+    write_rows_files(tmp_path, asm_bank(), 1, 1)
+    rewrite_part(rows_path(str(tmp_path), ASM_TOKENS[2], 0, 0), rows=torch.float32)
+    with pytest.raises(RuntimeError, match=r"layer 'model\.layers\.0\.self_attn\.attn' arrived as torch\.float32 with "
+                                           r"kv \[8, 8, 4\], an earlier prompt's as torch\.bfloat16"):
+        assemble(str(tmp_path), ASM_TOKENS, {}, "out")
