@@ -50,7 +50,7 @@ from kvfill.kernels.bank import sequence_key
 from .assemble import assemble, rows_path  # noqa: F401  (rows_path: where a worker saves)
 from .inputs import (  # noqa: F401  (public here: kvfill.record.RecordError, estimate, ...)
     Estimate, RecordError, check_budget, check_max_model_len, check_out, check_prompt_lengths, choose_positions,
-    estimate, read_prompt_lines, read_prompts,
+    default_max_model_len, estimate, read_prompt_lines, read_prompts,
 )
 
 
@@ -87,13 +87,16 @@ def record(
     tok = AutoTokenizer.from_pretrained(tokenizer or model, trust_remote_code=trust)
     ids = [list(tok(p).input_ids) for _, p in lines]
     lengths = choose_positions(ids, positions)
-    check_prompt_lengths(ids, line_numbers, max_model_len)
+    recorded = [t[:n] for t, n in zip(ids, lengths)]  # what vLLM is sent
+    check_prompt_lengths(recorded, line_numbers, max_model_len)
+    run_max_len = max_model_len or default_max_model_len(recorded, line_numbers,
+                                                         (llm_kwargs or {}).get("max_num_batched_tokens"))
     unique, seen = [], set()
-    for t, n in zip(ids, lengths):
-        key = sequence_key(t[:n])
+    for t in recorded:
+        key = sequence_key(t)
         if key not in seen:
             seen.add(key)
-            unique.append(t[:n])
+            unique.append(t)
     if len(unique) < len(ids):
         log(f"{len(ids) - len(unique)} prompt(s) repeat an earlier prompt's recorded tokens: recorded once")
     est = estimate(model, len(unique), sum(len(t) for t in unique), dtype, kv_cache_dtype, trust_remote_code=trust)
@@ -106,7 +109,7 @@ def record(
         prompts_sha = hashlib.sha256(f.read()).hexdigest()
 
     with _sigterm_exits(), _work_dir(out) as work:
-        engine = _run_vllm(model, unique, work, dtype, kv_cache_dtype, block_size, max_model_len,
+        engine = _run_vllm(model, unique, work, dtype, kv_cache_dtype, block_size, run_max_len,
                            llm_kwargs or {}, tokenizer or model)
         meta = {
             "model": model,
@@ -190,18 +193,18 @@ def _run_vllm(model, token_ids, record_dir, dtype, kv_cache_dtype, block_size, m
     """Real prefill of every prompt (its recorded tokens, one output token)
     with the record role on, each prompt's positions recorded whole;
     returns the run's provenance: the vLLM version, and the max_model_len and
-    cache block size vLLM ran with (its own values when not given).
+    cache block size vLLM ran with (its own block size when not given).
 
-    ``max_model_len``: give the serving run's to get its bits exactly: vLLM
-    CPU's attention rounds differently with it, so the KV of positions past
-    the first block differs in the last bits from a run with another one."""
+    ``max_model_len``: the user's (the serving run's gives its bits exactly:
+    vLLM CPU's attention rounds differently with it, so the KV of positions
+    past the first block differs in the last bits from a run with another
+    one), or ``default_max_model_len``."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     import vllm
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    longest = max(len(t) for t in token_ids)
     kw = dict(
         model=model,
         # The recorder's own tokenizer: with skip_tokenizer_init, vLLM's chat
@@ -211,9 +214,9 @@ def _run_vllm(model, token_ids, record_dir, dtype, kv_cache_dtype, block_size, m
         enforce_eager=True,
         dtype=dtype,
         kv_cache_dtype=kv_cache_dtype,
-        max_model_len=max_model_len or longest + 16,
+        max_model_len=max_model_len,
         # whole prompts per step: at least max_model_len (vLLM's rule without chunked prefill)
-        max_num_batched_tokens=max(max_model_len or 0, longest + 16, 2048),
+        max_num_batched_tokens=max(max_model_len, 2048),
         max_num_seqs=min(len(token_ids), 16),
         enable_prefix_caching=False,  # every prompt prefilled for real, in its own blocks
         # Each prompt prefilled in one step: with chunks, vLLM frees sliding-window

@@ -37,7 +37,9 @@ NAMED = ("dtype", "kv_cache_dtype", "block_size", "tokenizer", "max_model_len")
 #   serving run's numerics are recorded with --no-enforce-eager.
 # - max_num_batched_tokens, max_num_seqs: honoured; they batch the prompts,
 #   they do not change which rows are read.  vLLM needs max_num_batched_tokens
-#   >= max_model_len without chunked prefill (checked below when both given).
+#   >= max_model_len without chunked prefill (checked below when both given;
+#   without --max-model-len the recorder's default stays within it:
+#   inputs.default_max_model_len).
 # - disable_log_stats=True: honoured (logging only).
 # - enable_prefix_caching=False, enable_chunked_prefill=False: a False is
 #   honoured, a True refused (REFUSED).

@@ -178,8 +178,13 @@ def choose_positions(token_ids: Sequence[Sequence[int]], positions: int | None) 
 
 def check_prompt_lengths(token_ids: Sequence[Sequence[int]], line_numbers: Sequence[int],
                          max_model_len: int | None) -> None:
-    """Every prompt fits ``--max-model-len`` (``check_max_model_len``):
-    found by vLLM, it would fail after the engine started."""
+    """Every prompt, as recorded (``--positions`` applied), holds a token and
+    fits ``--max-model-len`` (``check_max_model_len``): found by vLLM, either
+    would fail after the engine started."""
+    empty = [no for no, t in zip(line_numbers, token_ids) if not len(t)][:5]
+    if empty:
+        raise RecordError(f"prompt line(s) {empty} tokenize to no token; expected prompts of at least one token "
+                          f"(vLLM refuses an empty prompt)")
     if max_model_len is None:  # the default fits the longest prompt
         return
     long = [(no, len(t)) for no, t in zip(line_numbers, token_ids) if len(t) > max_model_len - 1][:5]
@@ -187,3 +192,22 @@ def check_prompt_lengths(token_ids: Sequence[Sequence[int]], line_numbers: Seque
         raise RecordError(f"--max-model-len {max_model_len}: prompt line(s) {[no for no, _ in long]} have "
                           f"{[n for _, n in long]} tokens; vLLM takes at most {max_model_len - 1} (one position "
                           f"is left for the token it generates); expected shorter prompts or a larger --max-model-len")
+
+
+def default_max_model_len(token_ids: Sequence[Sequence[int]], line_numbers: Sequence[int],
+                          max_num_batched_tokens: int | None = None) -> int:
+    """vLLM's max_model_len when ``--max-model-len`` is not given: the longest
+    recorded prompt + 16, at most ``--max-num-batched-tokens`` - the recorder
+    prefills each prompt whole in one step (chunked prefill off), and vLLM
+    then needs max_num_batched_tokens >= max_model_len."""
+    longest = max(len(t) for t in token_ids)
+    if max_num_batched_tokens is None:
+        return longest + 16
+    if max_num_batched_tokens < longest + 1:
+        no = next(no for no, t in zip(line_numbers, token_ids) if len(t) == longest)
+        raise RecordError(f"--max-num-batched-tokens {max_num_batched_tokens}: the recorder prefills each prompt "
+                          f"whole in one step (chunked prefill off), and prompt line {no} is recorded with "
+                          f"{longest} tokens (and one position for the token generated); expected "
+                          f"--max-num-batched-tokens >= {longest + 1}, or --positions "
+                          f"{max_num_batched_tokens - 1} or less")
+    return min(longest + 16, max_num_batched_tokens)

@@ -199,7 +199,7 @@ def test_prompts_longer_than_max_model_len_are_named_by_line_before_vllm_starts(
     prompts = write_prompts(tmp_path / "p.txt", [words(30), "", words(40, start=100), words(39, start=200)])
     with pytest.raises(RecordError, match=r"--max-model-len 40: prompt line\(s\) \[3\] have \[40\] tokens; "
                                           r"vLLM takes at most 39"):
-        recorder.record(model, prompts, str(out_dir / "b.safetensors"), positions=20, max_model_len=40)
+        recorder.record(model, prompts, str(out_dir / "b.safetensors"), max_model_len=40)
 
 
 def test_positions_cap_each_prompt_and_shorter_prompts_are_recorded_whole():
@@ -330,3 +330,56 @@ def test_a_bad_jsonl_line_is_named_before_vllm_starts(model, tmp_path, out_dir, 
     with pytest.raises(RecordError, match=message):
         recorder.record(model, str(path), str(out_dir / "b.safetensors"))
     assert not os.listdir(out_dir)
+
+
+def test_positions_cap_the_lengths_checked_against_max_model_len(model, tmp_path, out_dir, monkeypatch):
+    """--positions 10 sends 10 tokens of a 100-token prompt: it fits
+    --max-model-len 64, and 10 positions are recorded."""
+    fake_vllm(monkeypatch)
+    prompts = write_prompts(tmp_path / "p.txt", [words(100), words(5, start=200)])
+    bank = recorder.record(model, prompts, str(out_dir / "b.safetensors"), positions=10, max_model_len=64,
+                           log=lambda msg: None)
+    assert bank.lengths == (10, 5)
+
+
+def test_a_jsonl_prompt_that_tokenizes_to_nothing_is_named_before_vllm_starts(model, tmp_path, out_dir, no_vllm):
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"prompt": words(5)}) + "\n" + json.dumps({"prompt": "   "}) + "\n")
+    with pytest.raises(RecordError, match=r"prompt line\(s\) \[2\] tokenize to no token; expected prompts of at "
+                                          r"least one token \(vLLM refuses an empty prompt\)"):
+        recorder.record(model, str(path), str(out_dir / "b.safetensors"))
+    assert os.listdir(out_dir) == []
+
+
+def run_lengths(monkeypatch):
+    """The max_model_len each (fake) vLLM run was given."""
+    seen = []
+    fake_vllm(monkeypatch, during=None)
+    real = recorder._run_vllm
+
+    def run(model, token_ids, work, dtype, kv_cache_dtype, block_size, max_model_len, *rest):
+        seen.append(max_model_len)
+        return real(model, token_ids, work, dtype, kv_cache_dtype, block_size, max_model_len, *rest)
+
+    monkeypatch.setattr(recorder, "_run_vllm", run)
+    return seen
+
+
+def test_max_num_batched_tokens_without_max_model_len_caps_the_default_length(model, prompts, out_dir, monkeypatch):
+    """The recorder's default max_model_len (longest prompt + 16 = 56 here)
+    stays within --max-num-batched-tokens, which vLLM needs without chunked
+    prefill; without the flag it is the longest + 16."""
+    seen = run_lengths(monkeypatch)
+    recorder.record(model, prompts, str(out_dir / "b.safetensors"), llm_kwargs={"max_num_batched_tokens": 48},
+                    log=lambda msg: None)
+    recorder.record(model, prompts, str(out_dir / "c.safetensors"), log=lambda msg: None)
+    assert seen == [48, 56]
+
+
+def test_max_num_batched_tokens_under_a_prompt_is_refused_naming_the_line(model, tmp_path, out_dir, no_vllm):
+    prompts = write_prompts(tmp_path / "p.txt", [words(20), words(63, start=100)])
+    with pytest.raises(RecordError, match=r"--max-num-batched-tokens 50: the recorder prefills each prompt whole in "
+                                          r"one step \(chunked prefill off\), and prompt line 2 is recorded with 63 "
+                                          r"tokens .*; expected --max-num-batched-tokens >= 64, or --positions 49 "
+                                          r"or less"):
+        recorder.record(model, prompts, str(out_dir / "b.safetensors"), llm_kwargs={"max_num_batched_tokens": 50})
