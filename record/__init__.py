@@ -84,7 +84,12 @@ def record(
     line_numbers = [no for no, _ in lines]
     # vLLM's --trust-remote-code holds for the recorder's own reads of the model folder too
     trust = bool((llm_kwargs or {}).get("trust_remote_code", False))
-    tok = AutoTokenizer.from_pretrained(tokenizer or model, trust_remote_code=trust)
+    try:
+        tok = AutoTokenizer.from_pretrained(tokenizer or model, trust_remote_code=trust)
+    except Exception as exc:  # OSError, the hub's errors, a config transformers cannot read
+        from .cli import unresolved
+
+        raise RecordError(unresolved(exc, model=model, tokenizer=tokenizer)) from None
     ids = [list(tok(p).input_ids) for _, p in lines]
     lengths = choose_positions(ids, positions)
     recorded = [t[:n] for t, n in zip(ids, lengths)]  # what vLLM is sent
@@ -99,7 +104,13 @@ def record(
             unique.append(t)
     if len(unique) < len(ids):
         log(f"{len(ids) - len(unique)} prompt(s) repeat an earlier prompt's recorded tokens: recorded once")
-    est = estimate(model, len(unique), sum(len(t) for t in unique), dtype, kv_cache_dtype, trust_remote_code=trust)
+    try:
+        est = estimate(model, len(unique), sum(len(t) for t in unique), dtype, kv_cache_dtype,
+                       trust_remote_code=trust)
+    except Exception as exc:  # no config.json, or a config transformers cannot read
+        from .cli import unresolved
+
+        raise RecordError(unresolved(exc, model=model, tokenizer=None)) from None
     log(f"bank estimate: {est}")
     budget = None if budget_gib is None else int(budget_gib * 2**30)
     if budget is not None and est.nbytes > budget:

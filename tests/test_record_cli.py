@@ -148,6 +148,14 @@ PASSED = [
 ]
 
 
+@pytest.fixture(autouse=True)
+def in_tmp(tmp_path, monkeypatch):
+    """Relative names (``TOK``) are folders of the test's own: nothing is
+    looked up on the hub, online or not (HF_HUB_OFFLINE=1)."""
+    (tmp_path / "TOK").mkdir()
+    monkeypatch.chdir(tmp_path)
+
+
 @pytest.mark.parametrize("flags, named, llm_kwargs", PASSED, ids=[" ".join(f[0])[:40] for f in PASSED])
 def test_an_engine_flag_reaches_record_by_name_or_in_llm_kwargs(base, calls, flags, named, llm_kwargs):
     rc, call = run(base + flags, calls)
@@ -252,3 +260,37 @@ def test_help_with_a_keyword_shows_the_matching_flags_as_vllm_does(capsys):
         main(["--help=tensor-parallel"])
     out = capsys.readouterr().out
     assert exc.value.code == 0 and "--tensor-parallel-size" in out and "--prompts" not in out
+
+
+@pytest.mark.parametrize("offline", ["1", ""])
+@pytest.mark.parametrize("flag", ["--tokenizer", "--model"])
+def test_a_name_that_cannot_be_resolved_is_one_line_naming_it(base, tmp_path, monkeypatch, capsys, offline, flag):
+    """Offline (HF_HUB_OFFLINE=1, an air-gapped cluster) or not, a model or
+    tokenizer name that is no folder and not on the hub gives the recorder's
+    one-line error, not the hub's traceback; nothing is written."""
+    import huggingface_hub.constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", offline)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", bool(offline))
+    if not offline:  # no network here: the hub's refusal stands in for "not found"
+        from huggingface_hub.errors import RepositoryNotFoundError
+
+        def not_found(*a, **k):
+            raise RepositoryNotFoundError("404 Client Error: Repository Not Found for url: https://huggingface.co/...")
+        monkeypatch.setattr("huggingface_hub.hf_api.HfApi.snapshot_download", not_found)
+        monkeypatch.setattr("huggingface_hub.snapshot_download", not_found)
+        monkeypatch.setattr("transformers.utils.hub.cached_files", not_found)
+    argv = [*base]
+    if flag == "--model":
+        argv[1] = "no-such-org/no-such-model"
+    else:
+        argv += ["--tokenizer", "no-such-org/no-such-tokenizer"]
+    (tmp_path / "p.txt").write_text("w3 w4 w5\n")
+    rc = main(argv)
+    err = capsys.readouterr().err
+    name = argv[1] if flag == "--model" else "no-such-org/no-such-tokenizer"
+    assert rc == 2, err
+    assert err.count("\n") == 1 and err.startswith(f"kvfill-record: error: {flag} {name!r} cannot be loaded: "
+                                                    f"not a folder here and not found"), err
+    assert ("HF_HUB_OFFLINE is set" in err) == bool(offline), err
+    assert os.listdir(base[5].rsplit("/", 1)[0]) == []
