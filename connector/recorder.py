@@ -46,6 +46,9 @@ class Recorder:
                              f"{par.decode_context_parallel_size}: record at the same tensor parallel size with DCP "
                              f"1 (DCP splits positions, not heads; the bank replays under any DCP size)")
         self.record_dir = options.record_dir  # each item names its own positions (the scheduler's cap applied)
+        # Made once, at start; never again while saving: a folder gone mid-run was removed by the recorder
+        # stopping (a signal), and a worker that re-made it would leave rows behind it.
+        os.makedirs(self.record_dir, exist_ok=True)
         self.tp_rank, self.tp_size = tp_rank, par.tensor_parallel_size
         self.pp_rank, self.pp_size = _pp_rank(par) if pp_rank is None else pp_rank, par.pipeline_parallel_size
         model = vllm_config.model_config
@@ -81,6 +84,10 @@ class Recorder:
         bank's canonical row order (``kvfill.kernels.kv_rows``), this rank's part."""
         if not meta.records or not self.saves:
             return
+        if not os.path.isdir(self.record_dir):
+            logger.error("KVFillConnector: the record folder %s is gone (the recorder stopped); %d prompts not "
+                         "saved, the folder not made again", self.record_dir, len(meta.records))
+            return
         from safetensors.torch import save_file
 
         vdtypes = {name: dtype_name(d) for name, d in engine.value_dtypes().items()}
@@ -89,7 +96,6 @@ class Recorder:
                   for name, f in formats.items()}
         part = {"tp_rank": str(self.tp_rank), "pp_rank": str(self.pp_rank),
                 "files_per_prompt": str(self.files_per_prompt)}
-        os.makedirs(self.record_dir, exist_ok=True)
         for item in meta.records:
             n = item.positions
             rows = engine.read(planner.plan([item.selection], groups=engine.groups))

@@ -20,8 +20,10 @@ Every input (``--out``'s folder, the prompts file, the budget, the prompts'
 lengths against ``--positions`` and ``--max-model-len``) is checked before
 vLLM starts: a RecordError names the value, and nothing is written.  The rows
 are recorded into a work folder beside ``--out`` (``kvfill-record-*``),
-removed at the end, on an error, on Ctrl-C and on SIGTERM; only when the bank
-cannot be written at the end is it kept, and the error says where.
+removed at the end, on an error, on Ctrl-C and on SIGTERM - after vLLM's
+engine and workers have stopped, with the files vLLM's CPU backend leaves
+(``run.py``); only when the bank cannot be written at the end is it kept, and
+the error says where.
 
 The size is estimated from the model's config before vLLM starts (positions
 recorded in all x layers x row bytes of all the model's KV heads) and checked
@@ -40,9 +42,7 @@ import datetime
 import hashlib
 import os
 import shutil
-import signal
 import tempfile
-import threading
 
 from kvfill.kernels import Bank
 from kvfill.kernels.bank import sequence_key
@@ -52,6 +52,7 @@ from .inputs import (  # noqa: F401  (public here: kvfill.record.RecordError, es
     Estimate, RecordError, check_budget, check_max_model_len, check_out, check_prompt_lengths, choose_positions,
     default_max_model_len, estimate, read_prompt_lines, read_prompts,
 )
+from .run import run_vllm as _run_vllm, stop_signals  # noqa: F401  (_run_vllm: tests stand in for it)
 
 
 class _WriteFailed(RecordError):
@@ -119,7 +120,7 @@ def record(
     with open(prompts_file, "rb") as f:  # the prompts recorded, not the file as it is after the run
         prompts_sha = hashlib.sha256(f.read()).hexdigest()
 
-    with _sigterm_exits(), _work_dir(out) as work:
+    with stop_signals(), _work_dir(out) as work:
         engine = _run_vllm(model, unique, work, dtype, kv_cache_dtype, block_size, run_max_len,
                            llm_kwargs or {}, tokenizer or model)
         meta = {
@@ -138,28 +139,6 @@ def record(
         _write(bank, out, work)
     log(f"wrote {bank.describe()}")
     return bank
-
-
-@contextlib.contextmanager
-def _sigterm_exits():
-    """SIGTERM (``kill``, a job scheduler's stop) raises SystemExit while the
-    recorder runs, so the work folder is removed as on Ctrl-C; by default it
-    ends the process on the spot.  Only the main thread can handle signals,
-    and a handler the caller installed is left alone."""
-    if threading.current_thread() is not threading.main_thread() \
-            or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
-        yield
-        return
-
-    def stop(signum, frame):
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one does not cut the cleanup short
-        raise SystemExit(128 + signum)
-
-    signal.signal(signal.SIGTERM, stop)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 @contextlib.contextmanager
@@ -197,58 +176,3 @@ def _write(bank: Bank, out: str, work: str) -> None:
     except OSError as exc:
         raise _WriteFailed(f"--out {out!r} cannot be written ({exc.strerror}); the recorded bank is kept at "
                            f"{staged!r}: move it into place") from exc
-
-
-def _run_vllm(model, token_ids, record_dir, dtype, kv_cache_dtype, block_size, max_model_len, llm_kwargs,
-              tokenizer=None) -> dict[str, str]:
-    """Real prefill of every prompt (its recorded tokens, one output token)
-    with the record role on, each prompt's positions recorded whole;
-    returns the run's provenance: the vLLM version, and the max_model_len and
-    cache block size vLLM ran with (its own block size when not given).
-
-    ``max_model_len``: the user's (the serving run's gives its bits exactly:
-    vLLM CPU's attention rounds differently with it, so the KV of positions
-    past the first block differs in the last bits from a run with another
-    one), or ``default_max_model_len``."""
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    import vllm
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    kw = dict(
-        model=model,
-        # The recorder's own tokenizer: with skip_tokenizer_init, vLLM's chat
-        # template warm-up fails and logs a traceback as a warning (several
-        # times) that reads as a failure; token ids go in either way.
-        tokenizer=tokenizer,
-        enforce_eager=True,
-        dtype=dtype,
-        kv_cache_dtype=kv_cache_dtype,
-        max_model_len=max_model_len,
-        # whole prompts per step: at least max_model_len (vLLM's rule without chunked prefill)
-        max_num_batched_tokens=max(max_model_len, 2048),
-        max_num_seqs=min(len(token_ids), 16),
-        enable_prefix_caching=False,  # every prompt prefilled for real, in its own blocks
-        # Each prompt prefilled in one step: with chunks, vLLM frees sliding-window
-        # blocks behind the window between chunks, before the rows are read.
-        enable_chunked_prefill=False,
-        disable_log_stats=True,
-        kv_transfer_config={
-            "kv_connector": "KVFillConnector",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": {"record_dir": record_dir},
-        },
-    )
-    if block_size:
-        kw["block_size"] = block_size
-    kw.update(llm_kwargs)
-    llm = LLM(**kw)
-    params = SamplingParams(max_tokens=1, ignore_eos=True, detokenize=False, temperature=0.0)
-    llm.generate([TokensPrompt(prompt_token_ids=t) for t in token_ids], params, use_tqdm=False)
-    config = llm.llm_engine.vllm_config
-    used = {"block_size": str(config.cache_config.block_size),
-            "max_model_len": str(config.model_config.max_model_len),
-            "vllm_version": getattr(vllm, "__version__", "unknown")}
-    del llm
-    return used

@@ -1,5 +1,6 @@
 """Recording and replaying through vLLM's CPU engine: the recorder's checks,
 vLLM CPU's real K/V layout, and replay equal to real prefill end to end."""
+import json
 import os
 
 import pytest
@@ -216,3 +217,54 @@ def test_the_recorder_keeps_each_prompt_whole_with_a_max_model_len_above_its_bat
     assert bank.metadata["block_size"] == "128"  # vLLM CPU's default, read back from the engine (not "auto")
     out, err = capfd.readouterr()
     assert "Traceback" not in out + err and "Chat template warmup failed" not in out + err
+
+
+def test_a_worker_never_makes_the_record_folder_again_once_it_is_gone(tmp_path, caplog):
+    """The recorder removes its work folder when it stops (a signal); a worker
+    still finishing a step logs that the rows are not saved and leaves no
+    folder behind it (made once, at start)."""
+    import shutil
+    from types import SimpleNamespace
+
+    from kvfill.connector.options import FillOptions
+    from kvfill.connector.worker import KVFillWorker
+
+    folder = tmp_path / "r"
+    cfg, kvc = _worker_config(tmp_path)
+    recorder = KVFillWorker(cfg, kvc, FillOptions.from_extra_config({"record_dir": str(folder)}), dcp_rank=0,
+                            tp_rank=0).recorder
+    assert folder.is_dir()  # made at start
+    shutil.rmtree(folder)
+    meta = SimpleNamespace(records=[SimpleNamespace(positions=4, selection=None, key="k")])
+    recorder.save(engine=None, planner=None, meta=meta)  # nothing read: the folder check comes first
+    assert not folder.exists()
+    assert "is gone (the recorder stopped); 1 prompts not saved" in caplog.text
+
+
+def test_an_engine_config_vllm_refuses_is_one_line_before_any_worker_starts(tmp_path, monkeypatch, capsys):
+    """--tensor-parallel-size 3 for 4 attention heads: vLLM's own refusal,
+    one line naming the flags given, and no engine started."""
+    import vllm
+
+    from kvfill.bench.models import make_tokenizer
+    from kvfill.record.__main__ import main
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2, "hidden_size": 64,
+        "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1024,
+        "dtype": "bfloat16"}))
+    make_tokenizer(str(model))
+    (tmp_path / "p.txt").write_text("w3 w4 w5 w6\n")
+    monkeypatch.setattr(vllm, "LLM", lambda **kw: pytest.fail("vLLM's engine started"))
+    out = tmp_path / "out"
+    out.mkdir()
+    rc = main(["--model", str(model), "--prompts", str(tmp_path / "p.txt"), "--out", str(out / "b.safetensors"),
+               "--tensor-parallel-size", "3"])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("kvfill-record: error: vLLM refuses this engine configuration: ") and "(3)" in line, err
+    assert line.endswith("(engine flags given: --tensor-parallel-size)"), line
+    assert os.listdir(out) == []

@@ -383,3 +383,95 @@ def test_max_num_batched_tokens_under_a_prompt_is_refused_naming_the_line(model,
                                           r"tokens .*; expected --max-num-batched-tokens >= 64, or --positions 49 "
                                           r"or less"):
         recorder.record(model, prompts, str(out_dir / "b.safetensors"), llm_kwargs={"max_num_batched_tokens": 50})
+
+
+# ------------------------------------------------------------------ signals (record/run.py)
+@pytest.mark.parametrize("signum, raised", [(signal.SIGINT, KeyboardInterrupt), (signal.SIGTERM, SystemExit)])
+def test_a_signal_vllm_turns_into_its_own_error_is_reported_as_the_signal(signum, raised):
+    """Ctrl-C reaches vLLM's workers too, and vLLM's engine then fails with
+    its own error (``RuntimeError: cancelled`` from its shared-memory queue):
+    the recorder reports the signal (exit 130, or 128 + SIGTERM), with the
+    error as its cause; a second signal during the cleanup is ignored; the
+    handlers are restored."""
+    import time
+
+    from kvfill.record.run import stop_signals
+
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    with pytest.raises(raised) as exc:
+        with stop_signals():
+            try:
+                os.kill(os.getpid(), signum)
+                time.sleep(5)
+                pytest.fail("the signal raised nothing")
+            except (KeyboardInterrupt, SystemExit):
+                os.kill(os.getpid(), signum)  # a second one while cleaning up: ignored
+                time.sleep(0.1)
+                raise RuntimeError("cancelled")
+    assert isinstance(exc.value.__cause__, RuntimeError)
+    if raised is SystemExit:
+        assert exc.value.code == 128 + signal.SIGTERM
+    assert {s: signal.getsignal(s) for s in before} == before
+
+
+INTERRUPT_CHILD = """
+import os, signal, sys, time
+# A terminal's foreground process: SIGINT raises (a shell's background job starts with it ignored)
+signal.signal(signal.SIGINT, signal.default_int_handler)
+import kvfill.record as recorder
+from kvfill.record.__main__ import main
+
+def run(model, token_ids, work, *rest):
+    open(os.path.join(work, "rows.safetensors.part"), "w").close()
+    with open(sys.argv[4], "w") as f:  # where the test reads the work folder from
+        f.write(work)
+    try:
+        time.sleep(120)
+    except KeyboardInterrupt:  # as vLLM's engine does when its workers died of the same Ctrl-C
+        raise RuntimeError("cancelled")
+
+recorder._run_vllm = run
+sys.exit(main(["--model", sys.argv[1], "--prompts", sys.argv[2], "--out", sys.argv[3]]))
+"""
+
+
+def test_ctrl_c_to_the_process_group_is_interrupted_nothing_written_and_exit_130(model, prompts, out_dir):
+    """A terminal's Ctrl-C: SIGINT to the whole process group."""
+    import time
+
+    told = out_dir.parent / "work.txt"
+    proc = subprocess.Popen([sys.executable, "-c", INTERRUPT_CHILD, model, prompts, str(out_dir / "b.safetensors"),
+                             str(told)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not told.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        work = told.read_text() if told.exists() else ""
+        if not os.path.isdir(work):
+            proc.kill()
+            pytest.fail(f"the recorder did not start its (fake) vLLM run: {proc.communicate()[1][-2000:]}")
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, err[-2000:]
+    assert err.strip().splitlines()[-1] == "kvfill-record: interrupted; nothing written", err[-2000:]
+    assert not os.path.exists(work) and os.listdir(out_dir) == []
+
+
+def test_pipeline_parallelism_on_vllm_cpu_is_recorded_compiled_and_eager_is_refused():
+    """vLLM CPU's PP fails in eager mode whatever the prompts (a later stage
+    never gets its intermediate tensors); the recorder runs it compiled, and
+    an explicit --enforce-eager is refused before vLLM starts."""
+    from kvfill.record.run import engine_kwargs
+
+    args = ("m", [[1, 2]], "/w", "auto", "auto", None, 64)
+    assert engine_kwargs(*args, {"pipeline_parallel_size": 2}, "m", cpu=True)["enforce_eager"] is False
+    assert engine_kwargs(*args, {"pipeline_parallel_size": 2}, "m", cpu=False)["enforce_eager"] is True
+    assert engine_kwargs(*args, {"tensor_parallel_size": 2}, "m", cpu=True)["enforce_eager"] is True
+    with pytest.raises(RecordError, match=r"--enforce-eager with --pipeline-parallel-size 2: vLLM CPU's pipeline "
+                                          r"parallelism fails in eager mode"):
+        engine_kwargs(*args, {"pipeline_parallel_size": 2, "enforce_eager": True}, "m", cpu=True)

@@ -1,0 +1,251 @@
+"""The recorder's vLLM run (``kvfill.record``), and what stops it.
+
+* ``run_vllm``: real prefill of the prompts with KVFillConnector in its
+  record role.  vLLM's whole engine config is built first, so a flag vLLM
+  refuses (``--tensor-parallel-size 3`` for 8 KV heads) is one line naming
+  the flags given, before a worker starts; a failure of vLLM's own while it
+  prefills is one line saying it is vLLM's and with what input.  Whatever
+  happens, the engine is shut down as vLLM's own entry points do (its
+  executor stops and reaps its workers) before the call returns or raises,
+  so no worker writes into the work folder afterwards, and the files vLLM's
+  CPU backend leaves (its FileStore rendezvous in the temp folder, its
+  shared-memory all-reduce segments in /dev/shm) are removed.
+* ``stop_signals``: SIGTERM and SIGINT (``kill``, a job scheduler, Ctrl-C,
+  which a terminal sends to vLLM's workers too) stop the recording as an
+  exception in the main thread, and whatever error vLLM turns the signal
+  into (its workers die first: ``RuntimeError: cancelled``) is reported as
+  the signal: KeyboardInterrupt (exit 130) or SystemExit(128 + signum).
+"""
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import shutil
+import signal
+import tempfile
+import threading
+from types import SimpleNamespace
+
+from .inputs import RecordError
+
+SHM = "/dev/shm"
+
+
+@contextlib.contextmanager
+def stop_signals():
+    """SIGTERM and SIGINT raise in the main thread while the recorder runs
+    (module docstring); a second one is ignored, so it does not cut the
+    cleanup short.  Only the main thread can handle signals, and a handler
+    the caller installed is left alone.  Yields the state: ``signum``."""
+    state = SimpleNamespace(signum=None)
+    defaults = {signal.SIGTERM: signal.SIG_DFL, signal.SIGINT: signal.default_int_handler}
+    if threading.current_thread() is not threading.main_thread():
+        yield state
+        return
+    installed = {s: signal.getsignal(s) for s, d in defaults.items() if signal.getsignal(s) is d}
+
+    def stop(signum, frame):
+        for s in installed:
+            signal.signal(s, signal.SIG_IGN)
+        if state.signum is None:
+            state.signum = signum
+            raise _exception(signum)
+
+    for s in installed:
+        signal.signal(s, stop)
+    try:
+        yield state
+    except BaseException as exc:
+        if state.signum is None or (isinstance(exc, (KeyboardInterrupt, SystemExit))
+                                    and type(exc) is type(_exception(state.signum))):
+            raise
+        raise _exception(state.signum) from exc  # vLLM's error for it: the signal is what happened
+    finally:
+        for s, handler in installed.items():
+            signal.signal(s, handler)
+
+
+def _exception(signum: int) -> BaseException:
+    return KeyboardInterrupt() if signum == signal.SIGINT else SystemExit(128 + signum)
+
+
+# vLLM CPU's pipeline parallelism fails in eager mode: a later stage's worker
+# never allocates its intermediate tensors (AssertionError in
+# sync_and_gather_intermediate_tensors, then a KeyError in the scheduler),
+# whatever the prompts; its compile warm-up allocates them.
+_CPU_PP_EAGER = ("vLLM CPU's pipeline parallelism fails in eager mode (a later stage never gets its intermediate "
+                 "tensors: vLLM's AssertionError, whatever the prompts); leave --enforce-eager out, the recorder "
+                 "then runs PP compiled")
+
+
+def engine_kwargs(model, token_ids, record_dir, dtype, kv_cache_dtype, block_size, max_model_len, llm_kwargs,
+                  tokenizer, cpu: bool = False) -> dict:
+    """``LLM(**kwargs)`` of the recording: the recorder's settings, the
+    user's engine flags (``llm_kwargs``) over them.  Eager unless the user
+    says otherwise - but compiled for pipeline parallelism on vLLM CPU
+    (``cpu``), which fails eager (``_CPU_PP_EAGER``)."""
+    cpu_pp = cpu and int(llm_kwargs.get("pipeline_parallel_size") or 1) > 1
+    if cpu_pp and llm_kwargs.get("enforce_eager"):
+        raise RecordError(f"--enforce-eager with --pipeline-parallel-size {llm_kwargs['pipeline_parallel_size']}: "
+                          + _CPU_PP_EAGER)
+    kw = dict(
+        model=model,
+        # The recorder's own tokenizer: with skip_tokenizer_init, vLLM's chat
+        # template warm-up fails and logs a traceback as a warning (several
+        # times) that reads as a failure; token ids go in either way.
+        tokenizer=tokenizer,
+        enforce_eager=not cpu_pp,
+        dtype=dtype,
+        kv_cache_dtype=kv_cache_dtype,
+        max_model_len=max_model_len,
+        # whole prompts per step: at least max_model_len (vLLM's rule without chunked prefill)
+        max_num_batched_tokens=max(max_model_len, 2048),
+        max_num_seqs=min(len(token_ids), 16),
+        enable_prefix_caching=False,  # every prompt prefilled for real, in its own blocks
+        # Each prompt prefilled in one step: with chunks, vLLM frees sliding-window
+        # blocks behind the window between chunks, before the rows are read.
+        enable_chunked_prefill=False,
+        disable_log_stats=True,
+        kv_transfer_config={
+            "kv_connector": "KVFillConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"record_dir": record_dir},
+        },
+    )
+    if block_size:
+        kw["block_size"] = block_size
+    kw.update(llm_kwargs)
+    return kw
+
+
+def _flags(names) -> str:
+    return ", ".join(f"--{n.replace('_', '-')}" for n in names) or "none beyond the recorder's own"
+
+
+def check_engine_config(kw: dict, given: list[str]) -> None:
+    """Build vLLM's whole engine config from ``kw`` as ``LLM`` does, so vLLM's
+    refusal of a flag (``given``: the user's) is one line before any worker
+    starts, not a pydantic traceback after it."""
+    from vllm.config import KVTransferConfig
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = dict(kw, kv_transfer_config=KVTransferConfig(**kw["kv_transfer_config"]))
+    try:
+        EngineArgs(**args).create_engine_config()
+    except (ValueError, TypeError, AssertionError, NotImplementedError) as exc:
+        raise RecordError(f"vLLM refuses this engine configuration: {_first_message(exc)} (engine flags given: "
+                          f"{_flags(given)})") from None
+
+
+def _first_message(exc: BaseException) -> str:
+    """vLLM's own words: a pydantic error's first message, else the first line."""
+    errors = getattr(exc, "errors", None)
+    if callable(errors):
+        try:
+            msg = errors()[0].get("msg", "")
+            if msg:
+                return str(msg).removeprefix("Value error, ")
+        except Exception:  # noqa: BLE001  (not pydantic's after all)
+            pass
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0][:300]}" if text else type(exc).__name__
+
+
+def vllm_failed(exc: BaseException, kw: dict, token_ids) -> str:
+    """One line for a failure inside vLLM's run: whose it is and with what input."""
+    lengths = [len(t) for t in token_ids]
+    parallel = ", ".join(f"--{k.replace('_', '-')} {kw[k]}" for k in ("tensor_parallel_size", "pipeline_parallel_size")
+                         if int(kw.get(k) or 1) > 1)
+    return (f"vLLM failed while starting or prefilling ({_first_message(exc)}): a failure of vLLM's own, not an "
+            f"input the recorder refused; it ran {len(lengths)} prompts of {min(lengths)}-{max(lengths)} tokens"
+            f"{' with ' + parallel if parallel else ''} (vLLM's log above names the failing worker). Retry with "
+            f"other parallel sizes or prompts, or report it to vLLM with that log")
+
+
+@contextlib.contextmanager
+def _private_tempdir():
+    """vLLM's rendezvous file (``vllm_dist_<id>``, made by the engine's
+    process in ``tempfile.gettempdir()``) goes into a folder of the run's
+    own; its name is the prefix of the shared-memory segments vLLM CPU's
+    workers make.  Yields a function returning the ids seen so far; the
+    folder and every segment of those ids are removed at the end."""
+    folder = tempfile.mkdtemp(prefix="kvfill-record-vllm-")
+    before, ids = tempfile.tempdir, set()
+
+    def seen() -> set[str]:
+        ids.update(os.path.basename(p) for p in glob.glob(os.path.join(folder, "vllm_dist_*")))
+        return ids
+
+    tempfile.tempdir = folder
+    try:
+        yield seen
+    finally:
+        tempfile.tempdir = before
+        for ident in seen():
+            for path in glob.glob(os.path.join(SHM, glob.escape(ident) + "-*")):
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def shutdown(llm) -> None:
+    """Stop vLLM's engine as its entry points do: the engine core's
+    shutdown stops the executor, which reaps its workers (killing those that
+    do not exit), and tears down the distributed state."""
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if core is not None:
+        core.shutdown()
+
+
+@contextlib.contextmanager
+def llm_engine(**kwargs):
+    """vLLM's ``LLM(**kwargs)``, stopped on leaving (``shutdown``: its workers
+    reaped) with the files vLLM CPU's workers leave removed: what kvfill
+    starts, it cleans up.  The recorder and the bench scripts run engines so."""
+    from vllm import LLM
+
+    with _private_tempdir() as seen:
+        llm = LLM(**kwargs)
+        try:
+            seen()  # the rendezvous file exists while the workers run
+            yield llm
+        finally:
+            shutdown(llm)
+
+
+def run_vllm(model, token_ids, record_dir, dtype, kv_cache_dtype, block_size, max_model_len, llm_kwargs,
+             tokenizer=None) -> dict[str, str]:
+    """Real prefill of every prompt (its recorded tokens, one output token)
+    with the record role on, each prompt's positions recorded whole;
+    returns the run's provenance: the vLLM version, and the max_model_len and
+    cache block size vLLM ran with (its own block size when not given).
+
+    ``max_model_len``: the user's (the serving run's gives its bits exactly:
+    vLLM CPU's attention rounds differently with it, so the KV of positions
+    past the first block differs in the last bits from a run with another
+    one), or ``inputs.default_max_model_len``."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    import vllm
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.platforms import current_platform
+
+    kw = engine_kwargs(model, token_ids, record_dir, dtype, kv_cache_dtype, block_size, max_model_len, llm_kwargs,
+                       tokenizer, cpu=current_platform.is_cpu())
+    given = list(llm_kwargs) + [k for k, v in (("dtype", dtype != "auto"), ("kv_cache_dtype", kv_cache_dtype != "auto"),
+                                               ("block_size", block_size)) if v]
+    check_engine_config(kw, given)
+    params = SamplingParams(max_tokens=1, ignore_eos=True, detokenize=False, temperature=0.0)
+    try:
+        with llm_engine(**kw) as llm:
+            llm.generate([TokensPrompt(prompt_token_ids=t) for t in token_ids], params, use_tqdm=False)
+            config = llm.llm_engine.vllm_config
+    except (KeyboardInterrupt, SystemExit, RecordError):
+        raise
+    except Exception as exc:
+        raise RecordError(vllm_failed(exc, kw, token_ids)) from exc
+    return {"block_size": str(config.cache_config.block_size),
+            "max_model_len": str(config.model_config.max_model_len),
+            "vllm_version": getattr(vllm, "__version__", "unknown")}
