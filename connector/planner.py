@@ -84,9 +84,11 @@ class Planner:
         they get an empty selection and their tables are not looked at.
         ``sequence``: the bank sequence a replay fill writes for this request;
         ``sequences_at``: instead, per block, ``ends -> sequences`` where a
-        block's end is the position after its last selected token
-        (``BankIndex.sequences_for`` of the prompt: a block's rows are a
-        function of the tokens up to its end, as prefix caching needs).
+        block's end is ``min(the block's last position + 1, num_tokens)``
+        (``BankIndex.sequences_for`` of the request's tokens: a block's rows
+        are a function of its own tokens, as prefix caching needs - not of
+        where this request's fill ends, which the last prompt token and a
+        trimmed grant move).
         """
         if not (isinstance(num_tokens, int) and isinstance(num_local_computed, int)):
             raise ValueError(f"request {req_id!r}: token counts must be ints")
@@ -140,7 +142,7 @@ class Planner:
                 )
             )
         if sequences_at is not None:
-            _assign_sequences(self.groups, selections, sequences_at)
+            _assign_sequences(self.groups, selections, sequences_at, num_tokens)
         return RequestSelection(req_id, hi - lo, tuple(selections), sequence)
 
     def for_rank(self, rank: int) -> "Planner":
@@ -182,15 +184,16 @@ class Planner:
 
 
 def _assign_sequences(groups: Sequence[GroupGeometry], selections: list[GroupSelection],
-                      sequences_at: Callable[[np.ndarray], np.ndarray]) -> None:
+                      sequences_at: Callable[[np.ndarray], np.ndarray], num_tokens: int) -> None:
     """Each token-range selection's per-block sequences, from one call of
-    ``sequences_at`` over the distinct block ends of all groups."""
+    ``sequences_at`` over the distinct block ends of all groups (a block's
+    end capped at the request's ``num_tokens``)."""
     ends = {}
     for gi, (geo, sel) in enumerate(zip(groups, selections)):
         if geo.whole_blocks or not len(sel.block_ids):  # block granularity too: its blocks have ends
             continue
         k = sel.first_block + np.arange(len(sel.block_ids), dtype=np.int64)
-        ends[gi] = np.minimum((k + 1) * geo.span, sel.token_hi)
+        ends[gi] = np.minimum((k + 1) * geo.span, num_tokens)
     if not ends:
         return
     uniq = np.unique(np.concatenate(list(ends.values())))

@@ -92,8 +92,9 @@ class KVFillScheduler:
         index = self.options.bank_index
         sequences_at = None
         if index is not None:  # a block replays the sequence its own token prefix picks (bank.py)
-            prompt = request.prompt_token_ids or ()
-            sequences_at = lambda ends: index.sequences_for(prompt, ends)  # noqa: E731
+            # all the request's tokens: a refill after preemption runs past the prompt into its output
+            tokens = list(getattr(request, "all_token_ids", None) or request.prompt_token_ids or ())
+            sequences_at = lambda ends: index.sequences_for(tokens, ends)  # noqa: E731
         # The request-level sequence stays 0: only whole-block kinds take it, and
         # those are never replayed (circular buffers zeroed, cross attention synthetic).
         sel = select_request(self.planner, request, blocks, num_external_tokens, num_local,

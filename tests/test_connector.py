@@ -747,3 +747,69 @@ def test_a_skipped_fill_with_several_groups_follows_the_policy_without_crashing_
     h.scheduler.update_from_output(out, ModelRunnerOutput(
         req_ids=["a"], req_id_to_index={"a": 0}, sampled_token_ids=[[7]],
         kv_connector_output=KVConnectorOutput(invalid_block_ids=h.worker.get_block_ids_with_load_errors())))
+
+
+# ------------------------------------------------------------------ replay: which sequence a block takes
+def replay_scheduler(tmp_path, recorded):
+    """A replay scheduler over a bank recording ``recorded`` (token lists)."""
+    from kvfill.connector.options import FillOptions
+    from kvfill.connector.scheduler import KVFillScheduler
+    from kvfill.kernels import Bank
+
+    path = tmp_path / "bank.safetensors"
+    Bank({LAYERS[0]: torch.zeros(sum(map(len, recorded)), 32, dtype=torch.bfloat16, device="cpu")},
+         sequence_lengths=[len(t) for t in recorded], sequence_tokens=recorded).save(path)
+    h = make_harness(tmp_path, [(LAYERS, FullAttentionSpec(**ATT))])
+    return KVFillScheduler(h.config, h.kv_cache_config, FillOptions.from_extra_config({"bank": str(path)}))
+
+
+def blocks_of(*ids):
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+    return KVCacheBlocks(([KVCacheBlock(i) for i in ids],))
+
+
+def test_a_refill_after_preemption_chooses_by_the_tokens_it_refills_not_the_prompts(tmp_path):
+    """Preempted after generating 20 tokens, a request is refilled past its
+    prompt: the block beyond the prompt replays the recorded sequence that
+    continues with exactly those generated tokens."""
+    from types import SimpleNamespace
+
+    from kvfill.kernels import BankIndex
+
+    prompt = list(range(100, 120))                 # 20 tokens: blocks 0 and 1 (16 + 4)
+    generated = list(range(500, 520))              # 20 more: the request holds 40
+    recorded = [prompt + [9 + k] * 20 for k in range(8)]  # other continuations...
+    # chosen by the prompt alone, the blocks past it take the prefix hash's sequence: this one goes elsewhere
+    hashed = int(BankIndex(8, [40] * 8, recorded).sequences_for(prompt, [40])[0])
+    this = (hashed + 1) % 8
+    recorded[this] = prompt + generated
+    sched = replay_scheduler(tmp_path, recorded)
+    req = SimpleNamespace(request_id="r", num_tokens=40, num_preemptions=1, prompt_token_ids=prompt,
+                          all_token_ids=prompt + generated)
+    assert sched.get_num_new_matched_tokens(req, 0) == (39, False)
+    sched.update_state_after_alloc(req, blocks_of(1, 2, 3), 39)
+    sel = sched.build_connector_meta(None).selections["r"]
+    # blocks end at 16, 32 and 40: past the prompt only sequence `this` holds these tokens
+    assert list(sel.groups[0].sequences)[1:] == [this, this]
+
+
+def test_a_block_of_a_prompt_that_ends_at_its_edge_takes_the_sequence_a_longer_prompt_gives_it(tmp_path):
+    """Prefix caching shares a prompt's second block with a longer prompt: a
+    prompt of exactly 2 blocks must choose that block by its 32 tokens, as
+    the longer prompt does, not by the 31 it fills."""
+    from types import SimpleNamespace
+
+    a = list(range(100, 132))                      # 32 tokens: exactly 2 blocks
+    b = a + list(range(300, 316))                  # 48: shares both
+    recorded = [a[:31] + [7], a]                   # 0 agrees with a on 31 tokens only, 1 on all 32
+    sched = replay_scheduler(tmp_path, recorded)
+    chosen = {}
+    for rid, tokens, blocks in (("a", a, (1, 2)), ("b", b, (1, 2, 3))):
+        req = SimpleNamespace(request_id=rid, num_tokens=len(tokens), num_preemptions=0, prompt_token_ids=tokens,
+                              all_token_ids=tokens)
+        grant, _ = sched.get_num_new_matched_tokens(req, 0)
+        sched.update_state_after_alloc(req, blocks_of(*blocks), grant)
+        chosen[rid] = list(sched.build_connector_meta(None).selections[rid].groups[0].sequences)
+    assert chosen["a"][1] == chosen["b"][1] == 1

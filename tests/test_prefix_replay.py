@@ -79,17 +79,18 @@ def test_the_planner_asks_each_block_for_the_sequence_of_its_end():
 
     planner = Planner(geos)
     sel = planner.select("r", 19, 5, [list(range(10, 15)), list(range(20, 23))], sequences_at=sequences_at)
-    # tokens [5, 18): full blocks 1..4 end at 8, 12, 16, 18; DCP span 8: blocks 0..2 end at 8, 16, 18
-    assert asked == [[8, 12, 16, 18]]
-    assert list(sel.groups[0].sequences) == [8 % 7, 12 % 7, 16 % 7, 18 % 7]
-    assert list(sel.groups[1].sequences) == [8 % 7, 16 % 7, 18 % 7]
+    # tokens [5, 18) of 19: full blocks 1..4 end at 8, 12, 16, 19 (the request's end, not the fill's);
+    # DCP span 8: blocks 0..2 end at 8, 16, 19
+    assert asked == [[8, 12, 16, 19]]
+    assert list(sel.groups[0].sequences) == [8 % 7, 12 % 7, 16 % 7, 19 % 7]
+    assert list(sel.groups[1].sequences) == [8 % 7, 16 % 7, 19 % 7]
     plan = planner.plan([sel])
-    assert plan.groups["full"].sequence.tolist() == [1, 5, 2, 4]
+    assert plan.groups["full"].sequence.tolist() == [1, 5, 2, 5]
     # Block granularity fills the same blocks whole: each still replays its own end's sequence.
     asked.clear()
     whole = Planner(geos, granularity="block").select("r", 19, 5, [list(range(10, 15)), list(range(20, 23))],
                                                        sequences_at=sequences_at)
-    assert asked == [[8, 12, 16, 18]] and list(whole.groups[0].sequences) == [1, 5, 2, 4]
+    assert asked == [[8, 12, 16, 19]] and list(whole.groups[0].sequences) == [1, 5, 2, 5]
 
 
 # ------------------------------------------------- ragged sequences (coverage)
