@@ -68,18 +68,19 @@ def child_env(config: str) -> dict:
 
 def generate(a, kt: dict | None) -> list[dict]:
     """Greedy tokens and their logprobs of every prompt on a new engine under ``a.config``."""
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
+
+    from kvfill.record.run import llm_engine
 
     ids = prompt_ids(a.model, a.prompts_file)
     kw = {"enforce_eager": True, **engine_kwargs(a.config)}
-    llm = LLM(model=a.model, dtype="float32", skip_tokenizer_init=True, max_model_len=a.max_model_len,
-              max_num_seqs=len(ids), disable_log_stats=True, seed=0, enable_prefix_caching=False,
-              **({"kv_transfer_config": kt} if kt else {}), **kw)
     params = SamplingParams(max_tokens=a.output_len, temperature=0.0, logprobs=1, ignore_eos=True, detokenize=False)
-    rows = greedy_rows(llm.generate([TokensPrompt(prompt_token_ids=t) for t in ids], params, use_tqdm=False))
-    del llm
-    return rows
+    # stopped on leaving, its workers reaped and vLLM CPU's files removed
+    with llm_engine(model=a.model, dtype="float32", skip_tokenizer_init=True, max_model_len=a.max_model_len,
+                    max_num_seqs=len(ids), disable_log_stats=True, seed=0, enable_prefix_caching=False,
+                    **({"kv_transfer_config": kt} if kt else {}), **kw) as llm:
+        return greedy_rows(llm.generate([TokensPrompt(prompt_token_ids=t) for t in ids], params, use_tqdm=False))
 
 
 def child(a) -> dict:

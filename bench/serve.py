@@ -26,6 +26,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 
@@ -88,7 +89,10 @@ class Server:
     def __init__(self, cmd: list[str], env: dict, log_path: str, port: int):
         self.cmd, self.port, self.log_path = cmd, port, log_path
         self.log = open(log_path, "w")
-        self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        # vLLM's rendezvous files go to a temp folder of the server's own, removed with it
+        self.tmp = tempfile.mkdtemp(prefix="kvfill-serve-")
+        self.proc = subprocess.Popen(cmd, env={**env, "TMPDIR": self.tmp}, stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
 
     def url(self, path: str = "") -> str:
         return f"http://127.0.0.1:{self.port}{path}"
@@ -132,6 +136,9 @@ class Server:
             if sig == signal.SIGTERM:
                 time.sleep(2)  # children get a moment after the leader
         self.log.close()
+        from kvfill.record.run import remove_vllm_tempdir
+
+        remove_vllm_tempdir(self.tmp)
 
 
 def run_level(server: Server, a, connector: str, concurrency: int, result_dir: str) -> tuple[dict, list[list[str]]]:

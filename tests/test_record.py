@@ -6,7 +6,9 @@ import os
 import pytest
 import torch
 
-pytestmark = pytest.mark.cpu_only
+# Every recording and engine run here leaves nothing: no work folder, no vLLM
+# rendezvous file or shared-memory segment, no process (conftest.leaves_nothing).
+pytestmark = [pytest.mark.cpu_only, pytest.mark.usefixtures("leaves_nothing")]
 vllm = pytest.importorskip("vllm")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -226,6 +226,7 @@ recorder.record(sys.argv[1], sys.argv[2], sys.argv[3], log=lambda msg: None)
 """
 
 
+@pytest.mark.usefixtures("leaves_nothing")
 def test_sigterm_during_recording_removes_the_work_folder(model, prompts, out_dir):
     proc = subprocess.Popen([sys.executable, "-c", SIGTERM_CHILD, model, prompts, str(out_dir / "b.safetensors")],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -435,6 +436,7 @@ sys.exit(main(["--model", sys.argv[1], "--prompts", sys.argv[2], "--out", sys.ar
 """
 
 
+@pytest.mark.usefixtures("leaves_nothing")
 def test_ctrl_c_to_the_process_group_is_interrupted_nothing_written_and_exit_130(model, prompts, out_dir):
     """A terminal's Ctrl-C: SIGINT to the whole process group."""
     import time
