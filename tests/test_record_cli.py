@@ -4,7 +4,6 @@ does: those recording can honour reach ``record()`` (by name, or in
 refused before vLLM starts, naming the flag, the value and the reason, with
 nothing written.  vLLM never starts here: ``record()`` (or ``_run_vllm``) is
 replaced by a stand-in that keeps its arguments."""
-import json
 import os
 
 import pytest
@@ -12,7 +11,7 @@ import pytest
 pytest.importorskip("vllm")
 
 import kvfill.record as recorder  # noqa: E402
-from kvfill.bench.models import make_tokenizer  # noqa: E402
+from kvfill.bench.models import make_config_only  # noqa: E402
 from kvfill.record import RecordError  # noqa: E402
 from kvfill.record.__main__ import main  # noqa: E402
 from kvfill.record.cli import NAMED  # noqa: E402
@@ -220,13 +219,7 @@ def test_a_dotted_flag_without_its_value_is_an_argparse_error(base, calls, capsy
 def test_engine_flags_reach_vllm_through_the_recorder(tmp_path, out_dir, monkeypatch, capsys):
     """The real record() up to vLLM: llm_kwargs arrive at _run_vllm, which
     overlays them on the recorder's own LLM settings."""
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps({
-        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2, "hidden_size": 64,
-        "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1024,
-        "dtype": "bfloat16"}))
-    make_tokenizer(str(model))
+    model = make_config_only(str(tmp_path / "model"))
     prompts = tmp_path / "p.txt"
     prompts.write_text("w3 w4 w5 w6\n")
     seen = {}

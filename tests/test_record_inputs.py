@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvfill.bench.models import make_tokenizer
+from kvfill.bench.models import make_config_only
 from kvfill.kernels import Bank
 import kvfill.record as recorder
 from kvfill.record import RecordError, estimate
@@ -27,19 +27,13 @@ from kvfill.record.__main__ import main
 pytestmark = pytest.mark.needs_vllm
 
 LAYER = "model.layers.0.self_attn.attn"
-TINY_LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2,
-              "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
-              "vocab_size": 1024, "dtype": "bfloat16"}
 
 
 @pytest.fixture
 def model(tmp_path):
     """A tiny Llama's config.json and a word-level tokenizer: all the
     recorder reads before vLLM starts."""
-    path = tmp_path / "model"
-    path.mkdir()
-    (path / "config.json").write_text(json.dumps(TINY_LLAMA))
-    return make_tokenizer(str(path))
+    return make_config_only(str(tmp_path / "model"))
 
 
 @pytest.fixture
