@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata, KVConnectorMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.metrics.utils import create_metric_per_engine
 
@@ -22,6 +22,35 @@ class RecordItem:
     positions: int
 
 
+@dataclass(frozen=True)
+class KVFillBankHandshake(KVConnectorHandshakeMetadata):
+    """What a replaying worker loaded, sent to the scheduler at start through
+    vLLM's handshake (after the caches are registered, from every worker of
+    every node): checked there against the bank the scheduler indexed."""
+
+    node: str
+    tp_rank: int
+    pp_rank: int
+    path: str
+    identity: str
+
+    def where(self) -> str:
+        return f"node {self.node}, TP rank {self.tp_rank}, PP rank {self.pp_rank}"
+
+
+def check_bank_handshakes(path: str, identity: str | None, handshakes) -> None:
+    """Every replaying worker loaded the bank the scheduler indexed
+    (``identity``: ``bank_file.identity_of``); else a ValueError naming each
+    worker that did not - node, rank, path and both identities."""
+    wrong = [h for h in handshakes if isinstance(h, KVFillBankHandshake) and h.identity != identity]
+    if wrong:
+        lines = [f"{h.where()} loaded {h.path!r}, identity {h.identity}" for h in wrong]
+        raise ValueError(f"KVFillConnector: the scheduler indexed the bank {path!r}, identity {identity}, but\n  "
+                         + "\n  ".join(lines) + "\nEvery node must hold the same bank file (a copy of one save; "
+                         "its path may differ per node): copy it again from where it was recorded")
+
+
+@dataclass
 class KVFillConnectorMetadata(KVConnectorMetadata):
     """The step's fills.
 

@@ -21,11 +21,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from .metadata import KVFillConnectorMetadata, KVFillPromMetrics, KVFillStats
+from .metadata import (
+    KVFillBankHandshake, KVFillConnectorMetadata, KVFillPromMetrics, KVFillStats, check_bank_handshakes,
+)
 from .options import FillOptions
 from .scheduler import KVFillScheduler
 from .specs import filled_group_ids
-from .worker import KVFillWorker
+from .worker import KVFillWorker, worker_where
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -43,7 +45,13 @@ class KVFillConnector(KVConnectorBase_V1, SupportsHMA):
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
         super().__init__(vllm_config, role, kv_cache_config)
-        self.options = FillOptions.from_extra_config(vllm_config.kv_transfer_config.kv_connector_extra_config)
+        try:
+            self.options = FillOptions.from_extra_config(vllm_config.kv_transfer_config.kv_connector_extra_config)
+        except ValueError as exc:
+            if role != KVConnectorRole.WORKER:
+                raise
+            # each node reads its own copy of the bank: say which worker of which node could not
+            raise ValueError(f"{worker_where(vllm_config)}: {exc}") from None
         model_config = getattr(vllm_config, "model_config", None)
         self.options.check_max_model_len(int(getattr(model_config, "max_model_len", 0) or 0))
         self._filled_group_ids = filled_group_ids(kv_cache_config)
@@ -58,6 +66,17 @@ class KVFillConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
         assert self.worker is not None
         self.worker.register_kv_caches(kv_caches)
+
+    def get_handshake_metadata(self) -> KVFillBankHandshake | None:
+        """Replay: the bank this worker loaded (node, ranks, path, identity)."""
+        return self.worker.bank_handshake if self.worker is not None else None
+
+    # ---------------------------------------------------------------- scheduler
+    def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], Any]) -> None:
+        """Every worker's handshake, at start: each replaying worker must have
+        loaded the bank this scheduler indexed (``check_bank_handshakes``)."""
+        if self.scheduler is not None and self.options.bank_index is not None:
+            check_bank_handshakes(self.options.bank, self.options.bank_index.identity, metadata.values())
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         assert self.worker is not None

@@ -11,6 +11,8 @@ written again there.  The record role's reads live in ``recorder.py``.
 """
 from __future__ import annotations
 
+import os
+import socket
 import time
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -18,11 +20,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from vllm.logger import init_logger
 
-from kvfill.kernels import CacheGroup, FillEngine, FillPlan
+from kvfill.kernels import BankError, CacheGroup, FillEngine, FillPlan
 
 from .bank_checks import load_bank, rank_part
 from .cpu_layout import cpu_attention_parts
-from .metadata import KVFillConnectorMetadata, KVFillStats
+from .metadata import KVFillBankHandshake, KVFillConnectorMetadata, KVFillStats
 from .options import FillOptions
 from .planner import RECORDED_KINDS, GroupKind, Planner
 from .recorder import Recorder
@@ -45,6 +47,21 @@ def current_tp_rank(vllm_config: "VllmConfig") -> int:
     from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
     return get_tensor_model_parallel_rank()
+
+
+def worker_where(vllm_config: "VllmConfig") -> str:
+    """``node HOST, TP rank r, PP rank p`` of this worker process."""
+    return (f"node {socket.gethostname()}, TP rank {current_tp_rank(vllm_config)}, "
+            f"PP rank {current_pp_rank(vllm_config)}")
+
+
+def current_pp_rank(vllm_config: "VllmConfig") -> int:
+    """This process's pipeline parallel rank (0 without PP)."""
+    if vllm_config.parallel_config.pipeline_parallel_size <= 1:
+        return 0
+    from vllm.distributed.parallel_state import get_pp_group
+
+    return get_pp_group().rank_in_group
 
 
 def current_dcp_rank(vllm_config: "VllmConfig") -> int:
@@ -86,7 +103,9 @@ class KVFillWorker:
         self.vllm_config = vllm_config
         self.tp_rank = current_tp_rank(vllm_config) if tp_rank is None else tp_rank
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
-        self.recorder = Recorder(options, vllm_config, self.tp_rank, pp_rank) if options.recording else None
+        self.pp_rank = current_pp_rank(vllm_config) if pp_rank is None else pp_rank
+        self.bank_handshake: KVFillBankHandshake | None = None
+        self.recorder = Recorder(options, vllm_config, self.tp_rank, self.pp_rank) if options.recording else None
 
     # ------------------------------------------------------------ registration
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
@@ -100,7 +119,14 @@ class KVFillWorker:
         if self.options.replay and not self.options.recording:
             # This rank's part only: its KV heads, its stage's layers, its DCP positions below max_model_len.
             part = rank_part(groups, self.tp_rank, self.tp_size, self.max_model_len or None)
-            bank = load_bank(self.options.bank, part, self.vllm_config, device=_cache_device(groups))
+            where = f"node {socket.gethostname()}, TP rank {self.tp_rank}, PP rank {self.pp_rank}"
+            try:
+                bank = load_bank(self.options.bank, part, self.vllm_config, device=_cache_device(groups))
+            except BankError as exc:  # missing, another version, lying: say which worker of which node
+                raise BankError(f"{where}: {exc}") from None
+            # what this worker loaded, checked by the scheduler at start (vLLM's handshake)
+            self.bank_handshake = KVFillBankHandshake(socket.gethostname(), self.tp_rank, self.pp_rank,
+                                                      os.path.abspath(self.options.bank), bank.identity or "")
         self.engine = FillEngine(groups, values=self.options.values, backend=self.options.backend,
                                  layer_ids=_layer_ids(kv_caches), bank=bank,
                                  page_image_bytes=0 if self.options.recording else self.options.page_image_mib << 20)

@@ -111,10 +111,12 @@ class Bank:
         source: str = "bank",
         recorded_lengths: Sequence[int] | None = None,
         part: BankPart = WHOLE,
+        identity: str | None = None,
     ):
         if not layers:
             raise BankError(f"{source}: holds no layers")
         self.source = source
+        self.identity = identity  # the file's (bank_file.identity_of); None: built in memory
         self.layers, lengths = self._packed(layers, sequence_lengths, sequence_tokens)
         self.lengths = tuple(int(n) for n in lengths)
         self.starts = tuple(int(x) for x in np.concatenate([[0], np.cumsum(self.lengths)[:-1]]))
@@ -213,7 +215,7 @@ class Bank:
                     value_dtypes={n: v for n, v in self.value_dtypes.items() if n in layers},
                     kv={n: part.local_kv(n, g) for n, g in self.kv.items() if n in layers},
                     parts={n: v for n, v in self.parts.items() if n in layers}, metadata=self.metadata,
-                    source=self.source, recorded_lengths=self.lengths, part=part)
+                    source=self.source, recorded_lengths=self.lengths, part=part, identity=self.identity)
 
     def rows_for(self, name: str, dtype: torch.dtype, fmt: RowFormat,
                  value_dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -6,16 +6,22 @@ problem is a ``BankError`` naming the file, the key and what was expected.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import tempfile
+import uuid
 from typing import Mapping
 
 import torch
 
 BANK_FORMAT = "kvfill-bank"
 BANK_VERSION = "3"
-_RESERVED_META = ("format", "version", "num_sequences", "sequence_lengths", "sequence_tokens", "layers")
+# A bank's identity, written once at save: a random id, and the digest of every
+# other metadata key (so metadata edited afterwards is found).
+_IDENTITY_META = ("bank_id", "metadata_sha256")
+_RESERVED_META = ("format", "version", "num_sequences", "sequence_lengths", "sequence_tokens", "layers",
+                  *_IDENTITY_META)
 
 
 class BankError(ValueError):
@@ -26,10 +32,32 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def read_index(path: str) -> tuple[int, list[int], list]:
-    """``(num_sequences, sequence_lengths, sequence_tokens)`` of a bank file,
-    from its metadata, checked against the file's tensors (header only)."""
-    return _index_of(_read_metadata(path), path)
+def read_index(path: str) -> tuple[int, list[int], list, str]:
+    """``(num_sequences, sequence_lengths, sequence_tokens, identity)`` of a
+    bank file, from its metadata, checked against the file's tensors (header
+    only)."""
+    meta = _read_metadata(path)
+    return (*_index_of(meta, path), identity_of(meta, path))
+
+
+def metadata_digest(meta: Mapping[str, str]) -> str:
+    """SHA-256 of a bank file's metadata but its identity keys."""
+    body = {k: str(v) for k, v in meta.items() if k not in _IDENTITY_META}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def identity_of(meta: Mapping[str, str], path: str) -> str:
+    """``<bank_id>/<metadata digest>`` of a bank file (``unsaved`` for a file
+    written before banks had ids): two files of one identity hold one save
+    of one recording.  A file whose metadata changed after its save is a
+    BankError."""
+    digest = metadata_digest(meta)
+    stored = meta.get("metadata_sha256")
+    if stored is not None and stored != digest:
+        raise BankError(f"{path}: its metadata changed after the bank was saved (saved with metadata_sha256 "
+                        f"{stored[:16]}..., it now hashes to {digest[:16]}...); banks are written whole by "
+                        f"kvfill-record or Bank.save: record or save it again")
+    return f"{meta.get('bank_id') or 'unsaved'}/{digest[:16]}"
 
 
 def _index_of(meta: Mapping[str, str], path: str) -> tuple[int, list[int], list]:
@@ -92,6 +120,7 @@ def load(path: str, part, fits=None) -> dict:
         metadata={k: v for k, v in meta.items() if k not in _RESERVED_META},
         source=path,
         part=part,
+        identity=identity_of(meta, path),
     )
 
 
@@ -119,6 +148,8 @@ def save(bank, path: str) -> None:
             for n, t in bank.layers.items()
         }),
     )
+    meta["bank_id"] = uuid.uuid4().hex  # every save its own identity
+    meta["metadata_sha256"] = metadata_digest(meta)
     fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp",
                                dir=os.path.dirname(os.path.abspath(path)))
     os.close(fd)

@@ -36,7 +36,8 @@ class BankIndex:
     length and token ids, read from the metadata alone (the scheduler never
     loads rows).  ``lengths``: one int (every sequence's) or one per sequence."""
 
-    def __init__(self, num_sequences: int, lengths, sequence_tokens=()):
+    def __init__(self, num_sequences: int, lengths, sequence_tokens=(), identity: str | None = None):
+        self.identity = identity  # the file's (bank_file.identity_of): what every rank must load
         self.num_sequences = int(num_sequences)
         self.lengths = _lengths(self.num_sequences, lengths)
         self.tokens = None

@@ -32,9 +32,13 @@ def good_bank(tmp_path, name="bank.safetensors"):
     return path, rows
 
 
-def rewrite(path, tensors=None, **changes):
+def rewrite(path, tensors=None, seal=True, **changes):
     """The same file with some metadata keys changed (None: removed) and
-    some tensors replaced (``tensors``: name -> tensor)."""
+    some tensors replaced (``tensors``: name -> tensor); ``seal``: its
+    metadata digest made to match again (a file written so, not edited after
+    its save: what the checks of each key meet)."""
+    from kvfill.kernels.bank_file import metadata_digest
+
     with safe_open(str(path), framework="pt", device="cpu") as f:
         meta = dict(f.metadata())
         old = {n: f.get_tensor(n) for n in f.keys()}
@@ -44,11 +48,13 @@ def rewrite(path, tensors=None, **changes):
             meta.pop(k, None)
         else:
             meta[k] = v
+    if seal and "metadata_sha256" in meta:
+        meta["metadata_sha256"] = metadata_digest(meta)
     save_file(old, str(path), metadata=meta)
 
 
-def rewrite_metadata(path, **changes):
-    rewrite(path, **changes)
+def rewrite_metadata(path, seal=True, **changes):
+    rewrite(path, seal=seal, **changes)
 
 
 LENGTHS_EXPECTED = r"expected a list of 2 ints >= 1 \(each sequence's positions\)"
@@ -366,3 +372,41 @@ def test_a_bank_loads_into_host_memory_whatever_torchs_default_device(tmp_path, 
         assert {t.device.type for t in bank.layers.values()} == {"cpu"}, bank.describe()
     assert all(torch.equal(whole.layers[n], rows[n]) for n in rows)
     assert torch.equal(part.layers["l0"], torch.cat([rows["l0"][:, 2:4], rows["l0"][:, 6:8]], dim=1))
+
+
+# ------------------------------------------------------------------ identity (one bank everywhere)
+def test_every_save_has_its_own_identity_and_copies_share_it(tmp_path):
+    """A bank's identity is written once at save: a copy of the file keeps it,
+    saving again (the same rows) makes another; the index and every loaded
+    part carry it."""
+    import shutil
+
+    from kvfill.kernels.bank_part import BankPart
+
+    path, rows = good_bank(tmp_path)
+    copy = tmp_path / "copy.safetensors"
+    shutil.copy(path, copy)
+    again, _ = good_bank(tmp_path, "again.safetensors")
+    first = BankIndex.read(path).identity
+    assert first and not first.startswith("unsaved/")
+    assert BankIndex.read(copy).identity == first == Bank.load(path).identity
+    assert Bank.load(path, BankPart(1, 2, frozenset({"l0"}))).identity == first
+    assert BankIndex.read(again).identity != first
+
+
+def test_metadata_changed_after_the_save_is_refused_naming_the_file(tmp_path):
+    path, _ = good_bank(tmp_path)
+    rewrite_metadata(path, model="another/model", seal=False)
+    for read in (BankIndex.read, Bank.load):
+        with pytest.raises(BankError, match=str(path).replace(".", r"\.") + r": its metadata changed after the bank "
+                                            r"was saved .*: record or save it again"):
+            read(path)
+
+
+def test_a_bank_saved_before_banks_had_ids_reads_with_a_digest_identity(tmp_path):
+    path, rows = good_bank(tmp_path)
+    rewrite_metadata(path, bank_id=None, metadata_sha256=None)
+    ident = BankIndex.read(path).identity
+    assert ident.startswith("unsaved/") and Bank.load(path).identity == ident
+    rewrite_metadata(path, model="another/model")  # no stored digest: a change is another identity, not an error
+    assert BankIndex.read(path).identity not in (ident, None)

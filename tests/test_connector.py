@@ -813,3 +813,84 @@ def test_a_block_of_a_prompt_that_ends_at_its_edge_takes_the_sequence_a_longer_p
         sched.update_state_after_alloc(req, blocks_of(*blocks), grant)
         chosen[rid] = list(sched.build_connector_meta(None).selections[rid].groups[0].sequences)
     assert chosen["a"][1] == chosen["b"][1] == 1
+
+
+# ------------------------------------------------------------------ one bank everywhere
+def bank_of_layers(path, seed=0):
+    """A bank for LAYERS (2 KV heads of 8, bf16), saved at ``path``."""
+    from kvfill.kernels import Bank
+
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    rows = torch.randn(40, 32, generator=g, device="cpu").to(torch.bfloat16)
+    Bank({n: rows.clone() for n in LAYERS}, sequence_lengths=[40], sequence_tokens=[list(range(100, 140))],
+         kv={n: (2, 8, 8) for n in LAYERS}).save(path)
+    return str(path)
+
+
+def replay_connectors(tmp_path, scheduler_bank, worker_banks):
+    """vLLM's connector objects as the engine makes them: the scheduler's
+    over ``scheduler_bank``, one worker per entry of ``worker_banks`` (its
+    bank path, as on its own node) with its caches registered; returns the
+    scheduler and the workers' handshakes, keyed (PP rank, TP rank)."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm_harness import model_dir, vllm_config
+
+    h = make_harness(tmp_path / "scheduler", [(LAYERS, FullAttentionSpec(**ATT))], extra={"bank": scheduler_bank})
+    sched = KVConnectorFactory.create_connector(h.config, KVConnectorRole.SCHEDULER, h.kv_cache_config)
+    handshakes = {}
+    for rank, path in enumerate(worker_banks):
+        cfg = vllm_config(model_dir(tmp_path / f"worker{rank}"), num_blocks=64, extra={"bank": path})
+        cfg.cache_config.kv_cache_layout = h.config.cache_config.kv_cache_layout
+        cfg.cache_config.num_gpu_blocks = h.config.cache_config.num_gpu_blocks
+        worker = KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, h.kv_cache_config)
+        worker.register_kv_caches(h.views_over(h.poison.clone()))
+        got = worker.get_handshake_metadata()
+        # each harness is a TP 1 engine: report it as TP rank `rank` of one engine
+        handshakes[(0, rank)] = type(got)(got.node, rank, 0, got.path, got.identity)
+    return sched, handshakes
+
+
+def test_workers_holding_copies_of_the_scheduler_bank_start(tmp_path):
+    """The same save on every node, at another path on each: accepted."""
+    import shutil
+
+    path = bank_of_layers(tmp_path / "bank.safetensors")
+    copy = tmp_path / "node1" / "elsewhere.safetensors"
+    copy.parent.mkdir()
+    shutil.copy(path, copy)
+    sched, handshakes = replay_connectors(tmp_path, path, [path, str(copy)])
+    assert len({h.identity for h in handshakes.values()}) == 1
+    sched.set_xfer_handshake_metadata_pp_aware(handshakes)  # no error
+
+
+@pytest.mark.parametrize("other", ["another recording", "a re-save of the same rows"])
+def test_a_worker_whose_bank_differs_from_the_schedulers_is_refused_at_start_naming_it(tmp_path, other):
+    path = bank_of_layers(tmp_path / "bank.safetensors")
+    odd = tmp_path / "node1" / "bank.safetensors"
+    odd.parent.mkdir()
+    bank_of_layers(odd, seed=1 if other == "another recording" else 0)
+    sched, handshakes = replay_connectors(tmp_path, path, [path, str(odd)])
+    with pytest.raises(ValueError) as err:
+        sched.set_xfer_handshake_metadata_pp_aware(handshakes)
+    text = str(err.value)
+    assert f"the scheduler indexed the bank {path!r}, identity {handshakes[(0, 0)].identity}" in text
+    assert f"TP rank 1, PP rank 0 loaded {str(odd)!r}, identity {handshakes[(0, 1)].identity}" in text
+    assert "TP rank 0" not in text and "Every node must hold the same bank file" in text
+
+
+def test_a_worker_whose_bank_is_missing_or_of_another_version_names_its_node_and_rank(tmp_path):
+    import socket
+
+    path = bank_of_layers(tmp_path / "bank.safetensors")
+    gone = tmp_path / "gone.safetensors"
+    with pytest.raises(ValueError, match=rf"^node {socket.gethostname()}, TP rank 0, PP rank 0: .*bank "
+                                         rf"'{gone}' does not exist"):
+        replay_connectors(tmp_path, path, [str(gone)])
+    other = bank_of_layers(tmp_path / "v2.safetensors")
+    from test_bank_files import rewrite_metadata
+
+    rewrite_metadata(other, version="2")
+    with pytest.raises(ValueError, match=rf"^node {socket.gethostname()}, TP rank 0, PP rank 0: .*bank version "
+                                         rf"'2'; this kvfill reads version '3'"):
+        replay_connectors(tmp_path, path, [other])
