@@ -4,8 +4,8 @@ three ways - to the end, SIGTERM to the recorder, and SIGINT to its whole
 process group (a terminal's Ctrl-C) - each signal sent once the workers have
 saved their first prompt's rows.  Per run: the exit status, the recorder's
 last line, and what is left: the bank, work folders beside it, vLLM's
-rendezvous files and shared-memory segments, and processes of the run's
-session.  Everything but a finished run's bank must be gone.
+rendezvous files and shared-memory segments, the workers' parts folders,
+and processes of the run's session.  Everything but a finished run's bank must be gone.
 
     python bench/record_signals.py [--prompts 24] [--prompt-len 200] [--json PATH]
 
@@ -33,7 +33,8 @@ EXPECTED = {"complete": (0, "wrote "), "sigterm": (128 + signal.SIGTERM, "stoppe
 def leftovers(out_dir: str, before: set[str]) -> list[str]:
     tmp = tempfile.gettempdir()
     found = {*glob.glob(os.path.join(tmp, "vllm_dist_*")), *glob.glob("/dev/shm/vllm_dist_*"),
-             *glob.glob(os.path.join(tmp, "kvfill-record-*"))} - before
+             *glob.glob(os.path.join(tmp, "kvfill-record-*")),
+             *glob.glob(os.path.join(tmp, "kvfill-parts-*"))} - before
     return sorted(found | set(glob.glob(os.path.join(out_dir, "kvfill-record-*"))))
 
 
@@ -66,7 +67,8 @@ def run(kind: str, a, model: str, prompts: str, out_dir: str) -> dict:
     sent = None
     try:
         while proc.poll() is None and time.monotonic() - t0 < a.timeout:
-            saved = glob.glob(os.path.join(out_dir, "kvfill-record-*", "*.safetensors*"))
+            # the workers' parts, in folders of their own until the recorder fetches them
+            saved = glob.glob(os.path.join(tempfile.gettempdir(), "kvfill-parts-*", "*.safetensors*"))
             if kind != "complete" and sent is None and saved:
                 if kind == "sigterm":
                     proc.send_signal(signal.SIGTERM)

@@ -1,15 +1,26 @@
 """The record role's reads (``kvfill.record``): after the forward that completes
 a prompt's positions ``[0, N)``, read every layer's rows of them from the
-request's own blocks and save them to ``record_dir/<key>.tp<r>-pp<p>.safetensors``
-- one ``[N, row]`` tensor per layer in the caches' dtype and the bank's
-canonical row order, this rank's KV heads and layers, written whole or not at
-all; N is the prompt's length, capped at ``record_positions``.  The scheduler
-side (which step completes which prompt) is ``scheduler._RecordTracker``.
+request's own blocks and save them as ``<key>.tp<r>-pp<p>.safetensors`` - one
+``[N, row]`` tensor per layer in the caches' dtype and the bank's canonical
+row order, this rank's KV heads and layers, written whole or not at all; N is
+the prompt's length, capped at ``record_positions``.  The scheduler side
+(which step completes which prompt) is ``scheduler._RecordTracker``.
+
+A worker keeps its parts in a folder of its own on its own node's disk; the
+recorder fetches them through vLLM's own channel to its workers
+(``collective_rpc`` of ``rpc_list_parts`` / ``rpc_read_part`` in bounded
+chunks, then ``rpc_drop_parts``), so recording needs no filesystem shared by
+the nodes.  The folder goes with the parts, at the connector's shutdown or
+the process's exit whatever ends the run.
 """
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
+import socket
+import tempfile
 from typing import TYPE_CHECKING
 
 from vllm.logger import init_logger
@@ -45,12 +56,16 @@ class Recorder:
             raise ValueError(f"KVFillConnector: recording needs decode context parallel size 1, got "
                              f"{par.decode_context_parallel_size}: record at the same tensor parallel size with DCP "
                              f"1 (DCP splits positions, not heads; the bank replays under any DCP size)")
-        self.record_dir = options.record_dir  # each item names its own positions (the scheduler's cap applied)
-        # Made once, at start; never again while saving: a folder gone mid-run was removed by the recorder
-        # stopping (a signal), and a worker that re-made it would leave rows behind it.
-        os.makedirs(self.record_dir, exist_ok=True)
+        self.record_dir = options.record_dir  # the recorder's work folder: names the run; never written here
         self.tp_rank, self.tp_size = tp_rank, par.tensor_parallel_size
         self.pp_rank, self.pp_size = _pp_rank(par) if pp_rank is None else pp_rank, par.pipeline_parallel_size
+        # This worker's parts, on its own node, until the recorder fetches them. Made once, at start; never
+        # again while saving: a folder gone mid-run was dropped, and a worker that re-made it would leave
+        # parts behind it.
+        self.folder = tempfile.mkdtemp(prefix=f"kvfill-parts-{os.path.basename(os.path.normpath(self.record_dir))}"
+                                              f"-tp{self.tp_rank}-pp{self.pp_rank}-")
+        self.part_id = f"{socket.gethostname()}:{os.getpid()}:{os.path.basename(self.folder)}"
+        atexit.register(self.drop)
         model = vllm_config.model_config
         self.total_heads = 1 if getattr(model, "use_mla", False) else int(model.get_total_num_kv_heads())
         replicas = max(1, self.tp_size // self.total_heads)
@@ -84,9 +99,9 @@ class Recorder:
         bank's canonical row order (``kvfill.kernels.kv_rows``), this rank's part."""
         if not meta.records or not self.saves:
             return
-        if not os.path.isdir(self.record_dir):
-            logger.error("KVFillConnector: the record folder %s is gone (the recorder stopped); %d prompts not "
-                         "saved, the folder not made again", self.record_dir, len(meta.records))
+        if not os.path.isdir(self.folder):
+            logger.error("KVFillConnector: this worker's parts folder %s is gone (the recorder stopped); %d prompts "
+                         "not saved, the folder not made again", self.folder, len(meta.records))
             return
         from safetensors.torch import save_file
 
@@ -105,13 +120,58 @@ class Recorder:
                                    f"of layers where {n} positions were expected (blocks freed before the read; "
                                    f"a pipeline stage of no attention layer?)")
             part["heads"] = json.dumps(self._heads({name: formats[name] for name in rows}))
-            path = os.path.join(self.record_dir, f"{item.key}.tp{self.tp_rank}-pp{self.pp_rank}.safetensors")
+            path = os.path.join(self.folder, f"{item.key}.tp{self.tp_rank}-pp{self.pp_rank}.safetensors")
             save_file({name: formats[name].to_bank(r).cpu().contiguous() for name, r in rows.items()},
                       path + ".part", metadata={"key": item.key, "positions": str(n), **part,
                                                 "value_dtypes": json.dumps(vdtypes), "layers": json.dumps(layers)})
             os.replace(path + ".part", path)
         logger.info("KVFillConnector: recorded %d prompts to %s (TP rank %d, PP rank %d)", len(meta.records),
-                    self.record_dir, self.tp_rank, self.pp_rank)
+                    self.folder, self.tp_rank, self.pp_rank)
+
+    def parts(self) -> list[tuple[str, int]]:
+        """(file name, bytes) of each part saved and not yet fetched."""
+        if not os.path.isdir(self.folder):
+            return []
+        return [(n, os.path.getsize(os.path.join(self.folder, n))) for n in sorted(os.listdir(self.folder))
+                if n.endswith(".safetensors")]
+
+    def read(self, name: str, offset: int, length: int) -> bytes:
+        if os.path.basename(name) != name or not name.endswith(".safetensors"):
+            raise ValueError(f"KVFillConnector: {name!r} is no part of this worker's")
+        with open(os.path.join(self.folder, name), "rb") as f:
+            f.seek(offset)
+            return f.read(length)
+
+    def drop(self) -> None:
+        """The parts and their folder gone (fetched, or the run ended)."""
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+# vLLM's collective_rpc runs these in every worker process (``worker``: vLLM's
+# worker object); the recorder calls them through ``LLM.collective_rpc``.
+def _this_recorder() -> Recorder | None:
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    worker = getattr(get_kv_transfer_group(), "worker", None) if has_kv_transfer_group() else None
+    return getattr(worker, "recorder", None)
+
+
+def rpc_list_parts(worker) -> tuple[str, list[tuple[str, int]]]:
+    """This worker's part id and parts (none where it records nothing)."""
+    rec = _this_recorder()
+    return (rec.part_id, rec.parts()) if rec is not None and rec.saves else ("", [])
+
+
+def rpc_read_part(worker, part_id: str, name: str, offset: int, length: int) -> bytes | None:
+    """``length`` bytes of a part from ``offset``, from the worker ``part_id`` names only."""
+    rec = _this_recorder()
+    return rec.read(name, offset, length) if rec is not None and rec.part_id == part_id else None
+
+
+def rpc_drop_parts(worker) -> None:
+    rec = _this_recorder()
+    if rec is not None:
+        rec.drop()
 
 
 def _pp_rank(par: "ParallelConfig") -> int:

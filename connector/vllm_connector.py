@@ -67,6 +67,11 @@ class KVFillConnector(KVConnectorBase_V1, SupportsHMA):
         assert self.worker is not None
         self.worker.register_kv_caches(kv_caches)
 
+    def shutdown(self):
+        """The worker's process ends: a recording worker's parts not fetched go."""
+        if self.worker is not None and self.worker.recorder is not None:
+            self.worker.recorder.drop()
+
     def get_handshake_metadata(self) -> KVFillBankHandshake | None:
         """Replay: the bank this worker loaded (node, ranks, path, identity)."""
         return self.worker.bank_handshake if self.worker is not None else None

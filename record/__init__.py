@@ -30,7 +30,9 @@ recorded in all x layers x row bytes of all the model's KV heads) and checked
 against ``--budget-gib``; the bank actually written is checked again.
 
 Under tensor and pipeline parallelism each worker saves its part (its KV
-heads, its stage's layers) and the parts are merged into one canonical bank
+heads, its stage's layers) on its own node, the recorder fetches the parts
+through vLLM's channel to its workers (``run.fetch_parts``: no filesystem
+shared by the nodes) and merges them into one canonical bank
 (``assemble.py``), the same as a TP 1 recording's: it replays at any TP, PP
 and DCP size, each rank loading only its part.  Decode context parallelism is
 not recorded under: record at the same TP size with DCP 1.
@@ -123,6 +125,9 @@ def record(
     with stop_signals(), _work_dir(out) as work:
         engine = _run_vllm(model, unique, work, dtype, kv_cache_dtype, block_size, run_max_len,
                            llm_kwargs or {}, tokenizer or model)
+        fetched = engine.pop("fetched_bytes", None)
+        if fetched is not None:
+            log(f"fetched {int(fetched) / 2**20:.1f} MiB of the workers' parts through vLLM")
         meta = {
             "model": model,
             "kv_cache_dtype": kv_cache_dtype,

@@ -107,9 +107,7 @@ def assemble(work: str, unique: list, meta: dict, out: str) -> Bank:
         if any(p.files != len(parts) for p in parts):
             raise RuntimeError(f"a prompt of {len(t)} tokens has {len(parts)} rows files "
                                f"({[os.path.basename(p) for p in paths]}); its workers expected "
-                               f"{parts[0].files}: a worker's rows are missing (workers on another node write "
-                               f"into the work folder on their own disk: record across nodes with --out's folder "
-                               f"on a filesystem every node shares)")
+                               f"{parts[0].files}: a worker's rows are missing")
         by_layer: dict[str, list] = {}
         for p in parts:
             info.update(p.layers)

@@ -222,6 +222,35 @@ def llm_engine(**kwargs):
             shutdown(llm)
 
 
+CHUNK_BYTES = 32 << 20  # the most of a part one RPC message carries
+
+
+def fetch_parts(llm, work: str) -> int:
+    """Every worker's parts into ``work`` through vLLM's own channel to its
+    workers (``collective_rpc``: every executor backend, any number of
+    nodes), in chunks of at most ``CHUNK_BYTES``; then the workers drop
+    theirs.  Returns the bytes fetched."""
+    from kvfill.connector.recorder import rpc_drop_parts, rpc_list_parts, rpc_read_part
+
+    total = 0
+    for part_id, files in llm.collective_rpc(rpc_list_parts):
+        for name, size in files:
+            dst = os.path.join(work, os.path.basename(name))
+            with open(dst + ".part", "wb") as f:
+                for offset in range(0, size, CHUNK_BYTES):
+                    want = min(CHUNK_BYTES, size - offset)
+                    got = [c for c in llm.collective_rpc(rpc_read_part, args=(part_id, name, offset, want))
+                           if c is not None]
+                    if len(got) != 1 or len(got[0]) != want:
+                        raise RuntimeError(f"part {name} of worker {part_id}: {want} bytes at {offset} arrived as "
+                                           f"{[len(c) for c in got]} (the worker's file changed or went)")
+                    f.write(got[0])
+            os.replace(dst + ".part", dst)
+            total += size
+    llm.collective_rpc(rpc_drop_parts)
+    return total
+
+
 def run_vllm(model, token_ids, record_dir, dtype, kv_cache_dtype, block_size, max_model_len, llm_kwargs,
              tokenizer=None) -> dict[str, str]:
     """Real prefill of every prompt (its recorded tokens, one output token)
@@ -249,6 +278,7 @@ def run_vllm(model, token_ids, record_dir, dtype, kv_cache_dtype, block_size, ma
     try:
         with llm_engine(**kw) as llm:
             llm.generate([TokensPrompt(prompt_token_ids=t) for t in token_ids], params, use_tqdm=False)
+            fetched = fetch_parts(llm, record_dir)
             config = llm.llm_engine.vllm_config
     except (KeyboardInterrupt, SystemExit, RecordError):
         raise
@@ -256,4 +286,5 @@ def run_vllm(model, token_ids, record_dir, dtype, kv_cache_dtype, block_size, ma
         raise RecordError(vllm_failed(exc, kw, token_ids)) from exc
     return {"block_size": str(config.cache_config.block_size),
             "max_model_len": str(config.model_config.max_model_len),
-            "vllm_version": getattr(vllm, "__version__", "unknown")}
+            "vllm_version": getattr(vllm, "__version__", "unknown"),
+            "fetched_bytes": str(fetched)}

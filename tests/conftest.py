@@ -78,14 +78,14 @@ def _vllm_files() -> set[str]:
 
     tmp = tempfile.gettempdir()
     return {*glob.glob(os.path.join(tmp, "vllm_dist_*")), *glob.glob("/dev/shm/vllm_dist_*"),
-            *glob.glob(os.path.join(tmp, "kvfill-record-*"))}
+            *glob.glob(os.path.join(tmp, "kvfill-record-*")), *glob.glob(os.path.join(tmp, "kvfill-parts-*"))}
 
 
 @pytest.fixture
 def leaves_nothing(tmp_path):
     """For tests that run the recorder or vLLM's workers: afterwards no
     ``kvfill-record-*`` folder (under the test's tmp_path or the temp
-    folder), no ``vllm_dist_*`` file that appeared during the test (temp
+    folder), no worker's ``kvfill-parts-*`` folder, no ``vllm_dist_*`` file that appeared during the test (temp
     folder, /dev/shm) and no process the test started is left."""
     import psutil
 

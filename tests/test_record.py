@@ -221,24 +221,24 @@ def test_the_recorder_keeps_each_prompt_whole_with_a_max_model_len_above_its_bat
 
 
 def test_a_worker_never_makes_the_record_folder_again_once_it_is_gone(tmp_path, caplog):
-    """The recorder removes its work folder when it stops (a signal); a worker
-    still finishing a step logs that the rows are not saved and leaves no
-    folder behind it (made once, at start)."""
-    import shutil
+    """A worker's parts folder (its own, on its own node) goes when its parts
+    were fetched or the run stopped; a worker still finishing a step logs
+    that the rows are not saved and leaves no folder behind it (made once, at
+    start)."""
     from types import SimpleNamespace
 
     from kvfill.connector.options import FillOptions
     from kvfill.connector.worker import KVFillWorker
 
-    folder = tmp_path / "r"
     cfg, kvc = _worker_config(tmp_path)
-    recorder = KVFillWorker(cfg, kvc, FillOptions.from_extra_config({"record_dir": str(folder)}), dcp_rank=0,
-                            tp_rank=0).recorder
-    assert folder.is_dir()  # made at start
-    shutil.rmtree(folder)
+    recorder = KVFillWorker(cfg, kvc, FillOptions.from_extra_config({"record_dir": str(tmp_path / "r")}),
+                            dcp_rank=0, tp_rank=0).recorder
+    folder = recorder.folder
+    assert os.path.isdir(folder) and not (tmp_path / "r").exists()  # its own, at start; the recorder's untouched
+    recorder.drop()
     meta = SimpleNamespace(records=[SimpleNamespace(positions=4, selection=None, key="k")])
     recorder.save(engine=None, planner=None, meta=meta)  # nothing read: the folder check comes first
-    assert not folder.exists()
+    assert not os.path.exists(folder) and recorder.parts() == []
     assert "is gone (the recorder stopped); 1 prompts not saved" in caplog.text
 
 
