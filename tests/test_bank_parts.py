@@ -808,3 +808,56 @@ def test_a_prompt_recorded_in_another_dtype_than_an_earlier_one_is_refused(tmp_p
     with pytest.raises(RuntimeError, match=r"layer 'model\.layers\.0\.self_attn\.attn' arrived as torch\.float32 with "
                                            r"kv \[8, 8, 4\], an earlier prompt's as torch\.bfloat16"):
         assemble(str(tmp_path), ASM_TOKENS, {}, "out")
+
+
+@pytest.mark.needs_vllm
+def test_parts_fetched_through_vllm_from_each_workers_own_disk_assemble_the_shared_folders_bank(tmp_path,
+                                                                                                 monkeypatch):
+    """Two workers of a TP 2 recording, each with its parts on its own disk
+    (standing in for two nodes): fetched through collective_rpc in chunks
+    smaller than a part, the bank is byte for byte the one assembled from a
+    folder both shared, and each worker's folder is gone afterwards."""
+    from types import SimpleNamespace
+
+    from kvfill.connector import recorder as worker_side
+    from kvfill.connector.options import FillOptions
+    from kvfill.record import run
+    from kvfill.record.assemble import assemble
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    write_rows_files(shared, asm_bank(), 2, 1)
+    par = SimpleNamespace(decode_context_parallel_size=1, tensor_parallel_size=2, pipeline_parallel_size=1)
+    cfg = SimpleNamespace(parallel_config=par, model_config=SimpleNamespace(use_mla=False,
+                                                                            get_total_num_kv_heads=lambda: 8))
+    opts = FillOptions.from_extra_config({"record_dir": str(tmp_path / "work")})
+    workers = [worker_side.Recorder(opts, cfg, tp_rank=r, pp_rank=0) for r in range(2)]
+    for w in workers:  # each worker's own files, on its own disk
+        for f in shared.glob(f"*.tp{w.tp_rank}-pp0.safetensors"):
+            with open(os.path.join(w.folder, f.name), "wb") as out:
+                out.write(f.read_bytes())
+    assert workers[0].folder != workers[1].folder and all(len(w.parts()) == len(ASM_TOKENS) for w in workers)
+
+    class Engine:  # vLLM's collective_rpc: the callable runs in every worker
+        calls = 0
+
+        def collective_rpc(self, fn, args=()):
+            out = []
+            for w in workers:
+                monkeypatch.setattr(worker_side, "_this_recorder", lambda w=w: w)
+                out.append(fn(None, *args))
+            Engine.calls += 1
+            return out
+
+    monkeypatch.setattr(run, "CHUNK_BYTES", 1000)
+    work = tmp_path / "work"
+    work.mkdir()
+    fetched = run.fetch_parts(Engine(), str(work))
+    assert fetched == sum(f.stat().st_size for f in shared.iterdir())
+    assert Engine.calls > len(ASM_TOKENS) * 2 + 2  # chunked: several reads per part
+    for f in shared.iterdir():
+        assert (work / f.name).read_bytes() == f.read_bytes(), f.name
+    assert not any(os.path.exists(w.folder) for w in workers)
+    got, want = assemble(str(work), ASM_TOKENS, {}, "out"), assemble(str(shared), ASM_TOKENS, {}, "out")
+    assert set(got.layers) == set(want.layers)
+    assert all(torch.equal(got.layers[n].view(torch.int16), want.layers[n].view(torch.int16)) for n in got.layers)
