@@ -57,7 +57,7 @@ def worker_where(vllm_config: "VllmConfig") -> str:
 
 def current_pp_rank(vllm_config: "VllmConfig") -> int:
     """This process's pipeline parallel rank (0 without PP)."""
-    if vllm_config.parallel_config.pipeline_parallel_size <= 1:
+    if getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) <= 1:
         return 0
     from vllm.distributed.parallel_state import get_pp_group
 
