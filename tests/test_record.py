@@ -177,6 +177,7 @@ def test_recording_under_decode_context_parallelism_is_refused_with_the_way_out(
         cfg, kvc = _worker_config(tmp_path / str(len(parallel)), **parallel)
         recorder = KVFillWorker(cfg, kvc, record, dcp_rank=0, tp_rank=1, pp_rank=1).recorder
         assert recorder.tp_rank == 1 and recorder.pp_rank == 1 and recorder.saves
+        recorder.drop()  # its parts folder, as its connector's shutdown does
 
 
 def test_replay_gives_unrecorded_group_kinds_zeros_or_the_synthetic_fill(tmp_path):
