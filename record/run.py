@@ -19,12 +19,14 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import glob
 import os
 import shutil
 import signal
 import tempfile
 import threading
+import weakref
 from types import SimpleNamespace
 
 from .inputs import RecordError
@@ -197,6 +199,23 @@ def remove_vllm_tempdir(folder: str, idents=()) -> None:
     shutil.rmtree(folder, ignore_errors=True)
 
 
+def _executors() -> list:
+    from vllm.v1.executor.abstract import Executor
+
+    return [o for o in gc.get_objects() if isinstance(o, Executor)]
+
+
+def _stop_executors_since(before) -> None:
+    """A start that failed after vLLM's workers came up (a refusal in the
+    engine core's init, e.g. the bank check) leaves its executor alive until
+    this process exits (its finalizer holds it): stop the executors made
+    since ``before`` (a WeakSet) now, so their workers go with the failure."""
+    for executor in _executors():
+        if executor not in before:
+            with contextlib.suppress(Exception):
+                executor.shutdown()
+
+
 def shutdown(llm) -> None:
     """Stop vLLM's engine as its entry points do: the engine core's
     shutdown stops the executor, which reaps its workers (killing those that
@@ -213,8 +232,13 @@ def llm_engine(**kwargs):
     starts, it cleans up.  The recorder and the bench scripts run engines so."""
     from vllm import LLM
 
+    before = weakref.WeakSet(_executors())
     with _private_tempdir() as seen:
-        llm = LLM(**kwargs)
+        try:
+            llm = LLM(**kwargs)
+        except BaseException:
+            _stop_executors_since(before)
+            raise
         try:
             seen()  # the rendezvous file exists while the workers run
             yield llm

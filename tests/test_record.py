@@ -264,3 +264,41 @@ def test_an_engine_config_vllm_refuses_is_one_line_before_any_worker_starts(tmp_
     assert line.startswith("kvfill-record: error: vLLM refuses this engine configuration: ") and "(3)" in line, err
     assert line.endswith("(engine flags given: --tensor-parallel-size)"), line
     assert os.listdir(out) == []
+
+
+def test_a_tp_2_engine_whose_workers_hold_another_save_than_its_scheduler_does_not_start(tmp_path, monkeypatch):
+    """Two nodes' copies that differ: vLLM CPU at TP 2, its engine core (and
+    scheduler) in this process reading the head node's copy, its two worker
+    processes another save of the same rows.  vLLM's handshake brings each
+    worker's bank to the scheduler at start, and the engine stops there,
+    naming both ranks, the paths and both identities."""
+    from kvfill.bench.models import HEAD_DIM, KV_HEADS, MODEL_LAYERS, make_model
+    from kvfill.connector.options import FillOptions
+    from kvfill.kernels import Bank, BankIndex
+    from kvfill.record.run import llm_engine
+
+    model = make_model(os.path.join(ROOT, "out", "tiny-llama"))
+    kv = (KV_HEADS, HEAD_DIM, HEAD_DIM)
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(MODEL_LAYERS)]
+    workers_bank, scheduler_bank = tmp_path / "node1.safetensors", tmp_path / "head.safetensors"
+    for path in (workers_bank, scheduler_bank):  # two saves of the same rows: two identities
+        Bank({n: torch.zeros(40, 2 * KV_HEADS * HEAD_DIM, device="cpu") for n in names}, sequence_lengths=[40],
+             kv={n: kv for n in names}).save(path)
+    real = FillOptions.from_extra_config.__func__
+    # Only this process's connectors (the scheduler's) read the head node's copy; the workers are spawned.
+    monkeypatch.setattr(FillOptions, "from_extra_config", classmethod(
+        lambda cls, extra: real(cls, {**extra, "bank": str(scheduler_bank)} if extra.get("bank") else extra)))
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    with pytest.raises(ValueError) as err:
+        with llm_engine(model=model, dtype="float32", tensor_parallel_size=2, max_model_len=128, enforce_eager=True,
+                        skip_tokenizer_init=True, disable_log_stats=True,
+                        kv_transfer_config={"kv_connector": "KVFillConnector", "kv_role": "kv_both",
+                                            "kv_connector_extra_config": {"bank": str(workers_bank)}}):
+            pytest.fail("the engine started")
+    text = str(err.value)  # the workers are gone with the failed start (record.run.llm_engine)
+    ours, theirs = BankIndex.read(scheduler_bank).identity, BankIndex.read(workers_bank).identity
+    assert f"the scheduler indexed the bank {str(scheduler_bank)!r}, identity {ours}" in text, text
+    for rank in (0, 1):
+        assert f"TP rank {rank}, PP rank 0 loaded {str(workers_bank)!r}, identity {theirs}" in text, text
