@@ -282,14 +282,17 @@ def main(argv=None):
     log(f"correctness: {len(rows)} layout x dtype x mode cases, {failures} with mismatched bytes")
     errors = [f"{r['layout']} {r['dtype']} {r['mode']}: {r['error']}" for r in rows if r["error"]]
 
+    def attempt(name, fn, *args, **kwargs):  # isolated(), its error listed for the summary
+        got, error = isolated(name, log, fn, *args, **kwargs)
+        if error:
+            errors.append(f"{name}: {error}")
+        return got, error
+
     def failed_checks(name, check):  # a check that raised failed
         if not budget.spend(name):
             return None
-        failed, error = isolated(name, log, check, device, log)
-        if error:
-            errors.append(f"{name}: {error}")
-            return [f"raised {error}"]
-        return failed
+        failed, error = attempt(name, check, device, log)
+        return [f"raised {error}"] if error else failed
 
     graph_failed = failed_checks("CUDA graph capture of fill_blocks", check_graph_capture)
     graph_ok = None if graph_failed is None else not graph_failed
@@ -299,10 +302,8 @@ def main(argv=None):
     log(f"CUDA graph capture of a replay fill: {'n/a' if replay_graph_ok is None else replay_graph_ok}")
     guard_ok = None
     if budget.spend("device guard"):
-        guard_ok, error = isolated("device guard", log, check_device_guard, device, log)
-        if error:
-            guard_ok = False
-            errors.append(f"device guard: {error}")
+        guard_ok, error = attempt("device guard", check_device_guard, device, log)
+        guard_ok = False if error else guard_ok
     log(f"device guard (fill with another GPU current): {'n/a (one GPU)' if guard_ok is None else guard_ok}")
 
     sizes = [1] if a.smoke else a.sizes
@@ -313,25 +314,21 @@ def main(argv=None):
         for mode in ("constant", "normal", "replay"):
             if not budget.spend(f"perf {mib} MiB {mode}"):
                 continue
-            got, error = isolated(f"perf {mib} MiB {mode}", log, fill_bench.run_case, device, fill_bytes=mib * MiB,
-                                  num_layers=layers, num_requests=16, mode=mode, repeat=repeat)
+            got, error = attempt(f"perf {mib} MiB {mode}", fill_bench.run_case, device, fill_bytes=mib * MiB,
+                                 num_layers=layers, num_requests=16, mode=mode, repeat=repeat)
             perf += got or []
-            if error:
-                errors.append(f"perf {mib} MiB {mode}: {error}")
-            else:
+            if not error:
                 log(f"timed {mib} MiB {mode}")
     # Launch-bound step: 256 requests x 80 layers, one small block each.
     n_req, n_layers = (4, 3) if a.smoke else (256, 80)
     for mode in ("constant", "normal"):
         if not budget.spend(f"perf launch-bound {mode}"):
             continue
-        got, error = isolated(f"perf launch-bound {mode}", log, fill_bench.run_case,
-                              device, fill_bytes=0, num_layers=n_layers, num_requests=n_req, mode=mode, repeat=repeat,
-                              heads=1, content=128, label=f"launch-bound R{n_req} L{n_layers}")
+        got, error = attempt(f"perf launch-bound {mode}", fill_bench.run_case,
+                             device, fill_bytes=0, num_layers=n_layers, num_requests=n_req, mode=mode, repeat=repeat,
+                             heads=1, content=128, label=f"launch-bound R{n_req} L{n_layers}")
         perf += got or []
-        if error:
-            errors.append(f"perf launch-bound {mode}: {error}")
-        else:
+        if not error:
             log(f"timed launch-bound step {mode}")
     # Replay's goal: >= 90% of the synthetic (normal) fill's bandwidth, size by size.
     kv = {(r["case"], r["mode"]): r for r in perf if r["impl"] == "kvfill"}

@@ -22,6 +22,11 @@ class RecordItem:
     positions: int
 
 
+def rank_where(node: str, tp_rank: int, pp_rank: int) -> str:
+    """How errors name a worker: ``node HOST, TP rank r, PP rank p``."""
+    return f"node {node}, TP rank {tp_rank}, PP rank {pp_rank}"
+
+
 @dataclass(frozen=True)
 class KVFillBankHandshake(KVConnectorHandshakeMetadata):
     """What a replaying worker loaded, sent to the scheduler at start through
@@ -35,7 +40,7 @@ class KVFillBankHandshake(KVConnectorHandshakeMetadata):
     identity: str
 
     def where(self) -> str:
-        return f"node {self.node}, TP rank {self.tp_rank}, PP rank {self.pp_rank}"
+        return rank_where(self.node, self.tp_rank, self.pp_rank)
 
 
 def check_bank_handshakes(path: str, identity: str | None, handshakes) -> None:

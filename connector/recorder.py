@@ -34,7 +34,7 @@ from .options import FillOptions
 from .planner import Planner
 
 if TYPE_CHECKING:
-    from vllm.config import ParallelConfig, VllmConfig
+    from vllm.config import VllmConfig
 
 logger = init_logger("vllm.kvfill.connector")
 
@@ -49,8 +49,8 @@ class Recorder:
     them into one canonical bank, checking every layer and head arrived once.
     """
 
-    def __init__(self, options: FillOptions, vllm_config: "VllmConfig", tp_rank: int = 0,
-                 pp_rank: int | None = None):
+    def __init__(self, options: FillOptions, vllm_config: "VllmConfig", tp_rank: int, pp_rank: int):
+        """``tp_rank``, ``pp_rank``: this worker's (``worker.current_*_rank``)."""
         par = vllm_config.parallel_config
         if par.decode_context_parallel_size > 1:
             raise ValueError(f"KVFillConnector: recording needs decode context parallel size 1, got "
@@ -58,7 +58,7 @@ class Recorder:
                              f"1 (DCP splits positions, not heads; the bank replays under any DCP size)")
         self.record_dir = options.record_dir  # the recorder's work folder: names the run; never written here
         self.tp_rank, self.tp_size = tp_rank, par.tensor_parallel_size
-        self.pp_rank, self.pp_size = _pp_rank(par) if pp_rank is None else pp_rank, par.pipeline_parallel_size
+        self.pp_rank, self.pp_size = pp_rank, par.pipeline_parallel_size
         # This worker's parts, on its own node, until the recorder fetches them. Made once, at start; never
         # again while saving: a folder gone mid-run was dropped, and a worker that re-made it would leave
         # parts behind it.
@@ -172,11 +172,3 @@ def rpc_drop_parts(worker) -> None:
     rec = _this_recorder()
     if rec is not None:
         rec.drop()
-
-
-def _pp_rank(par: "ParallelConfig") -> int:
-    if par.pipeline_parallel_size <= 1:
-        return 0
-    from vllm.distributed.parallel_state import get_pp_group
-
-    return get_pp_group().rank_in_group

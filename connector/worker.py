@@ -24,7 +24,7 @@ from kvfill.kernels import BankError, CacheGroup, FillEngine, FillPlan
 
 from .bank_checks import load_bank, rank_part
 from .cpu_layout import cpu_attention_parts
-from .metadata import KVFillBankHandshake, KVFillConnectorMetadata, KVFillStats
+from .metadata import KVFillBankHandshake, KVFillConnectorMetadata, KVFillStats, rank_where
 from .options import FillOptions
 from .planner import RECORDED_KINDS, GroupKind, Planner
 from .recorder import Recorder
@@ -51,8 +51,7 @@ def current_tp_rank(vllm_config: "VllmConfig") -> int:
 
 def worker_where(vllm_config: "VllmConfig") -> str:
     """``node HOST, TP rank r, PP rank p`` of this worker process."""
-    return (f"node {socket.gethostname()}, TP rank {current_tp_rank(vllm_config)}, "
-            f"PP rank {current_pp_rank(vllm_config)}")
+    return rank_where(socket.gethostname(), current_tp_rank(vllm_config), current_pp_rank(vllm_config))
 
 
 def current_pp_rank(vllm_config: "VllmConfig") -> int:
@@ -119,13 +118,13 @@ class KVFillWorker:
         if self.options.replay and not self.options.recording:
             # This rank's part only: its KV heads, its stage's layers, its DCP positions below max_model_len.
             part = rank_part(groups, self.tp_rank, self.tp_size, self.max_model_len or None)
-            where = f"node {socket.gethostname()}, TP rank {self.tp_rank}, PP rank {self.pp_rank}"
+            node = socket.gethostname()
             try:
                 bank = load_bank(self.options.bank, part, self.vllm_config, device=_cache_device(groups))
             except BankError as exc:  # missing, another version, lying: say which worker of which node
-                raise BankError(f"{where}: {exc}") from None
+                raise BankError(f"{rank_where(node, self.tp_rank, self.pp_rank)}: {exc}") from None
             # what this worker loaded, checked by the scheduler at start (vLLM's handshake)
-            self.bank_handshake = KVFillBankHandshake(socket.gethostname(), self.tp_rank, self.pp_rank,
+            self.bank_handshake = KVFillBankHandshake(node, self.tp_rank, self.pp_rank,
                                                       os.path.abspath(self.options.bank), bank.identity or "")
         self.engine = FillEngine(groups, values=self.options.values, backend=self.options.backend,
                                  layer_ids=_layer_ids(kv_caches), bank=bank,

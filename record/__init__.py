@@ -52,7 +52,7 @@ from kvfill.kernels.bank import sequence_key
 from .assemble import assemble, rows_path  # noqa: F401  (rows_path: where a worker saves)
 from .inputs import (  # noqa: F401  (public here: kvfill.record.RecordError, estimate, ...)
     Estimate, RecordError, check_budget, check_max_model_len, check_out, check_prompt_lengths, choose_positions,
-    default_max_model_len, estimate, read_prompt_lines, read_prompts,
+    default_max_model_len, estimate, read_prompt_lines, read_prompts, unresolved,
 )
 from .run import run_vllm as _run_vllm, stop_signals  # noqa: F401  (_run_vllm: tests stand in for it)
 
@@ -90,8 +90,6 @@ def record(
     try:
         tok = AutoTokenizer.from_pretrained(tokenizer or model, trust_remote_code=trust)
     except Exception as exc:  # OSError, the hub's errors, a config transformers cannot read
-        from .cli import unresolved
-
         raise RecordError(unresolved(exc, model=model, tokenizer=tokenizer)) from None
     ids = [list(tok(p).input_ids) for _, p in lines]
     lengths = choose_positions(ids, positions)
@@ -111,8 +109,6 @@ def record(
         est = estimate(model, len(unique), sum(len(t) for t in unique), dtype, kv_cache_dtype,
                        trust_remote_code=trust)
     except Exception as exc:  # no config.json, or a config transformers cannot read
-        from .cli import unresolved
-
         raise RecordError(unresolved(exc, model=model, tokenizer=None)) from None
     log(f"bank estimate: {est}")
     budget = None if budget_gib is None else int(budget_gib * 2**30)

@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import sys
 from typing import Any, Callable, NamedTuple, Sequence
 
 from vllm.engine.arg_utils import EngineArgs
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-from .inputs import RecordError
+from .inputs import RecordError, unresolved
 
 USAGE = "kvfill-record --model MODEL --prompts FILE --out BANK [kvfill options] [vLLM engine options]"
 
@@ -257,14 +256,3 @@ def _check_engine_args(args: argparse.Namespace) -> None:
     except Exception as exc:  # the hub's errors: with HF_HUB_OFFLINE=1 vLLM resolves names in its cache here
         raise RecordError(unresolved(exc, model=args.model, tokenizer=getattr(args, "tokenizer", None))) from None
 
-
-def unresolved(exc: Exception, *, model: str, tokenizer: str | None) -> str:
-    """One line for a model or tokenizer name that cannot be loaded: neither a
-    folder here nor a name the hub (or, offline, its cache) has."""
-    offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
-    names = [f"--{flag} {name!r}" for flag, name in (("model", model), ("tokenizer", tokenizer))
-             if name and not os.path.exists(name)]
-    where = "in the hub's local cache (HF_HUB_OFFLINE is set)" if offline else "on the hub"
-    detail = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
-    return (f"{' and '.join(names) or f'--model {model!r}'} cannot be loaded: not a folder here and not found "
-            f"{where} ({type(exc).__name__}: {detail}); expected a model folder or a name the hub has")

@@ -211,3 +211,15 @@ def default_max_model_len(token_ids: Sequence[Sequence[int]], line_numbers: Sequ
                           f"--max-num-batched-tokens >= {longest + 1}, or --positions "
                           f"{max_num_batched_tokens - 1} or less")
     return min(longest + 16, max_num_batched_tokens)
+
+
+def unresolved(exc: Exception, *, model: str, tokenizer: str | None) -> str:
+    """One line for a model or tokenizer name that cannot be loaded: neither a
+    folder here nor a name the hub (or, offline, its cache) has."""
+    offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+    names = [f"--{flag} {name!r}" for flag, name in (("model", model), ("tokenizer", tokenizer))
+             if name and not os.path.exists(name)]
+    where = "in the hub's local cache (HF_HUB_OFFLINE is set)" if offline else "on the hub"
+    detail = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+    return (f"{' and '.join(names) or f'--model {model!r}'} cannot be loaded: not a folder here and not found "
+            f"{where} ({type(exc).__name__}: {detail}); expected a model folder or a name the hub has")
