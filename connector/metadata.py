@@ -43,6 +43,34 @@ class KVFillBankHandshake(KVConnectorHandshakeMetadata):
         return rank_where(self.node, self.tp_rank, self.pp_rank)
 
 
+@dataclass(frozen=True)
+class KVFillRecordHandshake(KVConnectorHandshakeMetadata):
+    """What a recording worker runs with, sent to the scheduler at start:
+    ``engine``, the digest of the recording's engine flags its node's
+    kvfill-record computed (``record.run.engine_digest``).  Several nodes
+    each run kvfill-record (node 0 records, the others only host workers);
+    their flags must agree."""
+
+    node: str
+    tp_rank: int
+    pp_rank: int
+    engine: str
+
+    def where(self) -> str:
+        return rank_where(self.node, self.tp_rank, self.pp_rank)
+
+
+def check_record_handshakes(engine: str, handshakes) -> None:
+    """Every recording worker's node ran kvfill-record with the flags the
+    scheduler's node did; else a ValueError naming each worker that did not."""
+    wrong = [h for h in handshakes if isinstance(h, KVFillRecordHandshake) and h.engine != engine]
+    if wrong:
+        lines = [f"{h.where()} runs engine flags {h.engine}" for h in wrong]
+        raise ValueError(f"KVFillConnector: the recording's first node runs engine flags {engine}, but\n  "
+                         + "\n  ".join(lines) + "\nRun the same kvfill-record command on every node, only "
+                         "--node-rank differing (the model's path may differ per node)")
+
+
 def check_bank_handshakes(path: str, identity: str | None, handshakes) -> None:
     """Every replaying worker loaded the bank the scheduler indexed
     (``identity``: ``bank_file.identity_of``); else a ValueError naming each

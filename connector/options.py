@@ -46,6 +46,7 @@ class FillOptions:
     verify: str | None = None          # None / "log" / "raise": re-check every fill (debug aid; syncs)
     record_dir: str | None = None      # record role (kvfill.record): save prompt KV rows here, fill nothing
     record_positions: int = 0          # record role: cap on the positions [0, N) saved per prompt (0: whole)
+    record_engine: str | None = None   # record role: digest of the recording's engine flags, equal on every node
     values: ValueSpec = field(init=False, repr=False, compare=False)
     bank_index: BankIndex | None = field(init=False, repr=False, compare=False)
 
@@ -75,6 +76,8 @@ class FillOptions:
         self._check_mode()
         if self.record_dir is None and self.record_positions:
             raise OptionError("record_positions", self.record_positions, "0 (unset) without record_dir")
+        if self.record_engine is not None and (self.record_dir is None or not isinstance(self.record_engine, str)):
+            raise OptionError("record_engine", self.record_engine, "a digest string, with record_dir")
         if self.record_dir is not None:
             if not isinstance(self.record_dir, str) or not self.record_dir:
                 raise OptionError("record_dir", self.record_dir, "a directory path")

@@ -19,6 +19,7 @@ import atexit
 import json
 import os
 import shutil
+import signal
 import socket
 import tempfile
 from typing import TYPE_CHECKING
@@ -172,3 +173,23 @@ def rpc_drop_parts(worker) -> None:
     rec = _this_recorder()
     if rec is not None:
         rec.drop()
+
+
+def rpc_end_node(worker, reply: bool) -> bool:
+    """The recording is over: a worker on a node other than the first drops
+    its parts and tells its node's kvfill-record (its parent process,
+    ``record.run.host_workers``) with SIGUSR1; vLLM's own headless nodes run
+    until stopped.  Without ``reply`` (only the first rank replies) it then
+    exits at once: blocked on the first node's queue, it would otherwise
+    outlast its executor's grace period and be killed.  Returns whether this
+    worker's node was told."""
+    rec = _this_recorder()
+    if rec is not None:
+        rec.drop()
+    par = worker.vllm_config.parallel_config
+    if getattr(par, "nnodes", 1) <= 1 or par.node_rank_within_dp == 0:
+        return False
+    os.kill(os.getppid(), signal.SIGUSR1)
+    if not reply:
+        os._exit(0)
+    return True

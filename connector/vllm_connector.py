@@ -22,7 +22,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from .metadata import (
-    KVFillBankHandshake, KVFillConnectorMetadata, KVFillPromMetrics, KVFillStats, check_bank_handshakes,
+    KVFillBankHandshake, KVFillConnectorMetadata, KVFillPromMetrics, KVFillRecordHandshake, KVFillStats,
+    check_bank_handshakes, check_record_handshakes,
 )
 from .options import FillOptions
 from .scheduler import KVFillScheduler
@@ -72,16 +73,21 @@ class KVFillConnector(KVConnectorBase_V1, SupportsHMA):
         if self.worker is not None and self.worker.recorder is not None:
             self.worker.recorder.drop()
 
-    def get_handshake_metadata(self) -> KVFillBankHandshake | None:
-        """Replay: the bank this worker loaded (node, ranks, path, identity)."""
-        return self.worker.bank_handshake if self.worker is not None else None
+    def get_handshake_metadata(self) -> KVFillBankHandshake | KVFillRecordHandshake | None:
+        """Replay: the bank this worker loaded (node, ranks, path, identity);
+        recording: the digest of its node's engine flags."""
+        return self.worker.handshake if self.worker is not None else None
 
     # ---------------------------------------------------------------- scheduler
     def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], Any]) -> None:
         """Every worker's handshake, at start: each replaying worker must have
-        loaded the bank this scheduler indexed (``check_bank_handshakes``)."""
+        loaded the bank this scheduler indexed (``check_bank_handshakes``),
+        each recording worker's node run the same engine flags
+        (``check_record_handshakes``)."""
         if self.scheduler is not None and self.options.bank_index is not None:
             check_bank_handshakes(self.options.bank, self.options.bank_index.identity, metadata.values())
+        if self.scheduler is not None and self.options.record_engine is not None:
+            check_record_handshakes(self.options.record_engine, metadata.values())
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         assert self.worker is not None

@@ -24,7 +24,7 @@ from kvfill.kernels import BankError, CacheGroup, FillEngine, FillPlan
 
 from .bank_checks import load_bank, rank_part
 from .cpu_layout import cpu_attention_parts
-from .metadata import KVFillBankHandshake, KVFillConnectorMetadata, KVFillStats, rank_where
+from .metadata import KVFillBankHandshake, KVFillConnectorMetadata, KVFillRecordHandshake, KVFillStats, rank_where
 from .options import FillOptions
 from .planner import RECORDED_KINDS, GroupKind, Planner
 from .recorder import Recorder
@@ -103,7 +103,8 @@ class KVFillWorker:
         self.tp_rank = current_tp_rank(vllm_config) if tp_rank is None else tp_rank
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         self.pp_rank = current_pp_rank(vllm_config) if pp_rank is None else pp_rank
-        self.bank_handshake: KVFillBankHandshake | None = None
+        # sent to the scheduler at start: the bank this worker loaded, or the recording's engine flags
+        self.handshake: KVFillBankHandshake | KVFillRecordHandshake | None = None
         self.recorder = Recorder(options, vllm_config, self.tp_rank, self.pp_rank) if options.recording else None
 
     # ------------------------------------------------------------ registration
@@ -124,8 +125,11 @@ class KVFillWorker:
             except BankError as exc:  # missing, another version, lying: say which worker of which node
                 raise BankError(f"{rank_where(node, self.tp_rank, self.pp_rank)}: {exc}") from None
             # what this worker loaded, checked by the scheduler at start (vLLM's handshake)
-            self.bank_handshake = KVFillBankHandshake(node, self.tp_rank, self.pp_rank,
+            self.handshake = KVFillBankHandshake(node, self.tp_rank, self.pp_rank,
                                                       os.path.abspath(self.options.bank), bank.identity or "")
+        if self.options.recording and self.options.record_engine is not None:
+            self.handshake = KVFillRecordHandshake(socket.gethostname(), self.tp_rank, self.pp_rank,
+                                                   self.options.record_engine)
         self.engine = FillEngine(groups, values=self.options.values, backend=self.options.backend,
                                  layer_ids=_layer_ids(kv_caches), bank=bank,
                                  page_image_bytes=0 if self.options.recording else self.options.page_image_mib << 20)

@@ -36,6 +36,13 @@ shared by the nodes) and merges them into one canonical bank
 (``assemble.py``), the same as a TP 1 recording's: it replays at any TP, PP
 and DCP size, each rank loading only its part.  Decode context parallelism is
 not recorded under: record at the same TP size with DCP 1.
+
+On several nodes with vLLM's multiprocessing executor, every node runs the
+same command with vLLM's ``--nnodes N --master-addr A --master-port P`` and
+its own ``--node-rank``: node 0 records and writes the bank, each other node
+only hosts its workers (``run.host_workers``) until node 0 ends the
+recording; node 0 refuses at start a node whose engine flags differ
+(``run.engine_digest``, checked through the connector's handshake).
 """
 from __future__ import annotations
 
@@ -54,7 +61,7 @@ from .inputs import (  # noqa: F401  (public here: kvfill.record.RecordError, es
     Estimate, RecordError, check_budget, check_max_model_len, check_out, check_prompt_lengths, choose_positions,
     default_max_model_len, estimate, read_prompt_lines, read_prompts, unresolved,
 )
-from .run import run_vllm as _run_vllm, stop_signals  # noqa: F401  (_run_vllm: tests stand in for it)
+from .run import host_workers, run_vllm as _run_vllm, stop_signals  # noqa: F401  (_run_vllm: tests stand in for it)
 
 
 class _WriteFailed(RecordError):
@@ -76,8 +83,9 @@ def record(
     max_model_len: int | None = None,
     llm_kwargs: dict | None = None,
     log=print,
-) -> Bank:
-    """Record the bank (module docstring); returns it after writing ``out``."""
+) -> Bank | None:
+    """Record the bank (module docstring); returns it after writing ``out``
+    (None on a node other than the first, which writes nothing)."""
     from transformers import AutoTokenizer
 
     check_budget(budget_gib)
@@ -115,6 +123,12 @@ def record(
     if budget is not None and est.nbytes > budget:
         raise RecordError(f"the bank would take ~{est.nbytes / 2**30:.3f} GiB, over --budget-gib {budget_gib}; "
                           f"record fewer prompts or --positions")
+    node = int((llm_kwargs or {}).get("node_rank") or 0)
+    if node > 0:  # a further node: its workers join the first node's recording; the bank is written there
+        with stop_signals():
+            host_workers(model, unique, dtype, kv_cache_dtype, block_size, run_max_len, llm_kwargs or {},
+                         tokenizer or model, log=log)
+        return None
     with open(prompts_file, "rb") as f:  # the prompts recorded, not the file as it is after the run
         prompts_sha = hashlib.sha256(f.read()).hexdigest()
 

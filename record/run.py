@@ -21,9 +21,14 @@ from __future__ import annotations
 import contextlib
 import gc
 import glob
+import hashlib
+import inspect
+import json
+import multiprocessing.connection
 import os
 import shutil
 import signal
+import socket
 import tempfile
 import threading
 import weakref
@@ -118,7 +123,24 @@ def engine_kwargs(model, token_ids, record_dir, dtype, kv_cache_dtype, block_siz
     if block_size:
         kw["block_size"] = block_size
     kw.update(llm_kwargs)
+    kw["kv_transfer_config"]["kv_connector_extra_config"]["record_engine"] = engine_digest(kw)
     return kw
+
+
+# Engine flags a node's kvfill-record may set its own way: which node it is,
+# and paths (each node has its own disk; the same model may sit elsewhere).
+_NODE_OWN = ("node_rank", "model", "tokenizer", "kv_transfer_config")
+
+
+def engine_digest(kw: dict) -> str:
+    """A digest of the recording's engine flags but ``_NODE_OWN``: every
+    node's kvfill-record computes it from its own command line, and every
+    worker reports it to the first node at start (the connector's handshake),
+    which refuses a node whose flags differ - its workers would run another
+    model shape, length or numerics."""
+    same = {k: v for k, v in sorted(kw.items()) if k not in _NODE_OWN}
+    text = json.dumps(same, sort_keys=True, default=repr)
+    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def _flags(names) -> str:
@@ -275,6 +297,20 @@ def fetch_parts(llm, work: str) -> int:
     return total
 
 
+def end_nodes(llm, rpc_end_node) -> None:
+    """The other nodes' kvfill-record stop their workers (``rpc_end_node``).
+    With the engine core in this process (the recorder's default) only the
+    first rank replies, so the other nodes' workers exit at once; else each
+    replies and its node stops it as vLLM's executor does (after a grace
+    period)."""
+    core = getattr(getattr(getattr(llm, "llm_engine", None), "engine_core", None), "engine_core", None)
+    executor = getattr(core, "model_executor", None)
+    if executor is not None and "unique_reply_rank" in inspect.signature(executor.collective_rpc).parameters:
+        executor.collective_rpc(rpc_end_node, args=(False,), unique_reply_rank=0)
+    else:
+        llm.collective_rpc(rpc_end_node, args=(True,))
+
+
 def run_vllm(model, token_ids, record_dir, dtype, kv_cache_dtype, block_size, max_model_len, llm_kwargs,
              tokenizer=None) -> dict[str, str]:
     """Real prefill of every prompt (its recorded tokens, one output token)
@@ -293,6 +329,8 @@ def run_vllm(model, token_ids, record_dir, dtype, kv_cache_dtype, block_size, ma
     from vllm.inputs import TokensPrompt
     from vllm.platforms import current_platform
 
+    from kvfill.connector.recorder import rpc_end_node
+
     kw = engine_kwargs(model, token_ids, record_dir, dtype, kv_cache_dtype, block_size, max_model_len, llm_kwargs,
                        tokenizer, cpu=current_platform.is_cpu())
     given = list(llm_kwargs) + [k for k, v in (("dtype", dtype != "auto"), ("kv_cache_dtype", kv_cache_dtype != "auto"),
@@ -303,12 +341,95 @@ def run_vllm(model, token_ids, record_dir, dtype, kv_cache_dtype, block_size, ma
         with llm_engine(**kw) as llm:
             llm.generate([TokensPrompt(prompt_token_ids=t) for t in token_ids], params, use_tqdm=False)
             fetched = fetch_parts(llm, record_dir)
+            end_nodes(llm, rpc_end_node)
             config = llm.llm_engine.vllm_config
     except (KeyboardInterrupt, SystemExit, RecordError):
         raise
     except Exception as exc:
+        if str(exc).startswith("KVFillConnector:"):  # the connector's own refusal, whole (it names the worker)
+            raise RecordError(str(exc)) from exc
         raise RecordError(vllm_failed(exc, kw, token_ids)) from exc
     return {"block_size": str(config.cache_config.block_size),
             "max_model_len": str(config.model_config.max_model_len),
             "vllm_version": getattr(vllm, "__version__", "unknown"),
             "fetched_bytes": str(fetched)}
+
+
+def _listening(host: str, port: int) -> bool:
+    """Whether the first node's rendezvous (torch.distributed's store, served
+    by its rank 0 for the engine's life) still accepts connections: vLLM's
+    workers on a further node wait on the first node's queue forever when it
+    is gone."""
+    try:
+        socket.create_connection((host, port), timeout=2).close()
+    except OSError:
+        return False
+    return True
+
+
+def host_workers(model, token_ids, dtype, kv_cache_dtype, block_size, max_model_len, llm_kwargs,
+                 tokenizer=None, log=print) -> None:
+    """A node other than the first (``--node-rank`` > 0 with ``--nnodes``):
+    start this node's workers of the recording as vLLM's headless node does
+    (its ``MultiprocExecutor``; they join the first node's engine at
+    ``--master-addr``), and stop them when the first node ends the recording
+    (``rpc_end_node``: SIGUSR1 from a worker), a worker dies, or a signal
+    stops this process.  The engine flags are derived as the first node's
+    (the same command line), and checked there (``engine_digest``).  Writes
+    nothing; what the workers saved they dropped when fetched."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    from vllm.config import KVTransferConfig
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.platforms import current_platform
+    from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+
+    node = int(llm_kwargs["node_rank"])
+    # the workers never write into record_dir: it names their parts' folders, removed here whatever the end
+    # (a worker killed by its executor's shutdown leaves its folder)
+    record_dir = f"kvfill-record-node{node}-{os.getpid()}"
+    parts = os.path.join(tempfile.gettempdir(), f"kvfill-parts-{record_dir}-*")
+    kw = engine_kwargs(model, token_ids, record_dir, dtype, kv_cache_dtype, block_size,
+                       max_model_len, llm_kwargs, tokenizer, cpu=current_platform.is_cpu())
+    given = list(llm_kwargs)
+    if (kw.get("distributed_executor_backend") or "mp") != "mp":
+        raise RecordError(f"--node-rank {node}: this node hosts workers through vLLM's multiprocessing executor; "
+                          f"got --distributed-executor-backend {kw['distributed_executor_backend']} (with Ray, "
+                          f"start the recording on the Ray head only)")
+    check_engine_config(kw, given)
+    args = dict(kw, kv_transfer_config=KVTransferConfig(**kw["kv_transfer_config"]))
+    ended = threading.Event()
+    previous = signal.signal(signal.SIGUSR1, lambda signum, frame: ended.set())
+    executor = None
+    try:
+        with _private_tempdir():
+            try:
+                config = EngineArgs(**args).create_engine_config(headless=True)
+                log(f"node {node} of {config.parallel_config.nnodes}: starting this node's workers; they join the "
+                    f"first node at {config.parallel_config.master_addr}:{config.parallel_config.master_port}")
+                executor = MultiprocExecutor(config, monitor_workers=False)
+                sentinels = [w.proc.sentinel for w in executor.workers]
+                head = (config.parallel_config.master_addr, config.parallel_config.master_port)
+                polls = 0
+                while not ended.is_set() and not multiprocessing.connection.wait(sentinels, timeout=0.2):
+                    polls += 1
+                    if polls % 10 == 0 and not ended.is_set() and not _listening(*head):
+                        for w in executor.workers:  # blocked on a queue nobody writes: no grace period
+                            w.proc.kill()
+                        raise RecordError(f"node {node}: the first node's engine at {head[0]}:{head[1]} stopped "
+                                          f"before it ended the recording (its own error says why); this node's "
+                                          f"workers stopped")
+            except (KeyboardInterrupt, SystemExit, RecordError):
+                raise
+            except Exception as exc:
+                raise RecordError(vllm_failed(exc, kw, token_ids)) from exc
+            finally:
+                if executor is not None:
+                    executor.shutdown()
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+        for folder in glob.glob(parts):
+            shutil.rmtree(folder, ignore_errors=True)
+    if not ended.is_set():
+        raise RecordError(f"node {node}: a worker of this node stopped before the first node ended the recording "
+                          f"(vLLM's log above says why; the first node's error names the recording's fate)")
+    log(f"node {node}: the first node ended the recording; this node's workers stopped, nothing left here")

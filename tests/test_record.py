@@ -302,3 +302,76 @@ def test_a_tp_2_engine_whose_workers_hold_another_save_than_its_scheduler_does_n
     assert f"the scheduler indexed the bank {str(scheduler_bank)!r}, identity {ours}" in text, text
     for rank in (0, 1):
         assert f"TP rank {rank}, PP rank 0 loaded {str(workers_bank)!r}, identity {theirs}" in text, text
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_recording_over_two_nodes_on_loopback_writes_the_one_node_bank_and_refuses_other_flags(
+        tmp_path, monkeypatch, capsys):
+    """vLLM's multiprocessing executor over two "nodes" on loopback (each its
+    own kvfill-record process: --nnodes 2, its --node-rank, one worker and
+    one core each): node 0 records and writes the bank, node 1 only hosts
+    TP rank 1 and ends when node 0 ends the recording.  The bank's rows are
+    byte-identical to a one-node TP 2 recording of the same prompts.  A node
+    1 started with other engine flags is refused at start naming its rank,
+    and node 1 then ends on its own with an error (its workers would wait on
+    the first node forever)."""
+    import subprocess
+    import sys
+
+    from safetensors import safe_open
+
+    from kvfill.bench.models import make_model
+    from kvfill.record.__main__ import main
+
+    model = make_model(os.path.join(ROOT, "out", "tiny-llama"))
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("".join(" ".join(f"w{(7 * i + j) % 200 + 3}" for j in range(n)) + "\n"
+                               for i, n in enumerate((40, 70, 55))))
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    monkeypatch.setenv("VLLM_TARGET_DEVICE", "cpu")
+
+    def two_nodes(name, node1_extra=()):
+        port = str(_free_port())
+        flags = ["--model", model, "--prompts", str(prompts), "--dtype", "float32", "--tensor-parallel-size", "2",
+                 "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", port]
+        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "1", "PYTHONPATH": os.path.dirname(ROOT)}
+        node1 = subprocess.Popen([sys.executable, "-m", "kvfill.record", *flags, "--out", str(tmp_path / "n1"),
+                                  "--node-rank", "1", *node1_extra], env=env, stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True)
+        try:
+            monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0")
+            rc = main([*flags, "--out", str(tmp_path / name), "--node-rank", "0"])
+            log, _ = node1.communicate(timeout=120)
+        finally:
+            node1.kill()
+            node1.wait()
+        return rc, node1.returncode, log
+
+    rc, rc1, log1 = two_nodes("two-nodes.safetensors")
+    assert (rc, rc1) == (0, 0), log1
+    assert "node 1: the first node ended the recording; this node's workers stopped" in log1, log1
+    assert not (tmp_path / "n1").exists()
+
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    assert main(["--model", model, "--prompts", str(prompts), "--dtype", "float32", "--tensor-parallel-size", "2",
+                 "--out", str(tmp_path / "one-node.safetensors")]) == 0
+    two, one = (safe_open(str(tmp_path / f), "pt") for f in ("two-nodes.safetensors", "one-node.safetensors"))
+    assert sorted(two.keys()) == sorted(one.keys()) and len(two.keys()) == 4
+    for key in two.keys():
+        assert torch.equal(two.get_tensor(key), one.get_tensor(key)), key
+    capsys.readouterr()
+
+    rc, rc1, log1 = two_nodes("refused.safetensors", ["--max-model-len", "100"])
+    err = capsys.readouterr().err
+    assert (rc, rc1) == (2, 2), (err, log1)
+    assert "the recording's first node runs engine flags sha256:" in err, err
+    assert "TP rank 1, PP rank 0 runs engine flags sha256:" in err and "TP rank 0" not in err, err
+    assert "node 1: the first node's engine at 127.0.0.1:" in log1 and "stopped before it ended" in log1, log1
+    assert not (tmp_path / "refused.safetensors").exists()

@@ -474,3 +474,34 @@ def test_pipeline_parallelism_on_vllm_cpu_is_recorded_compiled_and_eager_is_refu
     with pytest.raises(RecordError, match=r"--enforce-eager with --pipeline-parallel-size 2: vLLM CPU's pipeline "
                                           r"parallelism fails in eager mode"):
         engine_kwargs(*args, {"pipeline_parallel_size": 2, "enforce_eager": True}, "m", cpu=True)
+
+
+def test_every_node_of_a_recording_derives_one_engine_digest_from_the_same_flags():
+    """Node 0 refuses a node whose kvfill-record ran other engine flags
+    (``engine_digest``, through the handshake); which node it is, its paths
+    and its work folder are its own."""
+    from kvfill.record.run import engine_kwargs
+
+    def digest(record_dir="/w", model="m", **flags):
+        kw = engine_kwargs(model, [[1, 2]], record_dir, "auto", "auto", None, 64,
+                           {"nnodes": 2, "tensor_parallel_size": 2, **flags}, model)
+        return kw["kv_transfer_config"]["kv_connector_extra_config"]["record_engine"]
+
+    first = digest(node_rank=0)
+    assert first.startswith("sha256:") and digest(node_rank=0) == first
+    assert digest("kvfill-record-node1-99", "/other/disk/m", node_rank=1) == first
+    assert digest(node_rank=1, max_model_len=128) != first
+    assert digest(node_rank=1, dtype="float16") != first
+    assert digest(node_rank=1, master_port=29600) != first
+
+
+def test_record_handshakes_name_each_worker_whose_node_ran_other_flags():
+    from kvfill.connector.metadata import KVFillBankHandshake, KVFillRecordHandshake, check_record_handshakes
+
+    same = KVFillRecordHandshake("a", 0, 0, "sha256:1")
+    check_record_handshakes("sha256:1", [same, KVFillBankHandshake("a", 1, 0, "/b", "x"), None])
+    with pytest.raises(ValueError) as err:
+        check_record_handshakes("sha256:1", [same, KVFillRecordHandshake("b", 1, 0, "sha256:2")])
+    text = str(err.value)
+    assert "first node runs engine flags sha256:1" in text and "node b, TP rank 1, PP rank 0 runs engine flags " \
+           "sha256:2" in text and "node a" not in text, text
