@@ -186,8 +186,8 @@ def rpc_end_node(worker, reply: bool) -> bool:
     rec = _this_recorder()
     if rec is not None:
         rec.drop()
-    par = worker.vllm_config.parallel_config
-    if getattr(par, "nnodes", 1) <= 1 or par.node_rank_within_dp == 0:
+    par = getattr(getattr(worker, "vllm_config", None), "parallel_config", None)
+    if par is None or getattr(par, "nnodes", 1) <= 1 or par.node_rank_within_dp == 0:
         return False
     os.kill(os.getppid(), signal.SIGUSR1)
     if not reply:
