@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Mapping
 import torch
 from vllm.logger import init_logger
 
-from kvfill.kernels import NO_DCP, Bank, CacheGroup
+from kvfill.kernels import NO_DCP, Bank, BankError, CacheGroup
 from kvfill.kernels.bank import dtype_name
 from kvfill.kernels.bank_part import BankPart
 
@@ -56,6 +56,7 @@ def load_bank(path: str, part: BankPart, vllm_config: "VllmConfig", device: torc
                              kv_cache_memory_bytes=getattr(cache, "kv_cache_memory_bytes", None))
 
     bank = Bank.load(path, part, fits)
+    check_drafter_layers(bank, part, vllm_config)
     logger.info("KVFillConnector: replaying %s", bank.describe())
     model = vllm_config.model_config
     for line in provenance_mismatches(bank.metadata, model=str(model.model), max_model_len=model.max_model_len,
@@ -65,6 +66,22 @@ def load_bank(path: str, part: BankPart, vllm_config: "VllmConfig", device: torc
     if line:
         logger.warning("KVFillConnector: %s", line)
     return bank
+
+
+def check_drafter_layers(bank: Bank, part: BankPart, vllm_config: "VllmConfig") -> None:
+    """A run with a speculative drafter replays the drafter's KV cache
+    layers too; a bank recorded without the drafter has no rows for them:
+    BankError naming the way out (record with the same speculative config)."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    missing = sorted(set(part.layers or ()) - set(bank.layers))
+    if spec is None or not missing:
+        return
+    recorded = bank.metadata.get("speculative_config") or "none"
+    raise BankError(f"{bank.source}: has no rows for {len(missing)} KV cache layer(s) of this engine "
+                    f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}), and this engine runs "
+                    f"speculative decoding (method {getattr(spec, 'method', None)!r}) whose drafter caches KV there; "
+                    f"the bank was recorded with speculative config {recorded}. Record the bank with the serving "
+                    f"run's --speculative-config (kvfill-record takes it and records the drafter's layers too)")
 
 
 def provenance_mismatches(meta: Mapping[str, str], *, model: str, max_model_len: int,

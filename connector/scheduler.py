@@ -1,6 +1,7 @@
 """Scheduler side of KVFillConnector: which requests to fill, and their blocks.
 
-Every new request's prompt minus its last token is reported as external; once
+Every new request's prompt minus its last token (its last two with
+speculative decoding: ``computed_tail``) is reported as external; once
 vLLM has allocated its blocks, the planner selects the external blocks of
 every group (again after a preemption, unless ``refill_on_preemption`` is
 off, so a preempted request is not prefilled for real).  Replaying, each
@@ -38,6 +39,23 @@ if TYPE_CHECKING:
 logger = init_logger("vllm.kvfill.connector")
 
 
+def _spec_method(vllm_config: "VllmConfig") -> str | None:
+    spec = getattr(vllm_config, "speculative_config", None)
+    return None if spec is None else str(getattr(spec, "method", None))
+
+
+def computed_tail(vllm_config: "VllmConfig") -> int:
+    """How many of a prompt's last tokens vLLM computes itself: 1 (the
+    token whose logits it samples), 2 with speculative decoding.  vLLM's
+    drafter, after a step that computes a single prompt token, proposes a
+    first draft that real prefill does not (all of it rejected: one more
+    step per request than real prefill; measured with vLLM's own prefix
+    cache too, so a vLLM behaviour, not the fill's); from two computed
+    tokens on its drafts are real prefill's (docs/replay.md, speculative
+    decoding)."""
+    return 2 if _spec_method(vllm_config) is not None else 1
+
+
 class KVFillScheduler:
     def __init__(self, vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", options: FillOptions):
         self.options = options
@@ -57,6 +75,13 @@ class KVFillScheduler:
         self.routed_experts = bool(getattr(aux, "enable_return_routed_experts", False))
         self.granted: dict[str, int] = {}  # request id -> tokens granted, until vLLM allocates
         self.dropped_grant_logged = False
+        # The prompt tokens vLLM computes itself: its last one; with speculative decoding its last two
+        # (``computed_tail``).
+        self.computed_tail = computed_tail(vllm_config)
+        if self.computed_tail > 1:
+            logger.info("KVFillConnector: speculative decoding (method %r): the last %d prompt tokens of each "
+                        "request are computed by vLLM, the rest filled", _spec_method(vllm_config),
+                        self.computed_tail)
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
         if self.recorder is not None:
@@ -66,7 +91,7 @@ class KVFillScheduler:
         if seen is not None and not (self.options.refill_on_preemption and preemptions > seen):
             return 0, False
         self.asked[request.request_id] = num_computed_tokens
-        grant = max(0, request.num_tokens - num_computed_tokens - 1)
+        grant = max(0, request.num_tokens - num_computed_tokens - self.computed_tail)
         self.granted[request.request_id] = grant
         return grant, False
 
@@ -85,7 +110,7 @@ class KVFillScheduler:
         self.filled[request.request_id] = getattr(request, "num_preemptions", 0)
         if num_external_tokens == 0:
             return
-        if num_local is not None and num_local + num_external_tokens > request.num_tokens - 1:
+        if num_local is not None and num_local + num_external_tokens > request.num_tokens - self.computed_tail:
             num_local = None  # not the query this grant answers: fall back to the tail
         # Startup-filled groups are skipped before planning: their tables are
         # never looked at, so a table shorter than the prompt cannot raise.
@@ -98,7 +123,7 @@ class KVFillScheduler:
         # The request-level sequence stays 0: only whole-block kinds take it, and
         # those are never replayed (circular buffers zeroed, cross attention synthetic).
         sel = select_request(self.planner, request, blocks, num_external_tokens, num_local,
-                             skip_groups=self.startup_groups, sequences_at=sequences_at)
+                             skip_groups=self.startup_groups, sequences_at=sequences_at, tail=self.computed_tail)
         if any(len(g.block_ids) for g in sel.groups):
             self.pending[request.request_id] = sel
 

@@ -192,21 +192,22 @@ def _block_ids(blocks) -> list[int]:
 
 def select_request(
     planner: Planner, request: Any, kv_blocks: Any, num_external_tokens: int, num_local: int | None = None,
-    skip_groups: Any = (), sequence: int = 0, sequences_at: Any = None,
+    skip_groups: Any = (), sequence: int = 0, sequences_at: Any = None, tail: int = 1,
 ) -> RequestSelection:
     """Planner selection from vLLM's scheduler objects.
 
     ``request``: a vLLM ``Request`` (``request_id``, ``num_tokens``);
     ``kv_blocks``: its ``KVCacheBlocks``; ``num_external_tokens``: what the
     scheduler granted; ``num_local``: the locally computed prefix the
-    connector was asked about (default ``num_tokens - 1 - num_external_tokens``,
-    exact unless the scheduler trimmed the grant); ``skip_groups``: groups not
+    connector was asked about (default ``num_tokens - tail - num_external_tokens``,
+    exact unless the scheduler trimmed the grant; ``tail``: the prompt tokens
+    vLLM computes itself, ``scheduler.computed_tail``); ``skip_groups``: groups not
     to fill; ``sequence``, ``sequences_at``: the bank sequences it replays
     (``Planner.select``).  Only the selected
     blocks' ids are read.
     """
     if num_local is None:
-        num_local = request.num_tokens - 1 - num_external_tokens
+        num_local = request.num_tokens - tail - num_external_tokens
     return planner.select(request.request_id, request.num_tokens, num_local, kv_blocks.blocks, _block_ids,
                           num_external=num_external_tokens, skip_groups=skip_groups, sequence=sequence,
                           sequences_at=sequences_at)

@@ -49,6 +49,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import hashlib
+import json
 import os
 import shutil
 import tempfile
@@ -145,6 +146,8 @@ def record(
             "prompts_file": os.path.basename(prompts_file),
             "prompts_sha256": prompts_sha,
             "tokenizer": tokenizer or model,
+            # the drafter whose KV layers were recorded with the target's ("" without one)
+            "speculative_config": _speculation(llm_kwargs or {}),
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         }
         bank = assemble(work, unique, meta, out)
@@ -154,6 +157,14 @@ def record(
         _write(bank, out, work)
     log(f"wrote {bank.describe()}")
     return bank
+
+
+def _speculation(llm_kwargs: dict) -> str:
+    """The recording's speculative config as given (JSON), "" without one."""
+    spec = llm_kwargs.get("speculative_config") or {}
+    spec = dict(spec) if isinstance(spec, dict) else {"config": str(spec)}
+    spec.update({k: llm_kwargs[k] for k in ("spec_method", "spec_model", "spec_tokens") if llm_kwargs.get(k) is not None})
+    return json.dumps(spec, sort_keys=True, default=str) if spec else ""
 
 
 @contextlib.contextmanager

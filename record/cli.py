@@ -44,6 +44,12 @@ NAMED = ("dtype", "kv_cache_dtype", "block_size", "tokenizer", "max_model_len")
 # - enable_prefix_caching=False, enable_chunked_prefill=False: a False is
 #   honoured, a True refused (REFUSED).
 # - kv_transfer_config: refused; the recorder's connector is the point of it.
+# - speculative_config (--speculative-config, --spec-*): honoured.  vLLM runs
+#   the drafter over the prompt in the prefill step and saves the connector's
+#   KV after it (wait_for_save deferred past the drafter), so the drafter's
+#   KV cache layers (a draft model's, an EAGLE head's, MTP layers) are
+#   recorded with the target's: what a replay served with the same drafter
+#   needs.
 # - model, tokenizer, dtype, kv_cache_dtype, max_model_len, block_size: named.
 
 
@@ -61,9 +67,6 @@ def _set(value) -> bool:
 def _over_1(value) -> bool:
     return value is not None and value > 1
 
-
-_SPECULATION = ("recording prefills each prompt and generates one token: a speculative drafter only adds its "
-                "own KV layers and draft positions past the prompt; record without it")
 
 REFUSED = (
     Refusal("decode_context_parallel_size", _over_1,
@@ -92,11 +95,7 @@ REFUSED = (
             "chunked prefill off (vLLM frees sliding-window blocks between chunks, before the rows are read)"),
     Refusal("max_num_scheduled_tokens", _set,
             "the recorder schedules each prompt whole in one step (chunked prefill off): a per-step cap under a "
-            "prompt's length holds it back; the cap serves speculative decoding, which recording does not use"),
-    Refusal("speculative_config", _set, _SPECULATION),
-    Refusal("spec_method", _set, _SPECULATION),
-    Refusal("spec_model", _set, _SPECULATION),
-    Refusal("spec_tokens", _set, _SPECULATION),
+            "prompt's length holds it back"),
     Refusal("diffusion_config", _set,
             "diffusion decoding runs on the speculative-decoding path (a canvas of draft tokens each step); "
             "recording prefills each prompt and generates one token"),

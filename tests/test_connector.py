@@ -894,3 +894,64 @@ def test_a_worker_whose_bank_is_missing_or_of_another_version_names_its_node_and
     with pytest.raises(ValueError, match=rf"^node {socket.gethostname()}, TP rank 0, PP rank 0: .*bank version "
                                          rf"'2'; this kvfill reads version '3'"):
         replay_connectors(tmp_path, path, [other])
+
+
+def test_with_speculative_decoding_the_last_two_prompt_tokens_are_left_to_vllm(tmp_path):
+    """vLLM's drafter after a one-token prefill step proposes a first draft
+    real prefill does not (scheduler.computed_tail; docs/replay.md): under a
+    speculative config every fill ends two tokens before the prompt's end,
+    its selection with it; without one, one token before."""
+    from types import SimpleNamespace
+
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.request import Request
+
+    from kvfill.connector.options import FillOptions
+    from kvfill.connector.scheduler import KVFillScheduler
+
+    h = make_harness(tmp_path, [(["model.layers.0.self_attn.attn"], FullAttentionSpec(**ATT))], extra=FILL,
+                     prefix_caching=False)
+    par = SimpleNamespace(decode_context_parallel_size=1, tensor_parallel_size=1, prefill_context_parallel_size=1,
+                          cp_kv_cache_interleave_size=1)
+    for spec, grant in ((None, 99), (SimpleNamespace(method="draft_model"), 98), (SimpleNamespace(method="ngram"), 98)):
+        manager = KVCacheManager(h.kv_cache_config, max_model_len=2048, scheduler_block_size=BS, hash_block_size=BS,
+                                 enable_caching=False)
+        sched = KVFillScheduler(SimpleNamespace(parallel_config=par, speculative_config=spec), h.kv_cache_config,
+                                FillOptions.from_extra_config(FILL))
+        req = Request("r", list(range(1, 101)), SamplingParams(max_tokens=4), None)
+        assert sched.get_num_new_matched_tokens(req, 0) == (grant, False)
+        assert manager.allocate_slots(req, 100 - grant, num_external_computed_tokens=grant) is not None
+        sched.update_state_after_alloc(req, manager.get_blocks(req.request_id), grant)
+        sel = sched.build_connector_meta(None).selections["r"]
+        assert [(g.token_lo, g.token_hi) for g in sel.groups] == [(0, grant)]
+        assert sched.get_num_new_matched_tokens(Request("one", [5, 6], SamplingParams(max_tokens=1), None), 0) == (
+            (1 if spec is None else 0), False)
+
+
+def test_a_bank_without_the_drafters_layers_is_refused_under_speculative_decoding_naming_the_way_out(tmp_path):
+    """Served with a drafter whose KV layers the bank lacks (recorded without
+    --speculative-config): refused at load, naming the missing layers, the
+    method and the way out; without a drafter the same bank loads."""
+    from types import SimpleNamespace
+
+    from kvfill.connector.bank_checks import check_drafter_layers
+    from kvfill.kernels import Bank, BankError
+    from kvfill.kernels.bank_part import BankPart
+
+    target = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
+    drafter = [f"draft_model.model.layers.{i}.self_attn.attn" for i in range(2)]
+    path = tmp_path / "b.safetensors"
+    Bank({n: torch.zeros(4, 8, device="cpu") for n in target}, sequence_lengths=[4]).save(path)
+    part = BankPart(0, 1, frozenset(target + drafter))
+    bank = Bank.load(path, part)
+    check_drafter_layers(bank, part, SimpleNamespace(speculative_config=None))
+    check_drafter_layers(bank, BankPart(0, 1, frozenset(target)), SimpleNamespace(
+        speculative_config=SimpleNamespace(method="draft_model")))
+    with pytest.raises(BankError) as err:
+        check_drafter_layers(bank, part, SimpleNamespace(speculative_config=SimpleNamespace(method="draft_model")))
+    text = str(err.value)
+    assert "has no rows for 2 KV cache layer(s) of this engine (draft_model.model.layers.0.self_attn.attn, " \
+           "draft_model.model.layers.1.self_attn.attn)" in text, text
+    assert "method 'draft_model'" in text and "recorded with speculative config none" in text, text
+    assert "Record the bank with the serving run's --speculative-config" in text, text

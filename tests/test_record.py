@@ -375,3 +375,36 @@ def test_a_recording_over_two_nodes_on_loopback_writes_the_one_node_bank_and_ref
     assert "TP rank 1, PP rank 0 runs engine flags sha256:" in err and "TP rank 0" not in err, err
     assert "node 1: the first node's engine at 127.0.0.1:" in log1 and "stopped before it ended" in log1, log1
     assert not (tmp_path / "refused.safetensors").exists()
+
+
+def test_speculative_decoding_from_a_bank_with_the_drafters_layers_accepts_what_real_prefill_accepts(tmp_path):
+    """A self-draft (the target's weights as a draft model, 3 speculative
+    tokens): kvfill-record with the serving run's --speculative-config
+    records the drafter's 4 KV layers with the target's 4; replayed under the
+    same config, greedy tokens and vLLM's own counters (drafts, draft tokens,
+    accepted tokens) equal real prefill's; a normal fill's counters differ."""
+    import json
+
+    from kvfill.bench import spec_replay
+    from kvfill.kernels import BankIndex
+
+    out = tmp_path / "spec.json"
+    rc = spec_replay.main(["--prompt-lens", "70", "110", "--output-len", "12", "--runs", "replay", "normal",
+                           "--json", str(out)])
+    report = json.loads(out.read_text())
+    rows = {r["run"]: r for r in report["rows"]}
+    assert rc == 0, rows
+    assert rows["replay"]["tokens_equal_to_prefill"] == "24/24"
+    for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+        assert rows["replay"][key] == rows["prefill"][key], (key, rows)
+    assert rows["prefill"]["num_accepted_tokens"] > 0
+    assert rows["normal"]["num_accepted_tokens"] != rows["prefill"]["num_accepted_tokens"], rows
+    bank = report["args"]["bank"]
+    from safetensors import safe_open
+
+    with safe_open(bank, "pt") as f:
+        layers = sorted(f.keys())
+        meta = f.metadata()
+    assert sum(n.startswith("draft_model.model.layers.") for n in layers) == 4 and len(layers) == 8, layers
+    assert json.loads(meta["speculative_config"])["method"] == "draft_model"
+    assert list(BankIndex.read(bank).lengths) == [70, 110]

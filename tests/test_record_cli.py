@@ -70,10 +70,6 @@ REFUSED = [
     (["--long-prefill-token-threshold", "64"], "--long-prefill-token-threshold 64",
      "splits its prefill into chunks even with chunked prefill off"),
     (["--max-num-scheduled-tokens", "64"], "--max-num-scheduled-tokens 64", "schedules each prompt whole"),
-    (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'],
-     '--speculative-config {"method": "ngram", "num_speculative_tokens": 2}', "speculative drafter"),
-    (["--spec-method", "ngram"], "--spec-method ngram", "speculative drafter"),
-    (["--spec-tokens", "3"], "--spec-tokens 3", "speculative drafter"),
     (["--diffusion-config", '{"canvas_length": 4}'], '--diffusion-config {"canvas_length": 4}',
      "speculative-decoding path"),
     (["--runner", "pooling"], "--runner pooling", "this runner has no generate"),
@@ -121,6 +117,18 @@ def test_the_recorders_own_off_switches_and_sizes_of_1_are_accepted(base, calls)
     assert rc == 0
     assert call["llm_kwargs"] == {"enable_prefix_caching": False, "enable_chunked_prefill": False,
                                   "decode_context_parallel_size": 1, "data_parallel_size": 1}
+
+
+def test_the_serving_runs_speculative_config_is_passed_to_the_recording(base, calls):
+    """The drafter's KV layers are recorded with the target's (docs/replay.md,
+    speculative decoding): the flags reach LLM() as vLLM parses them."""
+    spec = '{"method": "draft_model", "model": "/d", "num_speculative_tokens": 3}'
+    rc, call = run(base + ["--speculative-config", spec], calls)
+    assert rc == 0 and call["llm_kwargs"] == {
+        "speculative_config": {"method": "draft_model", "model": "/d", "num_speculative_tokens": 3}}
+    calls.clear()
+    rc, call = run(base + ["--spec-method", "ngram", "--spec-tokens", "3"], calls)
+    assert rc == 0 and call["llm_kwargs"] == {"spec_method": "ngram", "spec_tokens": 3}
 
 
 def test_model_is_required(base, calls, capsys):
