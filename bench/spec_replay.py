@@ -8,7 +8,7 @@ real prefill?
 A bank is recorded with the runs' ``--speculative-config`` (kvfill-record
 then records the drafter's KV cache layers too), and each run generates
 greedy tokens from the same prompts under the same speculative config, one
-child process per run:
+child process (one per run with ngram):
   * ``prefill``  - no connector: vLLM computes the prompt's KV (and the drafter's)
   * ``replay``   - kvfill, ``fill_mode: replay`` from the bank
   * ``normal``   - kvfill, synthetic normal(0, 1) KV
@@ -16,8 +16,10 @@ child process per run:
 Per run it reports the greedy tokens equal to real prefill's and vLLM's own
 speculative-decoding counters (``LLM.get_metrics``): drafts, draft tokens,
 accepted tokens, and the mean acceptance length (tokens per step:
-1 + accepted / drafts).  The claim checked: replay's tokens *and* counters
-equal real prefill's, a synthetic fill's counters differ.
+1 + accepted / drafts), and - for drafters with KV - how many steps' drafts
+(the token ids the drafter proposed, watched in vLLM's worker) equal real
+prefill's.  The claim checked: replay's tokens, counters and drafts equal
+real prefill's, a synthetic fill's differ.
 
 ``--method draft_model``: the drafter is the target's own weights in a folder
 of their own (``out/tiny-llama-peaked-draft``), so after real prefill it
@@ -86,7 +88,7 @@ def make_eagle_head(model: str, path: str, std: float = PEAKED_STD) -> str:
                "layers.0.self_attn.k_proj.weight": rand(kv, h), "layers.0.self_attn.v_proj.weight": rand(kv, h),
                "layers.0.self_attn.o_proj.weight": rand(h, q), "layers.0.mlp.gate_proj.weight": rand(inter, h),
                "layers.0.mlp.up_proj.weight": rand(inter, h), "layers.0.mlp.down_proj.weight": rand(h, inter),
-               "layers.0.post_attention_layernorm.weight": torch.ones(h), "norm.weight": torch.ones(h)}
+               "layers.0.post_attention_layernorm.weight": torch.ones(h)}
     tmp = path + ".tmp"
     os.makedirs(tmp, exist_ok=True)
     save_file(weights, os.path.join(tmp, "model.safetensors"))
@@ -122,6 +124,29 @@ def counters(llm) -> dict:
     return out
 
 
+def _watch_drafts(worker) -> bool:
+    """In vLLM's worker: keep every step's drafts per request (the token ids
+    the drafter proposed), so runs compare what the drafter read, not only
+    what was accepted (a random head is accepted nowhere)."""
+    runner = worker.model_runner
+    log = runner.__dict__.setdefault("_kvfill_drafts", {})
+    propose = runner.propose_draft_token_ids
+
+    def watched(*args, **kwargs):
+        out = propose(*args, **kwargs)
+        rows = out.tolist() if hasattr(out, "tolist") else [list(r) for r in out]
+        for req_id, row in zip(runner.input_batch.req_ids, rows):
+            log.setdefault(req_id, []).append([int(t) for t in row])
+        return out
+
+    runner.propose_draft_token_ids = watched
+    return True
+
+
+def _drafts(worker) -> dict:
+    return worker.model_runner.__dict__.get("_kvfill_drafts", {})
+
+
 def run_one(a, run: str) -> dict:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -137,15 +162,34 @@ def run_one(a, run: str) -> dict:
               disable_log_stats=False, enable_prefix_caching=False, seed=0, max_num_seqs=len(ids),
               speculative_config=spec_config(a), **kw)
     params = SamplingParams(max_tokens=a.output_len, temperature=0.0, logprobs=1, ignore_eos=True, detokenize=False)
-    rows = greedy_rows(llm.generate([TokensPrompt(prompt_token_ids=t) for t in ids], params, use_tqdm=False))
+    watched = a.method != "ngram" and all(llm.collective_rpc(_watch_drafts))
+    outs = llm.generate([TokensPrompt(prompt_token_ids=t) for t in ids], params, use_tqdm=False)
+    rows = greedy_rows(outs)
+    if watched:  # per prompt, in prompt order: every draft its requests got
+        log = {k.rsplit("-", 1)[0]: v for k, v in llm.collective_rpc(_drafts)[0].items()}  # vLLM's id + "-<suffix>"
+        for r, o in zip(rows, outs):
+            r["drafts"] = log.get(o.request_id, [])
     got = counters(llm)
     del llm
     return {"run": run, "outputs": rows, "counters": got}
 
 
+def drafts_equal(ref: dict, res: dict) -> str | None:
+    """Steps whose drafts equal real prefill's, over prefill's steps (None:
+    drafts not watched, ngram)."""
+    if "drafts" not in ref["outputs"][0]:
+        return None
+    same = total = 0
+    for r, o in zip(ref["outputs"], res["outputs"]):
+        total += len(r["drafts"])
+        same += sum(x == y for x, y in zip(r["drafts"], o["drafts"])) if len(r["drafts"]) == len(o["drafts"]) else 0
+    return f"{same}/{total}"
+
+
 def row(ref: dict, res: dict) -> dict:
     c = res["counters"]
     out = compare(ref, res) if res is not ref else {"run": "prefill", "tokens_equal_to_prefill": "reference"}
+    out["drafts_equal_to_prefill"] = drafts_equal(ref, res) if res is not ref else "reference"
     drafts = c.get("num_drafts", 0)
     return {**out, **c, "tokens_per_step": round(1 + c.get("num_accepted_tokens", 0) / drafts, 3) if drafts else None}
 
@@ -199,16 +243,23 @@ def main(argv=None) -> int:
     cmd = [sys.executable, os.path.abspath(__file__), "--bank", a.bank, "--prompts-file", a.prompts_file, "--model",
            a.model, "--draft", a.draft, "--dtype", a.dtype, "--method", a.method, "--num-spec", str(a.num_spec),
            "--output-len", str(a.output_len), "--max-model-len", str(a.max_model_len)]
-    print(f"running {', '.join(runs)} with speculative config {spec} (one process each) ...", flush=True)
+    # vLLM CPU fails to start a second engine with ngram in one process (its kernel overrides): one each
+    groups = [[r] for r in runs] if a.method == "ngram" else [runs]
+    print(f"running {', '.join(runs)} with speculative config {spec} ({len(groups)} process(es)) ...", flush=True)
     results = {}
-    for run in runs:  # vLLM CPU fails to start a second engine with ngram in one process (its kernel overrides)
-        results.update(child_result([*cmd, "--only", run], f"the {run} run", timeout=900))
+    for group in groups:
+        results.update(child_result([*cmd, "--only", ",".join(group)], f"the {'/'.join(group)} run(s)",
+                                    timeout=900 * len(group)))
     rows = [row(results["prefill"], results[r]) for r in runs]
     print(f"\n{len(lengths)} prompts of {lengths} tokens, {a.output_len} greedy tokens; model "
           f"{os.path.basename(a.model)}, {a.dtype}; speculative config {spec}; bank recorded with it")
-    print(table(rows, ["run", "tokens_equal_to_prefill", *COUNTERS, "tokens_per_step"]))
+    print(table(rows, ["run", "tokens_equal_to_prefill", "drafts_equal_to_prefill", *COUNTERS, "tokens_per_step"]))
     ref = rows[0]
-    same = lambda r: all(r.get(k) == ref.get(k) for k in COUNTERS)  # noqa: E731
+
+    def same(r):  # vLLM's counters, and (where watched) every draft, as real prefill's
+        d = r.get("drafts_equal_to_prefill")
+        return all(r.get(k) == ref.get(k) for k in COUNTERS) and (d is None or d.split("/")[0] == d.split("/")[1])
+
     replay = next(r for r in rows if r["run"] == "replay")
     synthetic = [r for r in rows if r["run"] in ("normal", "constant")]
     ok = replay["identical"] and same(replay) and not any(r["identical"] and same(r) for r in synthetic)
