@@ -3,7 +3,7 @@ real prefill?
 
     python bench/spec_replay.py                    # self-draft (draft_model) on the tiny Llama, 3 x 180-340 tokens
     python bench/spec_replay.py --method ngram --real   # prompt lookup on SmolLM2-135M and real text
-    python bench/spec_replay.py --json out/spec-replay.json
+    python bench/spec_replay.py --record-tp 2 --tp 2   # recorded and replayed at TP 2 (vLLM CPU: one core per worker)
 
 A bank is recorded with the runs' ``--speculative-config`` (kvfill-record
 then records the drafter's KV cache layers too), and each run generates
@@ -42,12 +42,18 @@ import shutil
 import sys
 
 from kvfill.bench.common import child_result, print_result, run_child, run_each, table
+from kvfill.bench.parallel_replay import child_env as _parallel_env
 from kvfill.bench.models import make_model, make_tokenizer
 from kvfill.bench.replay_e2e import PEAKED_STD, compare, greedy_rows, prompt_ids, write_real_prompts
 
 RUNS = ("prefill", "replay", "normal", "constant")
 METHODS = ("draft_model", "eagle", "ngram")
 COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+
+
+def child_env(tp: int) -> dict:
+    """A child's environment at tensor parallel size ``tp`` (one core per worker)."""
+    return _parallel_env(f"tp{tp}")
 
 
 def spec_config(a) -> dict:
@@ -150,27 +156,28 @@ def _drafts(worker) -> dict:
 def run_one(a, run: str) -> dict:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
+
+    from kvfill.record.run import llm_engine
 
     ids = prompt_ids(a.model, a.prompts_file)
     kw = {}
     kt = connector_config(run, a.bank)
     if kt is not None:
         kw["kv_transfer_config"] = kt
-    llm = LLM(model=a.model, dtype=a.dtype, enforce_eager=True, max_model_len=a.max_model_len,
-              disable_log_stats=False, enable_prefix_caching=False, seed=0, max_num_seqs=len(ids),
-              speculative_config=spec_config(a), **kw)
     params = SamplingParams(max_tokens=a.output_len, temperature=0.0, logprobs=1, ignore_eos=True, detokenize=False)
-    watched = a.method != "ngram" and all(llm.collective_rpc(_watch_drafts))
-    outs = llm.generate([TokensPrompt(prompt_token_ids=t) for t in ids], params, use_tqdm=False)
-    rows = greedy_rows(outs)
-    if watched:  # per prompt, in prompt order: every draft its requests got
-        log = {k.rsplit("-", 1)[0]: v for k, v in llm.collective_rpc(_drafts)[0].items()}  # vLLM's id + "-<suffix>"
-        for r, o in zip(rows, outs):
-            r["drafts"] = log.get(o.request_id, [])
-    got = counters(llm)
-    del llm
+    with llm_engine(model=a.model, dtype=a.dtype, enforce_eager=True, max_model_len=a.max_model_len,
+                    disable_log_stats=False, enable_prefix_caching=False, seed=0, max_num_seqs=len(ids),
+                    tensor_parallel_size=a.tp, speculative_config=spec_config(a), **kw) as llm:
+        watched = a.method != "ngram" and all(llm.collective_rpc(_watch_drafts))
+        outs = llm.generate([TokensPrompt(prompt_token_ids=t) for t in ids], params, use_tqdm=False)
+        rows = greedy_rows(outs)
+        if watched:  # per prompt, in prompt order: every draft its requests got (TP rank 0's: all ranks agree)
+            log = {k.rsplit("-", 1)[0]: v for k, v in llm.collective_rpc(_drafts)[0].items()}  # id + "-<suffix>"
+            for r, o in zip(rows, outs):
+                r["drafts"] = log.get(o.request_id, [])
+        got = counters(llm)
     return {"run": run, "outputs": rows, "counters": got}
 
 
@@ -203,6 +210,8 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--runs", nargs="+", choices=RUNS, default=list(RUNS))
     p.add_argument("--real", action="store_true", help="SmolLM2-135M-Instruct on real text (see above)")
+    p.add_argument("--record-tp", type=int, default=1, help="the recording's tensor parallel size")
+    p.add_argument("--tp", type=int, default=1, help="the runs' tensor parallel size")
     p.add_argument("--json", default=None)
     p.add_argument("--only", default=None, help=argparse.SUPPRESS)
     for hidden in ("--bank", "--prompts-file", "--model", "--draft"):
@@ -237,22 +246,24 @@ def main(argv=None) -> int:
     spec = json.dumps(spec_config(a))
     rec = run_child([sys.executable, "-m", "kvfill.record", "--model", a.model, "--prompts", a.prompts_file,
                      "--out", a.bank, "--dtype", a.dtype, "--max-model-len", str(a.max_model_len),
-                     "--speculative-config", spec], "recording", timeout=900)
+                     "--speculative-config", spec, "--tensor-parallel-size", str(a.record_tp)], "recording",
+                    timeout=900, env=child_env(a.record_tp))
     print(next(line for line in rec.stdout.splitlines() if line.startswith("wrote")), flush=True)
     runs = [r for r in RUNS if r == "prefill" or r in a.runs]
     cmd = [sys.executable, os.path.abspath(__file__), "--bank", a.bank, "--prompts-file", a.prompts_file, "--model",
            a.model, "--draft", a.draft, "--dtype", a.dtype, "--method", a.method, "--num-spec", str(a.num_spec),
-           "--output-len", str(a.output_len), "--max-model-len", str(a.max_model_len)]
+           "--output-len", str(a.output_len), "--max-model-len", str(a.max_model_len), "--tp", str(a.tp)]
     # vLLM CPU fails to start a second engine with ngram in one process (its kernel overrides): one each
     groups = [[r] for r in runs] if a.method == "ngram" else [runs]
     print(f"running {', '.join(runs)} with speculative config {spec} ({len(groups)} process(es)) ...", flush=True)
     results = {}
     for group in groups:
         results.update(child_result([*cmd, "--only", ",".join(group)], f"the {'/'.join(group)} run(s)",
-                                    timeout=900 * len(group)))
+                                    timeout=900 * len(group), env=child_env(a.tp)))
     rows = [row(results["prefill"], results[r]) for r in runs]
     print(f"\n{len(lengths)} prompts of {lengths} tokens, {a.output_len} greedy tokens; model "
-          f"{os.path.basename(a.model)}, {a.dtype}; speculative config {spec}; bank recorded with it")
+          f"{os.path.basename(a.model)}, {a.dtype}, TP {a.tp}; speculative config {spec}; bank recorded with it at "
+          f"TP {a.record_tp}")
     print(table(rows, ["run", "tokens_equal_to_prefill", "drafts_equal_to_prefill", *COUNTERS, "tokens_per_step"]))
     ref = rows[0]
 
