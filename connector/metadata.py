@@ -28,36 +28,35 @@ def rank_where(node: str, tp_rank: int, pp_rank: int) -> str:
 
 
 @dataclass(frozen=True)
-class KVFillBankHandshake(KVConnectorHandshakeMetadata):
-    """What a replaying worker loaded, sent to the scheduler at start through
-    vLLM's handshake (after the caches are registered, from every worker of
-    every node): checked there against the bank the scheduler indexed."""
+class _WorkerHandshake(KVConnectorHandshakeMetadata):
+    """Sent by every worker of every node to the scheduler at start through
+    vLLM's handshake (after the caches are registered): which worker it is."""
 
     node: str
     tp_rank: int
     pp_rank: int
-    path: str
-    identity: str
 
     def where(self) -> str:
         return rank_where(self.node, self.tp_rank, self.pp_rank)
 
 
 @dataclass(frozen=True)
-class KVFillRecordHandshake(KVConnectorHandshakeMetadata):
-    """What a recording worker runs with, sent to the scheduler at start:
-    ``engine``, the digest of the recording's engine flags its node's
-    kvfill-record computed (``record.run.engine_digest``).  Several nodes
-    each run kvfill-record (node 0 records, the others only host workers);
-    their flags must agree."""
+class KVFillBankHandshake(_WorkerHandshake):
+    """What a replaying worker loaded: checked against the bank the scheduler
+    indexed."""
 
-    node: str
-    tp_rank: int
-    pp_rank: int
+    path: str
+    identity: str
+
+
+@dataclass(frozen=True)
+class KVFillRecordHandshake(_WorkerHandshake):
+    """What a recording worker runs with: ``engine``, the digest of the
+    recording's engine flags its node's kvfill-record computed
+    (``record.run.engine_digest``).  Several nodes each run kvfill-record
+    (node 0 records, the others only host workers); their flags must agree."""
+
     engine: str
-
-    def where(self) -> str:
-        return rank_where(self.node, self.tp_rank, self.pp_rank)
 
 
 def check_record_handshakes(engine: str, handshakes) -> None:
@@ -65,10 +64,10 @@ def check_record_handshakes(engine: str, handshakes) -> None:
     scheduler's node did; else a ValueError naming each worker that did not."""
     wrong = [h for h in handshakes if isinstance(h, KVFillRecordHandshake) and h.engine != engine]
     if wrong:
-        lines = [f"{h.where()} runs engine flags {h.engine}" for h in wrong]
-        raise ValueError(f"KVFillConnector: the recording's first node runs engine flags {engine}, but\n  "
-                         + "\n  ".join(lines) + "\nRun the same kvfill-record command on every node, only "
-                         "--node-rank differing (the model's path may differ per node)")
+        _refuse(f"the recording's first node runs engine flags {engine}",
+                [f"{h.where()} runs engine flags {h.engine}" for h in wrong],
+                "Run the same kvfill-record command on every node, only --node-rank differing (the model's path may "
+                "differ per node)")
 
 
 def check_bank_handshakes(path: str, identity: str | None, handshakes) -> None:
@@ -77,10 +76,16 @@ def check_bank_handshakes(path: str, identity: str | None, handshakes) -> None:
     worker that did not - node, rank, path and both identities."""
     wrong = [h for h in handshakes if isinstance(h, KVFillBankHandshake) and h.identity != identity]
     if wrong:
-        lines = [f"{h.where()} loaded {h.path!r}, identity {h.identity}" for h in wrong]
-        raise ValueError(f"KVFillConnector: the scheduler indexed the bank {path!r}, identity {identity}, but\n  "
-                         + "\n  ".join(lines) + "\nEvery node must hold the same bank file (a copy of one save; "
-                         "its path may differ per node): copy it again from where it was recorded")
+        _refuse(f"the scheduler indexed the bank {path!r}, identity {identity}",
+                [f"{h.where()} loaded {h.path!r}, identity {h.identity}" for h in wrong],
+                "Every node must hold the same bank file (a copy of one save; its path may differ per node): copy "
+                "it again from where it was recorded")
+
+
+def _refuse(head: str, workers: list[str], way_out: str) -> None:
+    """The start-up refusal of a handshake check: what the scheduler has, each
+    worker that differs on a line of its own, the way out."""
+    raise ValueError(f"KVFillConnector: {head}, but\n  " + "\n  ".join(workers) + "\n" + way_out)
 
 
 @dataclass
