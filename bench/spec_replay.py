@@ -25,6 +25,8 @@ real prefill's, a synthetic fill's differ.
 of their own (``out/tiny-llama-peaked-draft``), so after real prefill it
 proposes the target's greedy tokens.  ``--method eagle``: a random EAGLE head for the tiny Llama
 (``make_eagle_head``; its one layer caches KV as ``model.layers.4``).
+``--method mtp``: a tiny MiMo-style model with one MTP layer
+(``make_mtp_model``), served with ``method: mtp``.
 ``--method ngram``: vLLM's prompt
 lookup (``prompt_lookup_min`` 2, ``max`` 5) - no drafter KV, acceptance
 follows what the model writes.  ``--real``: SmolLM2-135M-Instruct (fetched
@@ -47,7 +49,7 @@ from kvfill.bench.models import make_model, make_tokenizer
 from kvfill.bench.replay_e2e import PEAKED_STD, compare, greedy_rows, prompt_ids, write_real_prompts
 
 RUNS = ("prefill", "replay", "normal", "constant")
-METHODS = ("draft_model", "eagle", "ngram")
+METHODS = ("draft_model", "eagle", "mtp", "ngram")
 COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
 
 
@@ -59,6 +61,8 @@ def child_env(tp: int) -> dict:
 def spec_config(a) -> dict:
     if a.method in ("draft_model", "eagle"):
         return {"method": a.method, "model": a.draft, "num_speculative_tokens": a.num_spec}
+    if a.method == "mtp":  # the model's own MTP layer; vLLM's MiMo MTP predicts one token
+        return {"method": "mtp", "num_speculative_tokens": 1}
     return {"method": "ngram", "num_speculative_tokens": a.num_spec, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
 
 
@@ -100,6 +104,52 @@ def make_eagle_head(model: str, path: str, std: float = PEAKED_STD) -> str:
     save_file(weights, os.path.join(tmp, "model.safetensors"))
     with open(os.path.join(tmp, "config.json"), "w") as f:
         json.dump(cfg, f, indent=1)
+    os.replace(tmp, path)
+    return path
+
+
+def make_mtp_model(path: str, std: float = PEAKED_STD) -> str:
+    """A tiny MiMo-style model (``MiMoForCausalLM``: a Qwen2 with one MTP
+    layer, ``model.mtp_layers.0``: norms of the token embedding and the
+    hidden state, ``input_proj`` over both, one decoder block, a final norm),
+    random weights of ``std``.  vLLM serves its MTP layer as a drafter
+    (``method: mtp``) whose block caches KV as ``model.mtp_layers.4``.  Its
+    tokenizer is the tiny Llama's (transformers reads a folder of a Qwen2
+    config with its Qwen2 tokenizer class, whatever the folder holds)."""
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from kvfill.bench.models import HEAD_DIM, KV_HEADS, MODEL_LAYERS
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=MODEL_LAYERS,
+                      num_attention_heads=KV_HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
+                      max_position_embeddings=32768, initializer_range=std, tie_word_embeddings=False)
+    tmp = path + ".tmp"
+    Qwen2ForCausalLM(cfg).save_pretrained(tmp)
+    weights = load_file(os.path.join(tmp, "model.safetensors"))
+    g = torch.Generator().manual_seed(11)
+    rand = lambda *shape: (torch.randn(*shape, generator=g) * std).contiguous()  # noqa: E731
+    h, inter, q = cfg.hidden_size, cfg.intermediate_size, KV_HEADS * HEAD_DIM
+    mtp = "model.mtp_layers.0."
+    weights.update({mtp + "token_layernorm.weight": torch.ones(h), mtp + "hidden_layernorm.weight": torch.ones(h),
+                    mtp + "final_layernorm.weight": torch.ones(h), mtp + "input_proj.weight": rand(h, 2 * h),
+                    mtp + "input_layernorm.weight": torch.ones(h),
+                    mtp + "post_attention_layernorm.weight": torch.ones(h)})
+    for name, rows in (("q", q), ("k", q), ("v", q)):
+        weights[f"{mtp}self_attn.{name}_proj.weight"] = rand(rows, h)
+        weights[f"{mtp}self_attn.{name}_proj.bias"] = rand(rows)
+    weights.update({mtp + "self_attn.o_proj.weight": rand(h, q), mtp + "mlp.gate_proj.weight": rand(inter, h),
+                    mtp + "mlp.up_proj.weight": rand(inter, h), mtp + "mlp.down_proj.weight": rand(h, inter)})
+    save_file(weights, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(tmp, "config.json")) as f:
+        config = json.load(f)
+    config.update(architectures=["MiMoForCausalLM"], num_nextn_predict_layers=1)
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+        json.dump(config, f, indent=1)
     os.replace(tmp, path)
     return path
 
@@ -161,15 +211,15 @@ def run_one(a, run: str) -> dict:
 
     from kvfill.record.run import llm_engine
 
-    ids = prompt_ids(a.model, a.prompts_file)
+    ids = prompt_ids(a.tokenizer, a.prompts_file)
     kw = {}
     kt = connector_config(run, a.bank)
     if kt is not None:
         kw["kv_transfer_config"] = kt
     params = SamplingParams(max_tokens=a.output_len, temperature=0.0, logprobs=1, ignore_eos=True, detokenize=False)
-    with llm_engine(model=a.model, dtype=a.dtype, enforce_eager=True, max_model_len=a.max_model_len,
-                    disable_log_stats=False, enable_prefix_caching=False, seed=0, max_num_seqs=len(ids),
-                    tensor_parallel_size=a.tp, speculative_config=spec_config(a), **kw) as llm:
+    with llm_engine(model=a.model, tokenizer=a.tokenizer, dtype=a.dtype, enforce_eager=True,
+                    max_model_len=a.max_model_len, disable_log_stats=False, enable_prefix_caching=False, seed=0,
+                    max_num_seqs=len(ids), tensor_parallel_size=a.tp, speculative_config=spec_config(a), **kw) as llm:
         watched = a.method != "ngram" and all(llm.collective_rpc(_watch_drafts))
         outs = llm.generate([TokensPrompt(prompt_token_ids=t) for t in ids], params, use_tqdm=False)
         rows = greedy_rows(outs)
@@ -214,12 +264,15 @@ def main(argv=None) -> int:
     p.add_argument("--tp", type=int, default=1, help="the runs' tensor parallel size")
     p.add_argument("--json", default=None)
     p.add_argument("--only", default=None, help=argparse.SUPPRESS)
-    for hidden in ("--bank", "--prompts-file", "--model", "--draft"):
+    for hidden in ("--bank", "--prompts-file", "--model", "--draft", "--tokenizer"):
         p.add_argument(hidden, default=None, help=argparse.SUPPRESS)
     p.add_argument("--max-model-len", type=int, default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "out")
-    a.model = os.path.abspath(a.model or os.path.join(root, "smollm2-135m" if a.real else "tiny-llama-peaked"))
+    a.model = os.path.abspath(a.model or os.path.join(
+        root, "smollm2-135m" if a.real else "tiny-mimo-mtp" if a.method == "mtp" else "tiny-llama-peaked"))
+    a.tokenizer = os.path.abspath(a.tokenizer or (os.path.join(root, "tiny-llama-peaked") if a.method == "mtp"
+                                                  else a.model))
     a.draft = os.path.abspath(a.draft or a.model + ("-eagle" if a.method == "eagle" else "-draft"))
     a.max_model_len = a.max_model_len or max(a.prompt_lens) + a.output_len + a.num_spec + 16
     if a.only:
@@ -235,9 +288,11 @@ def main(argv=None) -> int:
         make_real_model(a.model)
         lengths = write_real_prompts(a.prompts_file, a.model, a.prompt_lens)
     else:
-        make_tokenizer(make_model(a.model, init_std=PEAKED_STD))
+        make_tokenizer(make_model(os.path.join(root, "tiny-llama-peaked"), init_std=PEAKED_STD))
+        if a.method == "mtp":
+            make_mtp_model(a.model)
         write_prompts(a.prompts_file, a.prompt_lens, seed=1)
-        lengths = [len(t) for t in prompt_ids(a.model, a.prompts_file)]
+        lengths = [len(t) for t in prompt_ids(a.tokenizer, a.prompts_file)]
     if a.method == "draft_model":
         make_draft(a.model, a.draft)
     elif a.method == "eagle":
@@ -246,13 +301,14 @@ def main(argv=None) -> int:
     spec = json.dumps(spec_config(a))
     rec = run_child([sys.executable, "-m", "kvfill.record", "--model", a.model, "--prompts", a.prompts_file,
                      "--out", a.bank, "--dtype", a.dtype, "--max-model-len", str(a.max_model_len),
-                     "--speculative-config", spec, "--tensor-parallel-size", str(a.record_tp)], "recording",
-                    timeout=900, env=child_env(a.record_tp))
+                     "--tokenizer", a.tokenizer, "--speculative-config", spec, "--tensor-parallel-size",
+                     str(a.record_tp)], "recording", timeout=900, env=child_env(a.record_tp))
     print(next(line for line in rec.stdout.splitlines() if line.startswith("wrote")), flush=True)
     runs = [r for r in RUNS if r == "prefill" or r in a.runs]
     cmd = [sys.executable, os.path.abspath(__file__), "--bank", a.bank, "--prompts-file", a.prompts_file, "--model",
-           a.model, "--draft", a.draft, "--dtype", a.dtype, "--method", a.method, "--num-spec", str(a.num_spec),
-           "--output-len", str(a.output_len), "--max-model-len", str(a.max_model_len), "--tp", str(a.tp)]
+           a.model, "--tokenizer", a.tokenizer, "--draft", a.draft, "--dtype", a.dtype, "--method", a.method,
+           "--num-spec", str(a.num_spec), "--output-len", str(a.output_len), "--max-model-len", str(a.max_model_len),
+           "--tp", str(a.tp)]
     # vLLM CPU fails to start a second engine with ngram in one process (its kernel overrides): one each
     groups = [[r] for r in runs] if a.method == "ngram" else [runs]
     print(f"running {', '.join(runs)} with speculative config {spec} ({len(groups)} process(es)) ...", flush=True)

@@ -163,7 +163,8 @@ def _speculation(llm_kwargs: dict) -> str:
     """The recording's speculative config as given (JSON), "" without one."""
     spec = llm_kwargs.get("speculative_config") or {}
     spec = dict(spec) if isinstance(spec, dict) else {"config": str(spec)}
-    spec.update({k: llm_kwargs[k] for k in ("spec_method", "spec_model", "spec_tokens") if llm_kwargs.get(k) is not None})
+    spec.update({k: llm_kwargs[k] for k in ("spec_method", "spec_model", "spec_tokens")
+                 if llm_kwargs.get(k) is not None})
     return json.dumps(spec, sort_keys=True, default=str) if spec else ""
 
 
