@@ -8,7 +8,7 @@ PIP    := $(PY) -m pip --disable-pip-version-check
 STAMP  := $(VENV)/.installed
 HAS_NVIDIA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
-.PHONY: venv test test-gpu demo serve serve-bench serve-eos soak record-signals bench bench-gpu gpu-check clean
+.PHONY: venv test test-gpu demo serve serve-bench serve-eos spec-replay soak record-signals bench bench-gpu gpu-check clean
 
 venv: $(STAMP)
 
@@ -56,6 +56,12 @@ serve-bench: venv
 serve-eos: venv
 	$(PY) -c "import matplotlib" 2>/dev/null || $(PIP) install -e '.[bench]'
 	$(PY) bench/serve_eos.py $(SERVE_EOS_ARGS)
+
+# Speculative decoding from replayed KV: prefill vs replay vs synthetic fills, offline and through
+# vllm serve + vllm bench serve (draft tokens, acceptance, TPOT).
+spec-replay: venv
+	$(PY) -c "import matplotlib, pandas" 2>/dev/null || $(PIP) install -e '.[bench]'
+	$(PY) bench/spec_replay.py --serve $(SPEC_ARGS)
 
 # Bounded soak: 256 concurrent requests, a small KV cache forcing preemptions, verify on.
 soak: venv
