@@ -94,8 +94,8 @@ def make_eagle_head(model: str, path: str, std: float = PEAKED_STD) -> str:
     h, inter = cfg["hidden_size"], cfg["intermediate_size"]
     q = cfg["num_attention_heads"] * cfg["head_dim"]
     kv = cfg["num_key_value_heads"] * cfg["head_dim"]
-    g = torch.Generator().manual_seed(7)
-    rand = lambda *shape: (torch.randn(*shape, generator=g) * std).contiguous()  # noqa: E731
+    g = torch.Generator(device="cpu").manual_seed(7)
+    rand = lambda *shape: (torch.randn(*shape, generator=g, device="cpu") * std).contiguous()  # noqa: E731
     weights = {"fc.weight": rand(h, 2 * h), "layers.0.self_attn.q_proj.weight": rand(q, h),
                "layers.0.self_attn.k_proj.weight": rand(kv, h), "layers.0.self_attn.v_proj.weight": rand(kv, h),
                "layers.0.self_attn.o_proj.weight": rand(h, q), "layers.0.mlp.gate_proj.weight": rand(inter, h),
@@ -133,8 +133,8 @@ def make_mtp_model(path: str, std: float = PEAKED_STD) -> str:
     tmp = path + ".tmp"
     Qwen2ForCausalLM(cfg).save_pretrained(tmp)
     weights = load_file(os.path.join(tmp, "model.safetensors"))
-    g = torch.Generator().manual_seed(11)
-    rand = lambda *shape: (torch.randn(*shape, generator=g) * std).contiguous()  # noqa: E731
+    g = torch.Generator(device="cpu").manual_seed(11)
+    rand = lambda *shape: (torch.randn(*shape, generator=g, device="cpu") * std).contiguous()  # noqa: E731
     h, inter, q = cfg.hidden_size, cfg.intermediate_size, KV_HEADS * HEAD_DIM
     mtp = "model.mtp_layers.0."
     weights.update({mtp + "token_layernorm.weight": torch.ones(h), mtp + "hidden_layernorm.weight": torch.ones(h),
