@@ -124,18 +124,20 @@ def make_mtp_model(path: str, std: float = PEAKED_STD) -> str:
     from safetensors.torch import load_file, save_file
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from kvfill.bench.models import HEAD_DIM, KV_HEADS, MODEL_LAYERS
+    from kvfill.bench.models import KV_HEADS, MODEL_LAYERS
 
     torch.manual_seed(0)
+    # vLLM's Qwen2 attention takes head_dim = hidden_size / heads (32 here), whatever the config says
     cfg = Qwen2Config(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=MODEL_LAYERS,
-                      num_attention_heads=KV_HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
-                      max_position_embeddings=32768, initializer_range=std, tie_word_embeddings=False)
+                      num_attention_heads=KV_HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=32768,
+                      initializer_range=std, tie_word_embeddings=False)
     tmp = path + ".tmp"
     Qwen2ForCausalLM(cfg).save_pretrained(tmp)
     weights = load_file(os.path.join(tmp, "model.safetensors"))
     g = torch.Generator(device="cpu").manual_seed(11)
     rand = lambda *shape: (torch.randn(*shape, generator=g, device="cpu") * std).contiguous()  # noqa: E731
-    h, inter, q = cfg.hidden_size, cfg.intermediate_size, KV_HEADS * HEAD_DIM
+    h, inter = cfg.hidden_size, cfg.intermediate_size
+    q = KV_HEADS * (h // KV_HEADS)
     mtp = "model.mtp_layers.0."
     weights.update({mtp + "token_layernorm.weight": torch.ones(h), mtp + "hidden_layernorm.weight": torch.ones(h),
                     mtp + "final_layernorm.weight": torch.ones(h), mtp + "input_proj.weight": rand(h, 2 * h),

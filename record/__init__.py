@@ -60,7 +60,7 @@ from kvfill.kernels.bank import sequence_key
 from .assemble import assemble, rows_path  # noqa: F401  (rows_path: where a worker saves)
 from .inputs import (  # noqa: F401  (public here: kvfill.record.RecordError, estimate, ...)
     Estimate, RecordError, check_budget, check_max_model_len, check_out, check_prompt_lengths, choose_positions,
-    default_max_model_len, estimate, read_prompt_lines, read_prompts, unresolved,
+    default_max_model_len, estimate, read_prompt_lines, read_prompts, unresolved, with_drafter,
 )
 from .run import host_workers, run_vllm as _run_vllm, stop_signals  # noqa: F401  (_run_vllm: tests stand in for it)
 
@@ -119,6 +119,12 @@ def record(
                        trust_remote_code=trust)
     except Exception as exc:  # no config.json, or a config transformers cannot read
         raise RecordError(unresolved(exc, model=model, tokenizer=None)) from None
+    spec = _spec_dict(llm_kwargs or {})
+    if spec:
+        try:
+            est = with_drafter(est, model, spec, dtype, kv_cache_dtype, trust_remote_code=trust)
+        except Exception as exc:  # a drafter config transformers cannot read: vLLM says more when it loads it
+            log(f"the drafter's KV layers are not in the estimate ({type(exc).__name__}: {str(exc)[:200]})")
     log(f"bank estimate: {est}")
     budget = None if budget_gib is None else int(budget_gib * 2**30)
     if budget is not None and est.nbytes > budget:
@@ -166,6 +172,17 @@ def _speculation(llm_kwargs: dict) -> str:
     spec.update({k: llm_kwargs[k] for k in ("spec_method", "spec_model", "spec_tokens")
                  if llm_kwargs.get(k) is not None})
     return json.dumps(spec, sort_keys=True, default=str) if spec else ""
+
+
+def _spec_dict(llm_kwargs: dict) -> dict:
+    """The speculative config's method and drafter model, from
+    ``--speculative-config`` or vLLM's ``--spec-method``/``--spec-model``."""
+    spec = llm_kwargs.get("speculative_config")
+    spec = dict(spec) if isinstance(spec, dict) else {}
+    for flag, key in (("spec_method", "method"), ("spec_model", "model")):
+        if llm_kwargs.get(flag) is not None:
+            spec[key] = llm_kwargs[flag]
+    return spec
 
 
 @contextlib.contextmanager

@@ -72,6 +72,30 @@ def estimate(model: str, sequences: int, positions: int, dtype: str = "auto", kv
     return Estimate(sequences, positions, layers * row * itemsize, layers)
 
 
+def with_drafter(est: Estimate, model: str, spec: dict, dtype: str = "auto", kv_cache_dtype: str = "auto",
+                 trust_remote_code: bool = False) -> Estimate:
+    """``est`` with the drafter's KV layers, which a recording under the
+    speculative config ``spec`` records too: a draft model's or an EAGLE
+    head's (the config at ``spec["model"]``), or the model's own MTP layers
+    (``num_nextn_predict_layers``, rows like its own).  Methods without a
+    drafter model (ngram, suffix) add none."""
+    method, path = spec.get("method"), spec.get("model")
+    if method in ("ngram", "ngram_gpu", "suffix"):
+        return est
+    if path:
+        d = estimate(path, est.sequences, est.positions, dtype, kv_cache_dtype, trust_remote_code)
+        return Estimate(est.sequences, est.positions, est.bytes_per_token + d.bytes_per_token, est.layers + d.layers)
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
+    text = getattr(cfg, "get_text_config", lambda: cfg)()
+    n = int(getattr(text, "num_nextn_predict_layers", 0) or 0)
+    if not n or not est.layers:
+        return est
+    per_layer = est.bytes_per_token // est.layers
+    return Estimate(est.sequences, est.positions, est.bytes_per_token + n * per_layer, est.layers + n)
+
+
 def check_budget(budget_gib: float | None) -> None:
     """A budget compares with nothing when NaN, refuses every bank when <= 0
     and none when infinite: each is a mistake, refused before anything runs."""

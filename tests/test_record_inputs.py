@@ -505,3 +505,24 @@ def test_record_handshakes_name_each_worker_whose_node_ran_other_flags():
     text = str(err.value)
     assert "first node runs engine flags sha256:1" in text and "node b, TP rank 1, PP rank 0 runs engine flags " \
            "sha256:2" in text and "node a" not in text, text
+
+
+def test_the_estimate_counts_the_drafters_kv_layers_a_speculative_recording_records(tmp_path):
+    """A draft model's or EAGLE head's layers (its own config), or the
+    model's own MTP layers; ngram has no drafter KV."""
+    from kvfill.record.inputs import with_drafter
+
+    base = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "head_dim": 16, "vocab_size": 1024, "dtype": "bfloat16"}
+    target = write_config(tmp_path / "target", {**base, "num_hidden_layers": 4})
+    draft = write_config(tmp_path / "draft", {**base, "num_hidden_layers": 2, "num_key_value_heads": 1})
+    mtp = write_config(tmp_path / "mtp", {**base, "num_hidden_layers": 4, "num_nextn_predict_layers": 1})
+    row = 2 * 2 * 16 * 2  # K+V x 2 heads x 16 x bf16
+    est = estimate(target, 3, 100)
+    assert (est.layers, est.bytes_per_token) == (4, 4 * row)
+    with_draft = with_drafter(est, target, {"method": "draft_model", "model": draft})
+    assert (with_draft.layers, with_draft.bytes_per_token) == (6, 4 * row + 2 * (row // 2))
+    with_mtp = with_drafter(estimate(mtp, 3, 100), mtp, {"method": "mtp", "num_speculative_tokens": 1})
+    assert (with_mtp.layers, with_mtp.bytes_per_token, with_mtp.nbytes) == (5, 5 * row, 100 * 5 * row)
+    assert with_drafter(est, target, {"method": "ngram"}) == est
+    assert with_drafter(est, target, {"method": "mtp"}) == est  # a model without MTP layers
