@@ -116,20 +116,19 @@ class KVFillWorker:
                 len(self.unaddressable), sorted(self.unaddressable)[0],
             )
         bank = None
+        node = socket.gethostname()  # how the handshake and errors name this worker's node
         if self.options.replay and not self.options.recording:
             # This rank's part only: its KV heads, its stage's layers, its DCP positions below max_model_len.
             part = rank_part(groups, self.tp_rank, self.tp_size, self.max_model_len or None)
-            node = socket.gethostname()
             try:
                 bank = load_bank(self.options.bank, part, self.vllm_config, device=_cache_device(groups))
             except BankError as exc:  # missing, another version, lying: say which worker of which node
                 raise BankError(f"{rank_where(node, self.tp_rank, self.pp_rank)}: {exc}") from None
             # what this worker loaded, checked by the scheduler at start (vLLM's handshake)
             self.handshake = KVFillBankHandshake(node, self.tp_rank, self.pp_rank,
-                                                      os.path.abspath(self.options.bank), bank.identity or "")
+                                                 os.path.abspath(self.options.bank), bank.identity or "")
         if self.options.recording and self.options.record_engine is not None:
-            self.handshake = KVFillRecordHandshake(socket.gethostname(), self.tp_rank, self.pp_rank,
-                                                   self.options.record_engine)
+            self.handshake = KVFillRecordHandshake(node, self.tp_rank, self.pp_rank, self.options.record_engine)
         self.engine = FillEngine(groups, values=self.options.values, backend=self.options.backend,
                                  layer_ids=_layer_ids(kv_caches), bank=bank,
                                  page_image_bytes=0 if self.options.recording else self.options.page_image_mib << 20)

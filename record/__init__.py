@@ -153,7 +153,7 @@ def record(
             "prompts_sha256": prompts_sha,
             "tokenizer": tokenizer or model,
             # the drafter whose KV layers were recorded with the target's ("" without one)
-            "speculative_config": _speculation(llm_kwargs or {}),
+            "speculative_config": json.dumps(spec, sort_keys=True, default=str) if spec else "",
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         }
         bank = assemble(work, unique, meta, out)
@@ -165,21 +165,13 @@ def record(
     return bank
 
 
-def _speculation(llm_kwargs: dict) -> str:
-    """The recording's speculative config as given (JSON), "" without one."""
+def _spec_dict(llm_kwargs: dict) -> dict:
+    """The recording's speculative config, from ``--speculative-config`` and
+    vLLM's ``--spec-method``/``--spec-model``/``--spec-tokens`` (under the
+    config's own key names); {} without one."""
     spec = llm_kwargs.get("speculative_config") or {}
     spec = dict(spec) if isinstance(spec, dict) else {"config": str(spec)}
-    spec.update({k: llm_kwargs[k] for k in ("spec_method", "spec_model", "spec_tokens")
-                 if llm_kwargs.get(k) is not None})
-    return json.dumps(spec, sort_keys=True, default=str) if spec else ""
-
-
-def _spec_dict(llm_kwargs: dict) -> dict:
-    """The speculative config's method and drafter model, from
-    ``--speculative-config`` or vLLM's ``--spec-method``/``--spec-model``."""
-    spec = llm_kwargs.get("speculative_config")
-    spec = dict(spec) if isinstance(spec, dict) else {}
-    for flag, key in (("spec_method", "method"), ("spec_model", "model")):
+    for flag, key in (("spec_method", "method"), ("spec_model", "model"), ("spec_tokens", "num_speculative_tokens")):
         if llm_kwargs.get(flag) is not None:
             spec[key] = llm_kwargs[flag]
     return spec

@@ -147,16 +147,24 @@ def _flags(names) -> str:
     return ", ".join(f"--{n.replace('_', '-')}" for n in names) or "none beyond the recorder's own"
 
 
-def check_engine_config(kw: dict, given: list[str]) -> None:
-    """Build vLLM's whole engine config from ``kw`` as ``LLM`` does, so vLLM's
-    refusal of a flag (``given``: the user's) is one line before any worker
-    starts, not a pydantic traceback after it."""
+def given_flags(llm_kwargs: dict, dtype: str, kv_cache_dtype: str, block_size) -> list[str]:
+    """The engine flags the user gave: those in ``llm_kwargs`` and the named
+    ones set (what ``check_engine_config``'s refusal lists)."""
+    return list(llm_kwargs) + [k for k, v in (("dtype", dtype != "auto"), ("kv_cache_dtype", kv_cache_dtype != "auto"),
+                                              ("block_size", block_size)) if v]
+
+
+def check_engine_config(kw: dict, given: list[str], headless: bool = False):
+    """Build vLLM's whole engine config from ``kw`` as ``LLM`` does (as a
+    headless node's with ``headless``), so vLLM's refusal of a flag
+    (``given``: the user's) is one line before any worker starts, not a
+    pydantic traceback after it.  Returns the config."""
     from vllm.config import KVTransferConfig
     from vllm.engine.arg_utils import EngineArgs
 
     args = dict(kw, kv_transfer_config=KVTransferConfig(**kw["kv_transfer_config"]))
     try:
-        EngineArgs(**args).create_engine_config()
+        return EngineArgs(**args).create_engine_config(headless=headless)
     except (ValueError, TypeError, AssertionError, NotImplementedError) as exc:
         raise RecordError(f"vLLM refuses this engine configuration: {_first_message(exc)} (engine flags given: "
                           f"{_flags(given)})") from None
@@ -333,9 +341,7 @@ def run_vllm(model, token_ids, record_dir, dtype, kv_cache_dtype, block_size, ma
 
     kw = engine_kwargs(model, token_ids, record_dir, dtype, kv_cache_dtype, block_size, max_model_len, llm_kwargs,
                        tokenizer, cpu=current_platform.is_cpu())
-    given = list(llm_kwargs) + [k for k, v in (("dtype", dtype != "auto"), ("kv_cache_dtype", kv_cache_dtype != "auto"),
-                                               ("block_size", block_size)) if v]
-    check_engine_config(kw, given)
+    check_engine_config(kw, given_flags(llm_kwargs, dtype, kv_cache_dtype, block_size))
     params = SamplingParams(max_tokens=1, ignore_eos=True, detokenize=False, temperature=0.0)
     try:
         with llm_engine(**kw) as llm:
@@ -378,8 +384,6 @@ def host_workers(model, token_ids, dtype, kv_cache_dtype, block_size, max_model_
     (the same command line), and checked there (``engine_digest``).  Writes
     nothing; what the workers saved they dropped when fetched."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    from vllm.config import KVTransferConfig
-    from vllm.engine.arg_utils import EngineArgs
     from vllm.platforms import current_platform
     from vllm.v1.executor.multiproc_executor import MultiprocExecutor
 
@@ -390,20 +394,17 @@ def host_workers(model, token_ids, dtype, kv_cache_dtype, block_size, max_model_
     parts = os.path.join(tempfile.gettempdir(), f"kvfill-parts-{record_dir}-*")
     kw = engine_kwargs(model, token_ids, record_dir, dtype, kv_cache_dtype, block_size,
                        max_model_len, llm_kwargs, tokenizer, cpu=current_platform.is_cpu())
-    given = list(llm_kwargs)
     if (kw.get("distributed_executor_backend") or "mp") != "mp":
         raise RecordError(f"--node-rank {node}: this node hosts workers through vLLM's multiprocessing executor; "
                           f"got --distributed-executor-backend {kw['distributed_executor_backend']} (with Ray, "
                           f"start the recording on the Ray head only)")
-    check_engine_config(kw, given)
-    args = dict(kw, kv_transfer_config=KVTransferConfig(**kw["kv_transfer_config"]))
+    config = check_engine_config(kw, given_flags(llm_kwargs, dtype, kv_cache_dtype, block_size), headless=True)
     ended = threading.Event()
     previous = signal.signal(signal.SIGUSR1, lambda signum, frame: ended.set())
     executor = None
     try:
         with _private_tempdir():
             try:
-                config = EngineArgs(**args).create_engine_config(headless=True)
                 log(f"node {node} of {config.parallel_config.nnodes}: starting this node's workers; they join the "
                     f"first node at {config.parallel_config.master_addr}:{config.parallel_config.master_port}")
                 executor = MultiprocExecutor(config, monitor_workers=False)
