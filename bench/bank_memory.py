@@ -4,9 +4,9 @@
     python bench/bank_memory.py --sequences 8 --positions 131072
 
 A bank row per token and attention layer is K then V over the model's KV
-heads (``head_size`` each), or MLA's latent + rope row (``kvfill/kernels/bank.py``).
+heads (``head_size`` each), or MLA's latent + rope row (``kvfill/bank/format.py``).
 The "per rank" column is what a replaying rank loads: only what it writes
-(``kvfill/kernels/bank_part.py``, docs/replay.md):
+(``kvfill/bank/parts.py``, docs/replay.md):
 
 * tensor parallel size T: its ``max(1, H / T)`` KV heads (with fewer KV heads
   than ranks, vLLM replicates a head over ``T / H`` ranks: each holds one);

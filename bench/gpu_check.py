@@ -81,8 +81,7 @@ def random_bank(engine, dtype, seed=7):
     of a canonical bank of twice the heads (``BankPart``: the slice a rank of
     a TP 2 engine loads, staging permuting it into the cache's order), else a
     bank of the layers' own rows; ``[sum(BANK_LENGTHS), row]`` each."""
-    from kvfill.kernels import Bank
-    from kvfill.kernels.bank_part import BankPart
+    from kvfill.bank import Bank, BankPart
 
     g = torch.Generator(device="cpu").manual_seed(seed)
     itemsize = torch.empty((), dtype=dtype, device="cpu").element_size()

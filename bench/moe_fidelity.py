@@ -357,7 +357,7 @@ def main(argv=None) -> int:
     a.fill_mean, a.fill_std = stats["mean"], stats["std"]
     from transformers import AutoTokenizer
 
-    from kvfill.kernels.bank import BankIndex
+    from kvfill.bank import BankIndex
 
     tok = AutoTokenizer.from_pretrained(a.model)
     index = BankIndex.read(bank)

@@ -12,10 +12,10 @@ A configuration is ``tpN`` (``--tensor-parallel-size N``) or ``ppN``
 buffer for the activations it receives: ``sync_and_gather_intermediate_tensors``
 asserts), so PP runs compile (slower to start).
 
-A bank is canonical (every KV head of every layer, ``kvfill/kernels/bank.py``):
+A bank is canonical (every KV head of every layer, ``kvfill/bank/format.py``):
 recorded at TP 2, each worker saves its heads and the recorder merges them;
 replayed at TP 2, each rank loads only its heads, at PP 2 only its stage's
-layers (``bank_part.py``).  The
+layers (``kvfill/bank/parts.py``).  The
 model is the float32 tiny Llama with peaked next-token distributions (8 KV
 heads, so TP 2 splits them 4 + 4).  Two workers on this 2-core machine need
 ``VLLM_CPU_OMP_THREADS_BIND="0|1"`` (one core per worker; set here).  Each

@@ -34,7 +34,7 @@ recorded prompts each run generates from a decoy per prompt - its first K
 tokens, then other tokens - that was not recorded.  The recorded prompts then
 reuse the decoys' cached blocks of their first K tokens, so replay must have
 filled those with the recorded prompt's rows (a block's rows are chosen by
-its own token prefix, ``kvfill/kernels/bank.py``).
+its own token prefix, ``kvfill/bank/format.py``).
 """
 from __future__ import annotations
 

@@ -16,9 +16,8 @@ from typing import TYPE_CHECKING, Mapping
 import torch
 from vllm.logger import init_logger
 
-from kvfill.kernels import NO_DCP, Bank, BankError, CacheGroup
-from kvfill.kernels.bank import dtype_name
-from kvfill.kernels.bank_part import BankPart
+from kvfill.bank import NO_DCP, Bank, BankError, BankPart, dtype_name
+from kvfill.kernels import CacheGroup
 
 from .bank_fit import fit_error
 
@@ -30,7 +29,7 @@ logger = init_logger("vllm.kvfill.connector")
 
 def rank_part(groups: Mapping[str, CacheGroup], tp_rank: int, tp_size: int,
               max_positions: int | None = None) -> BankPart:
-    """What this rank replays (``kvfill/kernels/bank_part.py``): its TP rank's
+    """What this rank replays (``kvfill/bank/parts.py``): its TP rank's
     KV heads, the layers of its replaying groups (its pipeline stage's), those
     groups' DCP positions, and positions below ``max_positions`` (the serving
     max_model_len: rows past it are never read)."""

@@ -8,7 +8,7 @@ import enum
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from kvfill.kernels import NO_DCP, DcpGeometry
+from kvfill.bank import NO_DCP, DcpGeometry
 
 NULL_BLOCK_ID = 0  # vLLM's BlockPool hands out block 0 as the null block
 

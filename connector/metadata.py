@@ -72,7 +72,7 @@ def check_record_handshakes(engine: str, handshakes) -> None:
 
 def check_bank_handshakes(path: str, identity: str | None, handshakes) -> None:
     """Every replaying worker loaded the bank the scheduler indexed
-    (``identity``: ``bank_file.identity_of``); else a ValueError naming each
+    (``identity``: ``kvfill.bank.files.identity_of``); else a ValueError naming each
     worker that did not - node, rank, path and both identities."""
     wrong = [h for h in handshakes if isinstance(h, KVFillBankHandshake) and h.identity != identity]
     if wrong:

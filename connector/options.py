@@ -10,7 +10,8 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
-from kvfill.kernels import BankError, BankIndex, ValueSpec
+from kvfill.bank import BankError, BankIndex
+from kvfill.kernels import ValueSpec
 from kvfill.kernels.backend import BACKENDS
 from kvfill.kernels.values import ValueSpecError
 

@@ -26,9 +26,8 @@ from typing import TYPE_CHECKING
 
 from vllm.logger import init_logger
 
+from kvfill.bank import dtype_name, head_range
 from kvfill.kernels import FillEngine
-from kvfill.kernels.bank import dtype_name
-from kvfill.kernels.bank_part import head_range
 
 from .metadata import KVFillConnectorMetadata
 from .options import FillOptions
@@ -97,7 +96,7 @@ class Recorder:
 
     def save(self, engine: FillEngine, planner: Planner, meta: KVFillConnectorMetadata) -> None:
         """Save positions ``[0, N)`` of each prompt the step completed, in the
-        bank's canonical row order (``kvfill.kernels.kv_rows``), this rank's part."""
+        bank's canonical row order (``kvfill.bank.rows``), this rank's part."""
         if not meta.records or not self.saves:
             return
         if not os.path.isdir(self.folder):

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from vllm.logger import init_logger
 
-from kvfill.kernels.bank import sequence_key
+from kvfill.bank import sequence_key
 
 from .metadata import KVFillConnectorMetadata, RecordItem
 from .options import FillOptions

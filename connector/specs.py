@@ -25,7 +25,7 @@ from vllm.v1.kv_cache_interface import (
     UniformTypeKVCacheSpecs,
 )
 
-from kvfill.kernels import DcpGeometry
+from kvfill.bank import DcpGeometry
 from kvfill.kernels import values as V
 
 from .planner import GroupGeometry, GroupKind, Planner, RequestSelection
@@ -178,7 +178,7 @@ def layer_specs_by_name(kv_cache_config: Any) -> dict[str, KVCacheSpec]:
 def layer_kv_geometry(spec: KVCacheSpec) -> tuple[int, int, int] | None:
     """``(num_kv_heads, head_size, head_size_v)`` of an attention layer's
     cache on this worker (MLA: one head of the latent row, ``head_size_v``
-    0): how a bank's canonical rows map onto it (``kvfill.kernels.kv_rows``).
+    0): how a bank's canonical rows map onto it (``kvfill.bank.rows``).
     None for other specs (recurrent state keeps its own order)."""
     if not isinstance(spec, AttentionSpec):
         return None

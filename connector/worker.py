@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from vllm.logger import init_logger
 
-from kvfill.kernels import BankError, CacheGroup, FillEngine, FillPlan
+from kvfill.bank import BankError
+from kvfill.kernels import CacheGroup, FillEngine, FillPlan
 
 from .bank_checks import load_bank, rank_part
 from .cpu_layout import cpu_attention_parts

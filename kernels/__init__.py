@@ -4,9 +4,9 @@ Public API:
     fill_blocks / verify_blocks     functional fill of whole blocks (custom op)
     FillEngine, CacheGroup          register caches once, fill plans per step
     FillPlan, GroupFill             the plan format (a list of entries per group)
-    DcpGeometry                     which rank holds which token of a group
+    DcpGeometry                     which rank holds which token of a group (kvfill.bank, re-exported here)
     ValueSpec                       what is written (mean, std, seed)
-    Bank, BankIndex                 recorded KV rows a replay fill writes
+    Bank, BankIndex                 recorded KV rows a replay fill writes (kvfill.bank, re-exported here)
     layout_of, Layout               how a tensor is addressed
     kvfill.kernels.testing          the layout zoo and helpers for tests and checks
 """
@@ -17,6 +17,8 @@ if __name__ != "kvfill.kernels":
     # torch custom op again and split the engine cache between two copies.
     __all__: list[str] = []
 else:
+    from kvfill.bank import NO_DCP, Bank, BankError, BankIndex, DcpGeometry  # re-exported: kvfill/bank/
+
     from .api import (
         captured_engines,
         clear_engine_cache,
@@ -25,8 +27,6 @@ else:
         release_captured_fills,
         verify_blocks,
     )
-    from .bank import Bank, BankError, BankIndex
-    from .dcp import NO_DCP, DcpGeometry
     from .engine import FillEngine, FillStats
     from .layout import Layout, layout_of
     from .plan import FillPlan, GroupFill

@@ -18,11 +18,11 @@ from typing import Iterable, Mapping
 import numpy as np
 import torch
 
+from kvfill.bank import Bank, RowFormat
+
 from . import values as V
 from .backend import BACKENDS, FillBackend
-from .bank import Bank
 from .capture import check_capture_device, pin, stream_capturing
-from .kv_rows import RowFormat
 from .plan import FillPlan, GroupFill
 from .registry import CacheGroup, RegisteredGroup, Registry
 from .torch_fill import TorchBackend
@@ -227,7 +227,7 @@ class FillEngine:
 
     def row_formats(self) -> dict[str, RowFormat]:
         """Layer -> its row's element dims (a bank's ``parts``) and relation to
-        a bank's canonical row (``kv_rows.RowFormat``)."""
+        a bank's canonical row (``kvfill.bank.RowFormat``)."""
         return self._registry.row_formats()
 
     def value_dtypes(self) -> dict[str, torch.dtype]:

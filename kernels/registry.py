@@ -13,11 +13,9 @@ from typing import Mapping, Sequence
 import numpy as np
 import torch
 
+from kvfill.bank import NO_DCP, Bank, BankError, BankPart, DcpGeometry, RowFormat, free_bytes
+
 from . import values as V
-from .bank import Bank, BankError, free_bytes
-from .bank_part import BankPart
-from .dcp import NO_DCP, DcpGeometry
-from .kv_rows import RowFormat
 from .layout import Layout, default_slot_dim, layout_of
 
 
@@ -65,7 +63,7 @@ class CacheGroup:
     dcp: this group's DCP geometry on this rank.
     kv: layer name -> ``(num_kv_heads, head_size, head_size_v)`` of its K/V
         (or one tuple for every layer): how a bank's canonical rows map onto
-        the cache's element order (``kv_rows.py``).  None: inferred from the
+        the cache's element order (``kvfill/bank/rows.py``).  None: inferred from the
         cache's view where it names them (K and V tensors, ``[2, H, D]``, MLA).
     """
 
@@ -194,7 +192,7 @@ class Registry:
         return out, next_id
 
     def _rank_positions(self, bank: Bank) -> Bank:
-        """The bank holding this rank's DCP positions (``bank_part.py``): as
+        """The bank holding this rank's DCP positions (``kvfill/bank/parts.py``): as
         loaded, or selected here from a whole bank."""
         dcps = {self.groups[t.group].dcp for t in self.tensors if t.mode == V.REPLAY}
         dcps = {d if d.sharded else NO_DCP for d in dcps} or {NO_DCP}
@@ -234,7 +232,7 @@ class Registry:
         return [replace(t, bank=on_device[t.layer]) if t.mode == V.REPLAY else t for t in self.tensors]
 
     def row_formats(self) -> dict[str, RowFormat]:
-        """Layer -> how its cache row relates to a bank's (``kv_rows.py``):
+        """Layer -> how its cache row relates to a bank's (``kvfill/bank/rows.py``):
         its parts, its K/V geometry (given or inferred) and the permutation
         from the canonical order; a view that is no known one of the geometry
         keeps its own order, a geometry of sizes < 1 is a ValueError."""

@@ -9,8 +9,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from kvfill.bank import DcpGeometry
+
 from . import values as V
-from .dcp import DcpGeometry
 from .layout import Layout, canonical_view
 from .plan import GroupFill
 from .registry import LaunchClass, LayerTensor
@@ -61,7 +62,7 @@ def value_source(c: LaunchClass, t: LayerTensor, rows: SlotRows,
     normal: the class's value table at the rows' hashed offsets; replay: the
     layer's bank rows flattened, row ``start_s + l mod N_s`` of the row's
     sequence ``s`` at rank-local position l (``c.sequences``: the bank's first
-    row and length of each sequence, this rank's part: ``bank_part.py``), from
+    row and length of each sequence, this rank's part: ``kvfill/bank/parts.py``), from
     the tensor's element offset within the layer's row.
     """
     position = rows.position if sel is None else rows.position[sel]

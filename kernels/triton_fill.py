@@ -22,8 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kvfill.bank import DcpGeometry
+
 from . import values as V
-from .dcp import DcpGeometry
 from .layout import Layout
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -140,7 +141,7 @@ def scatter_fill_kernel(
                 vals = tl.load(table_ptr + (start[:, None] + e[None, :]), mask=mask)
             elif MODE == 3:
                 # Bank row (sequence, l mod N_s) of the rank-local slot l: the bank
-                # holds this rank's positions in local order (bank_part.py; l = t
+                # holds this rank's positions in local order (kvfill/bank/parts.py; l = t
                 # without DCP); contiguous along the row, so the loads vectorise.
                 local = local_base + s
                 # (l % N + N) % N: a device-built entry with a negative base still reads inside the bank

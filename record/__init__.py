@@ -10,7 +10,7 @@ forward that completes a prompt, the worker reads every attention layer's
 rows of its positions from the request's own blocks (``wait_for_save``) and
 saves them.  Every prompt is recorded whole (``--positions`` caps the length),
 so each replays exactly as recorded whatever its length.  The rows are
-assembled into one bank file (``kvfill.kernels.bank``: safetensors, per layer
+assembled into one bank file (``kvfill.bank``: safetensors, per layer
 the sequences' rows one after another (a ragged bank) in the cache's storage
 dtype and the canonical K/V order of every layout, provenance in the
 metadata).  Replay it with ``kv_connector_extra_config: {"fill_mode": "replay",
@@ -54,8 +54,7 @@ import os
 import shutil
 import tempfile
 
-from kvfill.kernels import Bank
-from kvfill.kernels.bank import sequence_key
+from kvfill.bank import Bank, sequence_key
 
 from .assemble import assemble, rows_path  # noqa: F401  (rows_path: where a worker saves)
 from .inputs import (  # noqa: F401  (public here: kvfill.record.RecordError, estimate, ...)

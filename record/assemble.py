@@ -8,7 +8,7 @@ each layer holds and how many files the run writes per prompt.  Here the
 parts of every prompt are checked - the expected number of files, every layer
 from one pipeline stage, every head of every layer exactly once - and merged:
 a layer's K columns in head order, then its V columns, the prompts one after
-another (a ragged bank, ``kvfill/kernels/bank.py``).
+another (a ragged bank, ``kvfill/bank/format.py``).
 """
 from __future__ import annotations
 
@@ -19,8 +19,7 @@ from typing import Sequence
 
 import torch
 
-from kvfill.kernels import Bank
-from kvfill.kernels.bank import sequence_key
+from kvfill.bank import Bank, sequence_key
 
 
 def rows_path(work: str, token_ids: Sequence[int], tp_rank: int = 0, pp_rank: int = 0) -> str:

@@ -1,7 +1,8 @@
 """Bank files that lie, change or are not banks: refused at start with a
 BankError naming the file, the key and what was expected; saved atomically;
 loaded into memory the process owns (host memory, whatever torch's default
-device: the file data here is made on the host explicitly).
+device: the file data here is made on the host explicitly).  The bank package
+imported alone loads neither vLLM nor the rest of kvfill.
 """
 import os
 import stat
@@ -13,8 +14,7 @@ pytest.importorskip("safetensors")  # a torch + triton only image (the GPU check
 from safetensors import safe_open  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
-from kvfill.kernels import Bank, BankError, BankIndex, DcpGeometry  # noqa: E402
-from kvfill.kernels.bank import BANK_VERSION  # noqa: E402
+from kvfill.bank import BANK_VERSION, Bank, BankError, BankIndex, DcpGeometry  # noqa: E402
 
 S, ROW = 2, 8
 LENGTHS = [4, 7]  # a ragged bank: T = 11 rows
@@ -37,7 +37,7 @@ def rewrite(path, tensors=None, seal=True, **changes):
     some tensors replaced (``tensors``: name -> tensor); ``seal``: its
     metadata digest made to match again (a file written so, not edited after
     its save: what the checks of each key meet)."""
-    from kvfill.kernels.bank_file import metadata_digest
+    from kvfill.bank.files import metadata_digest
 
     with safe_open(str(path), framework="pt", device="cpu") as f:
         meta = dict(f.metadata())
@@ -165,7 +165,7 @@ def _layers_json(**l0):
     ("layers", _layers_json(kv=[1, 4, 0]), r"layer 'l0' rows have 8 elements, its kv \[1, 4, 0\] names 4"),
 ])
 def test_malformed_metadata_gets_a_bank_error_naming_the_key(tmp_path, key, value, expected):
-    from kvfill.kernels.bank_part import BankPart
+    from kvfill.bank import BankPart
 
     path, _ = good_bank(tmp_path)
     rewrite_metadata(path, **{key: value})
@@ -363,7 +363,7 @@ def meta_default_device():
 
 
 def test_a_bank_loads_into_host_memory_whatever_torchs_default_device(tmp_path, meta_default_device):
-    from kvfill.kernels.bank_part import BankPart
+    from kvfill.bank import BankPart
 
     path, rows = good_bank(tmp_path)
     whole = Bank.load(path)
@@ -381,7 +381,7 @@ def test_every_save_has_its_own_identity_and_copies_share_it(tmp_path):
     part carry it."""
     import shutil
 
-    from kvfill.kernels.bank_part import BankPart
+    from kvfill.bank import BankPart
 
     path, rows = good_bank(tmp_path)
     copy = tmp_path / "copy.safetensors"
@@ -410,3 +410,18 @@ def test_a_bank_saved_before_banks_had_ids_reads_with_a_digest_identity(tmp_path
     assert ident.startswith("unsaved/") and Bank.load(path).identity == ident
     rewrite_metadata(path, model="another/model")  # no stored digest: a change is another identity, not an error
     assert BankIndex.read(path).identity not in (ident, None)
+
+
+def test_the_bank_package_imports_neither_vllm_nor_the_rest_of_kvfill():
+    """kvfill.bank sits below everything (kernels and connector import it) and
+    runs where vLLM is absent: importing it alone loads no vLLM, no
+    kvfill.kernels and no kvfill.connector."""
+    import subprocess
+    import sys
+
+    code = ("import sys, kvfill.bank\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'vllm'\n"
+            "             or m.startswith(('kvfill.kernels', 'kvfill.connector', 'kvfill.record'))))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "[]", out.stdout

@@ -1,4 +1,4 @@
-"""Bank parts (kernels/bank_part.py): what one rank of a parallel engine loads
+"""Bank parts (bank/parts.py): what one rank of a parallel engine loads
 of a canonical bank, and how the ranks' parts come back together.
 
 * TP: a rank's row is the K of its KV heads, then their V (heads replicated
@@ -23,8 +23,8 @@ import torch
 from oracle import poisoned_buffer
 from test_fill_layouts import assert_same_bytes
 
-from kvfill.kernels import Bank, BankError, CacheGroup, DcpGeometry, FillEngine, GroupFill
-from kvfill.kernels.bank_part import BankPart, head_range
+from kvfill.bank import Bank, BankError, BankPart, DcpGeometry, head_range
+from kvfill.kernels import CacheGroup, FillEngine, GroupFill
 from kvfill.kernels.testing import STANDARD_LAYOUTS, standard_views
 
 LENGTHS = [5, 11, 8]                       # a ragged bank of 24 rows
@@ -149,13 +149,13 @@ def test_a_part_is_not_saved_as_a_bank_nor_selected_from(tmp_path):
 def test_the_host_memory_check_counts_only_the_part(tmp_path, monkeypatch):
     """Bank.load(path, part) reads the part's columns and rows: a host with
     room for the part, not the whole bank, loads the part."""
-    from kvfill.kernels import bank_file
+    from kvfill.bank import files
 
     bank = make_bank({"l0": (8, 8, 8), "l1": (8, 8, 8)})
     path = saved(bank, tmp_path)
     part = BankPart(0, 4, layers={"l1"})
     room = bank.nbytes // 4
-    monkeypatch.setattr(bank_file, "free_bytes", lambda device: room)
+    monkeypatch.setattr(files, "free_bytes", lambda device: room)
     assert Bank.load(path, part).nbytes == bank.nbytes // 8
     with pytest.raises(BankError, match=r"whole takes 0\.00 GiB, more than the host's 0\.00 GiB available memory"):
         Bank.load(path)
@@ -244,7 +244,7 @@ def test_a_recording_tp_rank_merges_heads_only_of_the_layers_it_read(tmp_path):
 
     from kvfill.connector.options import FillOptions
     from kvfill.connector.recorder import Recorder
-    from kvfill.kernels.kv_rows import RowFormat
+    from kvfill.bank import RowFormat
 
     def recorder(tp_rank, total, use_mla=False):
         par = SimpleNamespace(tensor_parallel_size=2, pipeline_parallel_size=1, decode_context_parallel_size=1)

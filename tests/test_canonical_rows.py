@@ -1,4 +1,4 @@
-"""Canonical bank rows (kernels/kv_rows.py): a bank recorded from one cache
+"""Canonical bank rows (bank/rows.py): a bank recorded from one cache
 layout replays into every other layout that holds the same K and V.
 
 A bank is recorded the way the connector's recorder does it (``engine.read``,
@@ -6,7 +6,7 @@ then ``RowFormat.to_bank``) from caches whose K and V were written through each
 layout's own indexing; it is replayed into another layout, both backends, in
 poisoned memory.  The oracle writes each token's K and V for head h through
 the destination layout's own indexing (written out below, independent of
-kv_rows and of the engine's layouts) into a copy of the buffer: every byte
+bank/rows.py and of the engine's layouts) into a copy of the buffer: every byte
 must equal it, so a head or K/V mix-up and a stray write both fail.
 """
 import numpy as np
@@ -18,10 +18,10 @@ from cases import HEADS as ZOO_HEADS
 from oracle import poisoned_buffer, write_expected
 from test_fill_layouts import assert_same_bytes
 
+from kvfill.bank.rows import RowFormat, infer_geometry
 from kvfill.connector.cpu_layout import cpu_kv_parts
 from kvfill.kernels import Bank, BankError, CacheGroup, FillEngine, GroupFill
 from kvfill.kernels import values as V
-from kvfill.kernels.kv_rows import RowFormat, infer_geometry
 from kvfill.kernels.testing import standard_views
 
 NB, N, D = 6, 8, 8        # manager blocks, slots per block, head size (= head_size_v)

@@ -936,8 +936,7 @@ def test_a_bank_without_the_drafters_layers_is_refused_under_speculative_decodin
     from types import SimpleNamespace
 
     from kvfill.connector.bank_checks import check_drafter_layers
-    from kvfill.kernels import Bank, BankError
-    from kvfill.kernels.bank_part import BankPart
+    from kvfill.bank import Bank, BankError, BankPart
 
     target = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
     drafter = [f"draft_model.model.layers.{i}.self_attn.attn" for i in range(2)]

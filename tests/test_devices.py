@@ -94,7 +94,8 @@ def test_every_generator_and_seeded_draw_names_its_device():
     """A GPU run (conftest: default device cuda) refuses a CPU generator for a
     draw made on the default device; every seeded draw names its device."""
     files = sorted([*ROOT.joinpath("tests").glob("*.py"), *ROOT.joinpath("bench").glob("*.py"),
-                    *ROOT.joinpath("kernels").glob("*.py"), *ROOT.joinpath("connector").glob("*.py")])
+                    *ROOT.joinpath("bank").glob("*.py"), *ROOT.joinpath("kernels").glob("*.py"),
+                    *ROOT.joinpath("connector").glob("*.py")])
     assert len(files) > 20
     bad = [b for f in files for b in _unpinned_random_calls(f)]
     assert not bad, "\n".join(bad)

@@ -9,9 +9,9 @@ from oracle import poisoned_buffer, write_expected
 from test_dcp import BS, HEADS, LAYOUTS, LOCAL, NUM_TOKENS, TABLE, C, caches, owner_and_local, rank_entries, slot_bytes
 from test_fill_layouts import _row_size, assert_same_bytes
 
+from kvfill.bank import RowFormat
 from kvfill.kernels import Bank, BankError, BankIndex, CacheGroup, DcpGeometry, FillEngine, GroupFill
 from kvfill.kernels import values as V
-from kvfill.kernels.kv_rows import RowFormat
 
 SEQS, POSITIONS = 3, 11  # entries below reach position 18: rows past 11 wrap
 RAGGED = [5, 11, 8]  # a ragged bank: sequence s has RAGGED[s] rows, T = 24
@@ -199,7 +199,7 @@ def test_replay_of_whole_pages_in_one_pass_on_the_vllm_cpu_layout(monkeypatch):
 def test_replay_ranks_reassembled_equal_single_rank_replay(world, interleave, backend, layout):
     """Each rank replays the rows of its tokens' global positions: token t <
     N_s on rank (t // I) % W equals token t of the W = 1 replay; past N_s each
-    rank wraps within the rows it holds (``bank_part.py``): local slot l reads
+    rank wraps within the rows it holds (``bank/parts.py``): local slot l reads
     its local row l mod L_r, L_r = how many of the N_s positions it holds."""
     g = torch.Generator(device="cpu").manual_seed(3)
     bank = Bank({f"layer.{i}": torch.randn(40 + 33, HEADS * C, generator=g, device="cpu").to(torch.float16)

@@ -1,4 +1,4 @@
-"""A bank file on disk (the schema is in ``bank.py``): its metadata read and
+"""A bank file on disk (the schema is in ``format.py``): its metadata read and
 checked against the file's tensors before any row is read, the rows loaded
 into memory this process owns, and the file written atomically.  Every
 problem is a ``BankError`` naming the file, the key and what was expected.
@@ -15,21 +15,13 @@ from typing import Mapping
 
 import torch
 
-BANK_FORMAT = "kvfill-bank"
-BANK_VERSION = "3"
+from .format import BANK_FORMAT, BANK_VERSION, BankError, dtype_name
+
 # A bank's identity, written once at save: a random id, and the digest of every
 # other metadata key (so metadata edited afterwards is found).
 _IDENTITY_META = ("bank_id", "metadata_sha256")
 _RESERVED_META = ("format", "version", "num_sequences", "sequence_lengths", "sequence_tokens", "layers",
                   *_IDENTITY_META)
-
-
-class BankError(ValueError):
-    """A bank that cannot be used: names the file or layer, what was found and what was expected."""
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def read_index(path: str) -> tuple[int, list[int], list, str]:
@@ -73,7 +65,7 @@ def _index_of(meta: Mapping[str, str], path: str) -> tuple[int, list[int], list]
 
 def load(path: str, part, fits=None) -> dict:
     """The keyword arguments of ``Bank(...)`` for a bank file's ``part``
-    (``bank_part.BankPart``; only its columns and rows are read), in memory
+    (``parts.BankPart``; only its columns and rows are read), in memory
     this process owns (not a mapping of the file: rewriting or truncating it
     later changes nothing here).  ``fits(nbytes)``: why the part's bytes do
     not fit where they go (None: they do), asked before any row is read."""

@@ -1,4 +1,4 @@
-"""Which recorded sequence a block replays (the rule in ``bank.py``'s
+"""Which recorded sequence a block replays (the rule in ``format.py``'s
 docstring), from a bank's metadata alone: each sequence's length and token
 ids.  The scheduler asks it for every block it grants; it never loads rows.
 """
@@ -10,8 +10,8 @@ from typing import Sequence
 
 import numpy as np
 
-from . import bank_file
-from .bank_file import BankError
+from . import files
+from .format import BankError
 
 _PREFIX = 16  # tokens compared for every sequence before the whole comparison (BankIndex)
 
@@ -37,7 +37,7 @@ class BankIndex:
     loads rows).  ``lengths``: one int (every sequence's) or one per sequence."""
 
     def __init__(self, num_sequences: int, lengths, sequence_tokens=(), identity: str | None = None):
-        self.identity = identity  # the file's (bank_file.identity_of): what every rank must load
+        self.identity = identity  # the file's (files.identity_of): what every rank must load
         self.num_sequences = int(num_sequences)
         self.lengths = _lengths(self.num_sequences, lengths)
         self.tokens = None
@@ -101,4 +101,4 @@ class BankIndex:
     def read(cls, path: str | os.PathLike) -> "BankIndex":
         """The index of a bank file, from its metadata alone, after checking
         it against the file's tensors; BankError naming the file and key."""
-        return cls(*bank_file.read_index(os.fspath(path)))
+        return cls(*files.read_index(os.fspath(path)))

@@ -1,62 +1,6 @@
-"""A bank of recorded KV rows: the value source of a replay fill.
-
-Schema (one safetensors file, ``BANK_FORMAT`` version ``BANK_VERSION``)
-------------------------------------------------------------------------
-* One tensor per layer, named by the layer (vLLM's attention layer name, e.g.
-  ``model.layers.3.self_attn.attn``), shape ``[T, R]`` in the cache's storage
-  dtype (``bfloat16``, ``float16``, ``float32``, ``uint8`` for vLLM's fp8
-  caches, ...): the recorded sequences one after another, each its own
-  length ``N_s`` (``T`` = their sum, a ragged bank): row ``start_s + t`` is
-  the KV the model computed for token position ``t`` of sequence ``s``.
-* Row order (``kv_rows.py``): an attention layer's row is canonical - K
-  ``[num_kv_heads, head_size]`` then V ``[num_kv_heads, head_size_v]`` over
-  all the model's KV heads (a recording under tensor parallelism merges its
-  ranks' heads); an MLA row is its latent
-  ``[kv_lora_rank + rope dim]`` (one "head", ``head_size_v`` 0).  The same for
-  every attention backend, cache layout and platform: staging a bank for an
-  engine permutes it once into each cache's element order (vLLM CPU's K and V
-  views, ``(2, B, N, H, D)``, FlashInfer NHD / HND, ``[B, H, N, 2 x head]``,
-  kernel-block splits).  A layer of no known KV view (recurrent state) keeps
-  its cache's own element order and replays only into the same view.
-* ``__metadata__`` (strings): ``format``, ``version``, ``num_sequences``,
-  ``sequence_lengths`` (JSON list of S ints >= 1, summing to every layer's
-  ``T``), ``sequence_tokens`` (JSON list of S lists: each sequence's
-  ``N_s`` prompt token ids; may be empty for a bank of no known prompts),
-  ``layers`` (JSON: name -> ``{"dtype", "row", "value_dtype", "kv",
-  "parts"}``: storage dtype, row elements, the float dtype the bytes encode
-  (``float8_e4m3fn`` for a ``uint8`` fp8 cache), ``kv`` = ``[num_kv_heads,
-  head_size, head_size_v]`` for a canonical row or null, and the logical
-  element dims of each cache tensor the layer was recorded from
-  (``Registry.row_parts``) - what the order is for a layer without ``kv``)
-  and provenance written by the recorder (``model``, ``dtype``,
-  ``kv_cache_dtype``, ``block_size``, ``max_model_len``, ``vllm_version``,
-  ``prompts_sha256``, ...), kept as given.
-* Version 3 (ragged sequences, canonical rows) replaced version 2
-  (rectangular ``[S, N, R]`` in the cache's own order); older banks are
-  refused with how to record them again.
-* What one rank of a parallel engine loads of it - its KV heads, its
-  pipeline stage's layers, its DCP positions - is ``bank_part.py``.
-
-Replay rule
------------
-The value of (layer, position t, element e) for a request replaying sequence
-``s`` is row ``t`` of ``s`` for ``t < N_s``; past its length a sequence
-wraps: row ``t mod N_s``.  A wrapped key was rotated (RoPE) for position
-``t mod N_s``, not ``t``: attention over it is that of a repeated context,
-not of one long one.  The recorder keeps every prompt whole by default, so a
-recorded prompt never wraps.  (Under DCP a rank holds only its positions and
-wraps within them: ``bank_part.py``.)
-
-Which sequence a block replays: a function of the tokens up to that block's
-end, as real KV is (what makes vLLM's prefix caching correct).  For the
-block of a request ending at position ``E`` (exclusive), a sequence
-*qualifies* when its tokens equal the prompt's at every position below
-``min(E, N_s)``; of those, the one covering most of ``[0, E)`` (the largest
-``min(E, N_s)``), the lowest-numbered among equals; if none qualifies,
-``sha256(prompt[:E]) mod S`` (``BankIndex.sequences_for``).  So two requests
-that share a cached block agree on its rows, a recorded prompt replays its
-own rows whatever its length and whatever ran before it, and a prompt that
-shares a recorded prompt's beginning replays that prompt's rows there.
+"""``Bank``: a bank in memory - recorded rows per layer (the schema: ``format.py``),
+checked against a cache and put in its element order, a rank's part selected
+(``parts.py``), read from and written to a bank file (``files.py``).
 """
 from __future__ import annotations
 
@@ -66,11 +10,11 @@ from typing import Mapping, Sequence
 import numpy as np
 import torch
 
-from . import bank_file
-from .bank_file import BANK_FORMAT, BANK_VERSION, BankError, dtype_name, free_bytes  # noqa: F401 (public here)
-from .bank_index import BankIndex, sequence_key  # noqa: F401 (public here)
-from .bank_part import WHOLE, BankPart
-from .kv_rows import RowFormat
+from . import files
+from .format import BankError, dtype_name
+from .index import BankIndex
+from .parts import WHOLE, BankPart
+from .rows import RowFormat
 
 
 def _geometry(source: str, name: str, kv) -> tuple[int, int, int]:
@@ -83,7 +27,7 @@ def _geometry(source: str, name: str, kv) -> tuple[int, int, int]:
 
 
 class Bank:
-    """Recorded rows per layer (see the module docstring).
+    """Recorded rows per layer (the schema: ``format.py``).
 
     ``layers``: layer name -> ``[T, R]`` rows of ``sequence_lengths``
     sequences one after another, or ``[S, N, R]`` (S sequences of N
@@ -94,7 +38,7 @@ class Bank:
     head_size, head_size_v)`` of a canonical row; ``parts``: layer -> the
     element dims of the cache tensors it was read from; ``metadata``:
     provenance strings; ``part``: what of the recorded bank this is
-    (``bank_part.py``; then ``kv`` is the part's geometry, ``sequence_lengths``
+    (``parts.py``; then ``kv`` is the part's geometry, ``sequence_lengths``
     its local lengths and ``recorded_lengths`` the sequences' own).
     """
 
@@ -116,7 +60,7 @@ class Bank:
         if not layers:
             raise BankError(f"{source}: holds no layers")
         self.source = source
-        self.identity = identity  # the file's (bank_file.identity_of); None: built in memory
+        self.identity = identity  # the file's (files.identity_of); None: built in memory
         self.layers, lengths = self._packed(layers, sequence_lengths, sequence_tokens)
         self.lengths = tuple(int(n) for n in lengths)
         self.starts = tuple(int(x) for x in np.concatenate([[0], np.cumsum(self.lengths)[:-1]]))
@@ -205,7 +149,7 @@ class Bank:
                 f"{self.nbytes / 2**20:.1f} MiB")
 
     def select(self, part: BankPart) -> "Bank":
-        """This bank's ``part`` (``bank_part.py``) in memory of its own, as ``load(path, part)`` reads it."""
+        """This bank's ``part`` (``parts.py``) in memory of its own, as ``load(path, part)`` reads it."""
         if not self.part.whole:
             raise BankError(f"{self.source}: is already a part ({self.part.describe()}); select from a whole bank")
         rows, local = part.rows(self.lengths)
@@ -268,11 +212,11 @@ class Bank:
 
     # ------------------------------------------------------------ files
     def save(self, path: str | os.PathLike) -> None:
-        """Write the bank file atomically (``bank_file.save``); a whole bank only."""
+        """Write the bank file atomically (``files.save``); a whole bank only."""
         if not self.part.whole:
             raise BankError(f"{self.source}: a rank's part ({self.part.describe()}) is not a bank file's whole "
                             f"bank; save the bank it was selected from")
-        bank_file.save(self, os.fspath(path))
+        files.save(self, os.fspath(path))
 
     @classmethod
     def load(cls, path: str | os.PathLike, part: BankPart = WHOLE, fits=None) -> "Bank":
@@ -284,4 +228,4 @@ class Bank:
         The rows land in host memory whatever torch's default device is
         (safetensors' slices are made by factories that follow it)."""
         with torch.device("cpu"):
-            return cls(**bank_file.load(os.fspath(path), part, fits))
+            return cls(**files.load(os.fspath(path), part, fits))

@@ -7,7 +7,10 @@ of its own tokens.  Inverse: ``t = (l // I) * (I * W) + r * I + l % I``.
 W = 1 is "not sharded": every rank holds every token at ``l = t``.
 
 One type for this geometry everywhere: the planner's groups, the engine's
-cache groups and both fill backends.
+cache groups, both fill backends and a bank's parts.  It lives in the bank
+package, which imports nothing else of kvfill, because a rank's part of a bank
+(``parts.py``) names the positions a DCP rank holds; ``kvfill.kernels``
+re-exports it.
 """
 from __future__ import annotations
 

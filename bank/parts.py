@@ -1,6 +1,6 @@
 """What one rank of a parallel engine holds of a bank.
 
-A bank is canonical and whole (``bank.py``): every layer, every KV head,
+A bank is canonical and whole (``format.py``): every layer, every KV head,
 every recorded position.  A rank writes only part of it, and loads only that:
 
 * tensor parallelism (TP size T, rank r): a layer of H KV heads puts heads
@@ -39,8 +39,8 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from .bank_file import BankError
 from .dcp import NO_DCP, DcpGeometry
+from .format import BankError
 
 
 def head_range(num_heads: int, tp_rank: int, tp_size: int, where: str = "layer") -> tuple[int, int]:
@@ -102,7 +102,7 @@ class BankPart:
         if kv is None:
             raise BankError(f"layer {name!r} holds rows in its cache's own element order (no K/V geometry): they "
                             f"cannot be split over tensor parallel size {self.tp_size}; record the bank on a "
-                            f"platform whose cache view kvfill knows (kvfill/kernels/kv_rows.py)")
+                            f"platform whose cache view kvfill knows (kvfill/bank/rows.py)")
         h, d, dv = (int(x) for x in kv)
         if row != h * (d + dv):  # cut by a geometry that does not name them, a part holds other heads' bytes
             raise BankError(f"layer {name!r} rows have {row} elements, its kv {[h, d, dv]} names {h * (d + dv)}")
