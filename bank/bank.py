@@ -15,6 +15,7 @@ from .format import BankError, dtype_name
 from .index import BankIndex
 from .parts import WHOLE, BankPart
 from .rows import RowFormat
+from .state import StateTensor, pack
 
 
 def _geometry(source: str, name: str, kv) -> tuple[int, int, int]:
@@ -56,6 +57,8 @@ class Bank:
         recorded_lengths: Sequence[int] | None = None,
         part: BankPart = WHOLE,
         identity: str | None = None,
+        states: Mapping[str, Sequence[torch.Tensor]] | None = None,
+        state_layouts: Mapping[str, Sequence[StateTensor]] | None = None,
     ):
         if not layers:
             raise BankError(f"{source}: holds no layers")
@@ -75,10 +78,28 @@ class Bank:
         self.kv = {n: _geometry(source, n, g) for n, g in (kv or {}).items() if g}
         self.parts = {n: [list(p) for p in v] for n, v in (parts or {}).items()}
         self.metadata = {k: str(v) for k, v in (metadata or {}).items()}
+        self.state_layouts = {n: tuple(v) for n, v in (state_layouts or {}).items()}
+        self.states = {n: list(v) for n, v in (states or {}).items()}
+        self._check_states()
         for name, (h, d, dv) in self.kv.items():
             if name in self.layers and self.layers[name].shape[1] != h * (d + dv):
                 raise BankError(f"{source}: layer {name!r} rows have {self.layers[name].shape[1]} elements, its kv "
                                 f"{[h, d, dv]} names {h * (d + dv)}")
+
+    def _check_states(self) -> None:
+        """Every state layer has its layout, and each of its tensors is
+        ``[num_sequences, *this part's shape]`` of the layout's dtype."""
+        if set(self.states) != set(self.state_layouts):
+            raise BankError(f"{self.source}: state layers {sorted(self.states)[:4]} and state layouts "
+                            f"{sorted(self.state_layouts)[:4]} disagree")
+        for name, tensors in self.states.items():
+            layout = self.state_layouts[name]
+            want = [(self.num_sequences, *st.local_shape(self.part.tp_rank, self.part.tp_size)) for st in layout]
+            got = [tuple(t.shape) for t in tensors]
+            if got != want or [t.dtype for t in tensors] != [st.dtype for st in layout]:
+                raise BankError(f"{self.source}: state layer {name!r} holds {got} of "
+                                f"{[dtype_name(t.dtype) for t in tensors]}; expected {want} of "
+                                f"{[dtype_name(st.dtype) for st in layout]} (one state per sequence)")
 
     def _packed(self, layers, sequence_lengths, sequence_tokens) -> tuple[dict, list[int]]:
         """Every layer as ``[T, R]`` and the sequences' lengths, after checking
@@ -124,7 +145,15 @@ class Bank:
 
     @property
     def nbytes(self) -> int:
+        return self.row_bytes + self.state_bytes
+
+    @property
+    def row_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.layers.values())
+
+    @property
+    def state_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for ts in self.states.values() for t in ts)
 
     @property
     def bytes_per_token(self) -> int:
@@ -144,8 +173,10 @@ class Bank:
         span = f"{lo}" if lo == hi else f"{lo}-{hi}"
         part = "" if self.part.whole else f" ({self.part.describe()}: this rank's part)"
         held = "positions held here" if self.part.dcp.sharded else "positions"
+        states = (f", {len(self.states)} state layers ({self.state_bytes / 2**20:.1f} MiB, one state per sequence)"
+                  if self.states else "")
         return (f"{self.source}{part}: {len(self.layers)} layers x {self.num_sequences} sequences of {span} "
-                f"{held} ({self.num_rows} rows), {self.bytes_per_token} B per token, "
+                f"{held} ({self.num_rows} rows), {self.bytes_per_token} B per token{states}, "
                 f"{self.nbytes / 2**20:.1f} MiB")
 
     def select(self, part: BankPart) -> "Bank":
@@ -159,7 +190,11 @@ class Bank:
                     value_dtypes={n: v for n, v in self.value_dtypes.items() if n in layers},
                     kv={n: part.local_kv(n, g) for n, g in self.kv.items() if n in layers},
                     parts={n: v for n, v in self.parts.items() if n in layers}, metadata=self.metadata,
-                    source=self.source, recorded_lengths=self.lengths, part=part, identity=self.identity)
+                    source=self.source, recorded_lengths=self.lengths, part=part, identity=self.identity,
+                    states={n: [st.take(t, part.tp_rank, part.tp_size, f"state layer {n!r}").clone()
+                                for st, t in zip(self.state_layouts[n], ts)]
+                            for n, ts in self.states.items() if part.wants(n)},
+                    state_layouts={n: v for n, v in self.state_layouts.items() if part.wants(n)})
 
     def rows_for(self, name: str, dtype: torch.dtype, fmt: RowFormat,
                  value_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -209,6 +244,23 @@ class Bank:
                             f"element dims {recorded_parts} (no known K/V view), these caches have {cache_parts}; "
                             f"record the bank on this platform and attention backend")
         return t, None
+
+    def state_pages(self, name: str, shapes, dtypes) -> torch.Tensor:
+        """A state layer's recorded states as pages ``[S, page bytes]`` (uint8)
+        for a cache whose spec names ``shapes`` and ``dtypes`` (this rank's),
+        after checking they are the ones recorded; BankError naming what differs."""
+        tensors = self.states.get(name)
+        if tensors is None:
+            raise BankError(f"{self.source}: has no recorded state for layer {name!r} (it holds "
+                            f"{len(self.states)} state layers); record the bank with this kvfill from the same model")
+        have = [(list(t.shape[1:]), dtype_name(t.dtype)) for t in tensors]
+        want = [(list(s), dtype_name(d)) for s, d in zip(shapes, dtypes)]
+        if have != want:
+            where = f"TP rank {self.part.tp_rank}/{self.part.tp_size}" if self.part.tp_size > 1 else "TP size 1"
+            raise BankError(f"{self.source}: state layer {name!r} was recorded as {have} (shape, dtype at {where}), "
+                            f"the cache holds {want}: record the bank with the serving run's dtype, mamba cache "
+                            f"dtypes and speculative config (a conv state holds its drafts' positions)")
+        return pack(tensors)
 
     # ------------------------------------------------------------ files
     def save(self, path: str | os.PathLike) -> None:

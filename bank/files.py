@@ -15,12 +15,13 @@ from typing import Mapping
 
 import torch
 
-from .format import BANK_FORMAT, BANK_VERSION, BankError, dtype_name
+from .format import BANK_FORMAT, BANK_VERSION, READ_VERSIONS, BankError, dtype_name
+from .state import layouts_from_json, layouts_to_json, state_tensor_name
 
 # A bank's identity, written once at save: a random id, and the digest of every
 # other metadata key (so metadata edited afterwards is found).
 _IDENTITY_META = ("bank_id", "metadata_sha256")
-_RESERVED_META = ("format", "version", "num_sequences", "sequence_lengths", "sequence_tokens", "layers",
+_RESERVED_META = ("format", "version", "num_sequences", "sequence_lengths", "sequence_tokens", "layers", "states",
                   *_IDENTITY_META)
 
 
@@ -59,7 +60,7 @@ def _index_of(meta: Mapping[str, str], path: str) -> tuple[int, list[int], list]
     if len(lengths) != num_sequences or any(isinstance(n, bool) or not isinstance(n, int) or n < 1
                                             for n in lengths):
         raise BankError(f"{path}: metadata 'sequence_lengths' is {_short(lengths)}; expected {what}")
-    _check_shapes(path, sum(lengths))
+    _check_shapes(path, sum(lengths), num_sequences, layouts_from_json(meta.get("states"), path))
     return num_sequences, lengths, _meta_tokens(meta, path, lengths)
 
 
@@ -84,12 +85,16 @@ def load(path: str, part, fits=None) -> dict:
                             f"'dtype', 'row', 'value_dtype', 'kv' (null or [heads, head_size, head_size_v]) "
                             f"and 'parts' (a list of lists of dims >= 1)")
     kvs = {n: v.get("kv") or None for n, v in info.items()}
+    layouts = {n: v for n, v in layouts_from_json(meta.get("states"), path).items() if part.wants(n)}
+    state_names = {state_tensor_name(n, i) for n, lay in layouts_from_json(meta.get("states"), path).items()
+                   for i in range(len(lay))}
     rows, local = part.rows(lengths)
     with safe_open(path, framework="pt", device="cpu") as f:
-        slices = {n: f.get_slice(n) for n in f.keys() if part.wants(n)}
+        slices = {n: f.get_slice(n) for n in f.keys() if part.wants(n) and n not in state_names}
         try:  # the part's columns (checked against each layer's kv before they are cut)
             need = sum(sum(b - a for a, b in part.columns(n, kvs.get(n), sl.get_shape()[1])) * sum(local)
                        * _ITEMSIZE.get(sl.get_dtype(), 8) for n, sl in slices.items())
+            need += sum(st.nbytes * len(lengths) for lay in layouts.values() for st in lay)
         except BankError as exc:
             raise BankError(f"{path}: {exc}") from None
         free = free_bytes(torch.device("cpu"))
@@ -101,6 +106,12 @@ def load(path: str, part, fits=None) -> dict:
             raise BankError(f"{path}: {problem}")
         layers = {n: part.take(n, kvs.get(n), sl.get_shape()[1], lambda a, b, sl=sl: sl[:, a:b], rows)
                   for n, sl in slices.items()}
+        try:  # each state tensor whole, then this rank's part of it
+            states = {n: [st.take(f.get_tensor(state_tensor_name(n, i)), part.tp_rank, part.tp_size,
+                                  f"state layer {n!r}").clone() for i, st in enumerate(lay)]
+                      for n, lay in layouts.items()}
+        except BankError as exc:
+            raise BankError(f"{path}: {exc}") from None
     return dict(
         layers=layers,
         sequence_lengths=local,
@@ -109,6 +120,8 @@ def load(path: str, part, fits=None) -> dict:
         value_dtypes={n: str(v.get("value_dtype", "")) for n, v in info.items() if n in layers},
         kv={n: part.local_kv(n, kv) for n, kv in kvs.items() if kv and n in layers},
         parts={n: v["parts"] for n, v in info.items() if v.get("parts") and n in layers},
+        states=states,
+        state_layouts=layouts,
         metadata={k: v for k, v in meta.items() if k not in _RESERVED_META},
         source=path,
         part=part,
@@ -139,6 +152,7 @@ def save(bank, path: str) -> None:
                 "kv": list(bank.kv[n]) if n in bank.kv else None, "parts": bank.parts.get(n, [])}
             for n, t in bank.layers.items()
         }),
+        states=layouts_to_json(bank.state_layouts),
     )
     meta["bank_id"] = uuid.uuid4().hex  # every save its own identity
     meta["metadata_sha256"] = metadata_digest(meta)
@@ -146,7 +160,10 @@ def save(bank, path: str) -> None:
                                dir=os.path.dirname(os.path.abspath(path)))
     os.close(fd)
     try:
-        save_file({n: t.contiguous() for n, t in bank.layers.items()}, tmp, metadata=meta)
+        tensors = {n: t.contiguous() for n, t in bank.layers.items()}
+        tensors.update({state_tensor_name(n, i): t.contiguous() for n, ts in bank.states.items()
+                        for i, t in enumerate(ts)})
+        save_file(tensors, tmp, metadata=meta)
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)
@@ -174,9 +191,9 @@ def _read_metadata(path: str) -> dict[str, str]:
     if meta.get("format") != BANK_FORMAT:
         raise BankError(f"{path}: not a kvfill bank (metadata format {meta.get('format')!r}, "
                         f"expected {BANK_FORMAT!r})")
-    if meta.get("version") != BANK_VERSION:
-        raise BankError(f"{path}: bank version {meta.get('version')!r}; this kvfill reads version {BANK_VERSION!r} "
-                        f"(ragged sequences, rows in the canonical K/V order) - record the bank again with "
+    if meta.get("version") not in READ_VERSIONS:
+        raise BankError(f"{path}: bank version {meta.get('version')!r}; this kvfill reads versions "
+                        f"{list(READ_VERSIONS)} (ragged sequences, rows in the canonical K/V order) - record the bank again with "
                         f"`python -m kvfill.record` (the prompts file and model it was recorded from)")
     return meta
 
@@ -226,19 +243,38 @@ def _meta_tokens(meta: Mapping[str, str], path: str, lengths: list[int]) -> list
     return tokens
 
 
-def _check_shapes(path: str, num_rows: int) -> None:
-    """Every tensor of the file is ``[num_rows, row]`` (read from the header)."""
+def _check_shapes(path: str, num_rows: int, num_sequences: int, layouts: Mapping) -> None:
+    """Every row tensor of the file is ``[num_rows, row]``, every state tensor
+    ``[num_sequences, *its full shape]`` of its dtype, and each named in the
+    metadata's ``states`` is there (read from the header)."""
     from safetensors import safe_open
 
+    want = {state_tensor_name(n, i): st for n, lay in layouts.items() for i, st in enumerate(lay)}
     with safe_open(path, framework="pt", device="cpu") as f:
         names = list(f.keys())
-        if not names:
+        if not [n for n in names if n not in want]:
             raise BankError(f"{path}: holds no layers")
+        missing = sorted(set(want) - set(names))
+        if missing:
+            raise BankError(f"{path}: metadata 'states' names state tensors {missing[:3]} the file does not hold")
         for name in names:
-            shape = list(f.get_slice(name).get_shape())
+            sl = f.get_slice(name)
+            shape = list(sl.get_shape())
+            st = want.get(name)
+            if st is not None:
+                if shape != [num_sequences, *st.shape] or sl.get_dtype() != _SAFETENSORS_DTYPE.get(st.dtype):
+                    raise BankError(f"{path}: state tensor {name!r} is {shape} of {sl.get_dtype()}; its metadata "
+                                    f"names [{num_sequences}, {', '.join(map(str, st.shape))}] of "
+                                    f"{dtype_name(st.dtype)} (one state per sequence)")
+                continue
             if len(shape) != 2 or shape[0] != num_rows or shape[1] < 1:
                 raise BankError(f"{path}: layer {name!r} has shape {shape}, but the metadata's sequence_lengths "
                                 f"sum to {num_rows} rows (expected [{num_rows}, row])")
+
+
+_SAFETENSORS_DTYPE = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+                      torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+                      torch.uint8: "U8", torch.bool: "BOOL"}
 
 
 def free_bytes(device: torch.device) -> int | None:

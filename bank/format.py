@@ -66,7 +66,8 @@ from __future__ import annotations
 import torch
 
 BANK_FORMAT = "kvfill-bank"
-BANK_VERSION = "3"
+BANK_VERSION = "4"
+READ_VERSIONS = ("3", "4")  # version 3: no state section
 
 
 class BankError(ValueError):

@@ -70,6 +70,63 @@ def make_model(path: str, hybrid: bool = False, init_std: float | None = None) -
     return path
 
 
+HYBRID_KINDS = ("gdn", "mamba2")
+
+
+def make_hybrid_model(path: str, kind: str = "gdn") -> str:
+    """A tiny random-weight hybrid saved to ``path`` (created once), bf16
+    (vLLM CPU runs gated delta-net in bf16 only):
+
+    * ``gdn``: a Qwen3-Next (``Qwen3NextForCausalLM``): layers 0-2 gated
+      delta-net linear attention (2 key heads, 4 value heads of 128, conv
+      kernel 4), layer 3 full attention (8 heads, 2 KV heads of 128), every
+      MLP a mixture of 4 experts, top 2, with a shared expert;
+    * ``mamba2``: a Granite-4-H (``GraniteMoeHybridForCausalLM``): layers 0, 1
+      and 3 Mamba-2 (8 heads of 64, 2 groups, state 64, conv kernel 4), layer 2
+      attention (8 heads, 2 KV heads of 32, RoPE), every MLP a mixture of 4
+      experts, top 2, with a shared MLP.
+
+    Heads divisible by 2, so each records and replays at tensor parallel
+    size 2.  ``initializer_range`` 0.1: peaked next-token distributions, so
+    greedy tokens are not decided by rounding noise."""
+    if kind not in HYBRID_KINDS:
+        raise ValueError(f"hybrid kind {kind!r}; expected one of {HYBRID_KINDS}")
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    import torch
+
+    torch.manual_seed(0)
+    if kind == "gdn":
+        from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+        cfg = Qwen3NextConfig(
+            vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+            num_attention_heads=8, num_key_value_heads=2, head_dim=128, max_position_embeddings=8192,
+            linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
+            linear_num_key_heads=2, linear_num_value_heads=4, decoder_sparse_step=1,
+            moe_intermediate_size=128, shared_expert_intermediate_size=128, num_experts_per_tok=2,
+            num_experts=4, layer_types=["linear_attention"] * 3 + ["full_attention"],
+            initializer_range=0.1, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        )
+        model = Qwen3NextForCausalLM(cfg)
+    else:
+        from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+
+        cfg = GraniteMoeHybridConfig(
+            vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+            num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=8192,
+            layer_types=["mamba", "mamba", "attention", "mamba"], position_embedding_type="rope",
+            num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=256,
+            mamba_n_heads=8, mamba_d_head=64, mamba_n_groups=2, mamba_d_state=64, mamba_d_conv=4,
+            mamba_expand=2, mamba_chunk_size=64,
+            initializer_range=0.1, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        )
+        model = GraniteMoeHybridForCausalLM(cfg)
+    model.to(torch.bfloat16).save_pretrained(path)
+    make_tokenizer(path)
+    return path
+
+
 def make_tokenizer(path: str, vocab_size: int = 1024) -> str:
     """A word-level tokenizer saved beside the model in ``path`` (once)."""
     if os.path.exists(os.path.join(path, "tokenizer.json")):

@@ -72,7 +72,7 @@ def check_drafter_layers(bank: Bank, part: BankPart, vllm_config: "VllmConfig") 
     layers too; a bank recorded without the drafter has no rows for them:
     BankError naming the way out (record with the same speculative config)."""
     spec = getattr(vllm_config, "speculative_config", None)
-    missing = sorted(set(part.layers or ()) - set(bank.layers))
+    missing = sorted(set(part.layers or ()) - set(bank.layers) - set(bank.states))
     if spec is None or not missing:
         return
     recorded = bank.metadata.get("speculative_config") or "none"

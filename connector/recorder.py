@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 from vllm.logger import init_logger
 
 from kvfill.bank import dtype_name, head_range
+from kvfill.bank.state import layouts_to_json, state_tensor_name, unpack
 from kvfill.kernels import FillEngine
 
 from .metadata import KVFillConnectorMetadata
@@ -69,8 +70,16 @@ class Recorder:
         model = vllm_config.model_config
         self.total_heads = 1 if getattr(model, "use_mla", False) else int(model.get_total_num_kv_heads())
         replicas = max(1, self.tp_size // self.total_heads)
-        self.saves = tp_rank % replicas == 0  # the first rank of each head's replicas saves it
-        self.files_per_prompt = self.pp_size * (self.tp_size // replicas)
+        self.saves_rows = tp_rank % replicas == 0  # the first rank of each head's replicas saves it
+        # A model with recurrent state: every rank saves its part of each state layer (set_states).
+        self.records_states = bool(getattr(model, "has_inner_state", False) or getattr(model, "is_hybrid", False))
+        if self.records_states and getattr(vllm_config.cache_config, "mamba_cache_mode", "none") != "none":
+            raise ValueError(f"KVFillConnector: recording recurrent state needs mamba_cache_mode 'none', this engine "
+                             f"runs {vllm_config.cache_config.mamba_cache_mode!r}: record without prefix caching")
+        self.saves = self.saves_rows or self.records_states
+        self.files_per_prompt = self.pp_size * (self.tp_size if self.records_states else self.tp_size // replicas)
+        self.pages = None  # StatePages of this rank's state layers (set_states)
+        self.state_layers: dict = {}  # layer -> (group index, block size, full layout)
 
     def _heads(self, formats) -> dict[str, list[int]]:
         """Layer -> ``[lo, hi, total]``: the model's KV heads this rank's rows
@@ -94,6 +103,28 @@ class Recorder:
             out[name] = [lo, hi, total]
         return out
 
+    def set_states(self, pages, layers: dict) -> None:
+        """This rank's state layers: their caches (``StatePages``) and, per
+        layer, (group index, block size, full ``StateTensor`` layout)."""
+        self.pages, self.state_layers = pages, dict(layers)
+
+    def _states(self, item) -> dict:
+        """The state tensors ``<layer>/state<i>`` ``[1, *local shape]`` of the
+        request's state block after its ``positions`` tokens."""
+        out = {}
+        n = item.positions
+        for name, (gi, block_size, layout) in self.state_layers.items():
+            sel = item.selection.groups[gi]
+            k = (n - 1) // block_size - sel.first_block
+            if not 0 <= k < len(sel.block_ids):
+                raise RuntimeError(f"KVFillConnector: recording {item.selection.req_id!r}: state layer {name!r} has "
+                                   f"no block of position {n - 1} in its selection")
+            page = self.pages.read(name, [int(sel.block_ids[k])])
+            shapes = [st.local_shape(self.tp_rank, self.tp_size) for st in layout]
+            for i, t in enumerate(unpack(page, shapes, [st.dtype for st in layout])):
+                out[state_tensor_name(name, i)] = t
+        return out
+
     def save(self, engine: FillEngine, planner: Planner, meta: KVFillConnectorMetadata) -> None:
         """Save positions ``[0, N)`` of each prompt the step completed, in the
         bank's canonical row order (``kvfill.bank.rows``), this rank's part."""
@@ -109,19 +140,21 @@ class Recorder:
         formats = engine.row_formats()
         layers = {name: {"kv": list(f.kv) if f.kv else None, "parts": [list(p) for p in f.parts]}
                   for name, f in formats.items()}
-        part = {"tp_rank": str(self.tp_rank), "pp_rank": str(self.pp_rank),
-                "files_per_prompt": str(self.files_per_prompt)}
+        part = {"tp_rank": str(self.tp_rank), "tp_size": str(self.tp_size), "pp_rank": str(self.pp_rank),
+                "files_per_prompt": str(self.files_per_prompt),
+                "states": layouts_to_json({n: v[2] for n, v in self.state_layers.items()})}
         for item in meta.records:
             n = item.positions
-            rows = engine.read(planner.plan([item.selection], groups=engine.groups))
+            rows = engine.read(planner.plan([item.selection], groups=engine.groups)) if self.saves_rows else {}
             short = {name: r.shape[0] for name, r in rows.items() if r.shape[0] != n}
-            if short or not rows:
+            states = self._states(item)
+            if short or not (rows or states):
                 raise RuntimeError(f"KVFillConnector: recording {item.selection.req_id!r} read {short or 'no'} rows "
                                    f"of layers where {n} positions were expected (blocks freed before the read; "
                                    f"a pipeline stage of no attention layer?)")
             part["heads"] = json.dumps(self._heads({name: formats[name] for name in rows}))
             path = os.path.join(self.folder, f"{item.key}.tp{self.tp_rank}-pp{self.pp_rank}.safetensors")
-            save_file({name: formats[name].to_bank(r).cpu().contiguous() for name, r in rows.items()},
+            save_file({**{name: formats[name].to_bank(r).cpu().contiguous() for name, r in rows.items()}, **states},
                       path + ".part", metadata={"key": item.key, "positions": str(n), **part,
                                                 "value_dtypes": json.dumps(vdtypes), "layers": json.dumps(layers)})
             os.replace(path + ".part", path)

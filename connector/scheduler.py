@@ -25,7 +25,7 @@ from kvfill.bank import sequence_key
 
 from .metadata import KVFillConnectorMetadata, RecordItem
 from .options import FillOptions
-from .planner import RECORDED_KINDS, Planner, RequestSelection
+from .planner import RECORDED_KINDS, GroupKind, Planner, RequestSelection
 from .specs import geometries_from_config, select_request, startup_fill_group_ids
 
 if TYPE_CHECKING:
@@ -56,6 +56,16 @@ def computed_tail(vllm_config: "VllmConfig") -> int:
     return 2 if _spec_method(vllm_config) is not None else 1
 
 
+def check_state_cache_mode(vllm_config: "VllmConfig") -> None:
+    """Replaying recorded state needs vLLM's ``mamba_cache_mode`` 'none' (a
+    request's state in its first state block); refused at start otherwise."""
+    mode = getattr(vllm_config.cache_config, "mamba_cache_mode", "none")
+    if mode != "none":
+        raise ValueError(f"KVFillConnector: replaying recorded state needs mamba_cache_mode 'none', this engine runs "
+                         f"{mode!r} (vLLM sets 'align' when prefix caching is on for a hybrid model); serve with "
+                         f"--no-enable-prefix-caching, or a synthetic fill_mode")
+
+
 class KVFillScheduler:
     def __init__(self, vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", options: FillOptions):
         self.options = options
@@ -78,6 +88,11 @@ class KVFillScheduler:
         # The prompt tokens vLLM computes itself: its last one; with speculative decoding its last two
         # (``computed_tail``).
         self.computed_tail = computed_tail(vllm_config)
+        # Replaying recorded state (hybrid models): a request's state block gets the state after its
+        # filled positions, which a preempted request's generated tokens have moved past.
+        self.state_replay = options.replay and any(g.kind == GroupKind.MAMBA for g in self.planner.groups)
+        if self.state_replay:
+            check_state_cache_mode(vllm_config)
         if self.computed_tail > 1:
             logger.info("KVFillConnector: speculative decoding (method %r): the last %d prompt tokens of each "
                         "request are computed by vLLM, the rest filled", _spec_method(vllm_config),
@@ -89,6 +104,10 @@ class KVFillScheduler:
         preemptions = getattr(request, "num_preemptions", 0)
         seen = self.filled.get(request.request_id)
         if seen is not None and not (self.options.refill_on_preemption and preemptions > seen):
+            return 0, False
+        if seen is not None and self.state_replay:
+            # No state was recorded after the prompt *and* the tokens generated before the preemption:
+            # vLLM recomputes the request (the prompt's KV then is real prefill's, the recording's).
             return 0, False
         self.asked[request.request_id] = num_computed_tokens
         grant = max(0, request.num_tokens - num_computed_tokens - self.computed_tail)
@@ -150,7 +169,8 @@ class _RecordTracker:
 
     def __init__(self, planner: Planner, positions: int):
         self.planner, self.positions = planner, positions
-        self.skip = {i for i, g in enumerate(planner.groups) if g.kind not in RECORDED_KINDS}
+        # recorded: the rows of token-position groups, the state block of state groups
+        self.skip = {i for i, g in enumerate(planner.groups) if g.kind not in (*RECORDED_KINDS, GroupKind.MAMBA)}
         self.tables: dict[str, list[list[int]]] = {}
         self.prompts: dict[str, list[int]] = {}
         self.done: set[str] = set()

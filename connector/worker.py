@@ -22,6 +22,7 @@ from vllm.logger import init_logger
 
 from kvfill.bank import BankError
 from kvfill.kernels import CacheGroup, FillEngine, FillPlan
+from kvfill.kernels.state_pages import StatePages
 
 from .bank_checks import load_bank, rank_part
 from .cpu_layout import cpu_attention_parts
@@ -30,7 +31,7 @@ from .options import FillOptions
 from .planner import RECORDED_KINDS, GroupKind, Planner
 from .recorder import Recorder
 from .specs import (
-    geometries_from_config, layer_encoding, layer_kv_geometry, layer_specs_by_name, startup_fill_group_ids,
+    geometries_from_config, layer_encoding, layer_kv_geometry, layer_specs_by_name, spec_kind, startup_fill_group_ids,
 )
 
 if TYPE_CHECKING:
@@ -107,10 +108,17 @@ class KVFillWorker:
         # sent to the scheduler at start: the bank this worker loaded, or the recording's engine flags
         self.handshake: KVFillBankHandshake | KVFillRecordHandshake | None = None
         self.recorder = Recorder(options, vllm_config, self.tp_rank, self.pp_rank) if options.recording else None
+        # Recurrent state (Mamba / linear attention layers): replayed from the bank's state section, recorded
+        # into it (bank/state.py); the engine zeroes the groups whose state is not replayed.
+        self.state_layers = {name for name, spec in specs.items() if spec_kind(spec) == GroupKind.MAMBA}
+        self.state_pages: StatePages | None = None
+        self.state_groups: dict[str, list[str]] = {}  # group name -> its layers whose recorded state is replayed
 
     # ------------------------------------------------------------ registration
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         groups = self._cache_groups(kv_caches)
+        state_caches = {n: kv_caches[n] for n in sorted(self.state_layers)
+                        if isinstance(kv_caches.get(n), torch.Tensor) and n not in self.unaddressable}
         if self.unaddressable:
             logger.warning(
                 "KVFillConnector: %d layers keep raw caches with no block views (%s...); they are not filled",
@@ -121,8 +129,10 @@ class KVFillWorker:
         if self.options.replay and not self.options.recording:
             # This rank's part only: its KV heads, its stage's layers, its DCP positions below max_model_len.
             part = rank_part(groups, self.tp_rank, self.tp_size, self.max_model_len or None)
+            part = replace(part, layers=part.layers | frozenset(state_caches))  # and its state layers' states
             try:
                 bank = load_bank(self.options.bank, part, self.vllm_config, device=_cache_device(groups))
+                groups = self._replay_states(bank, state_caches, groups)
             except BankError as exc:  # missing, another version, lying: say which worker of which node
                 raise BankError(f"{rank_where(node, self.tp_rank, self.pp_rank)}: {exc}") from None
             # what this worker loaded, checked by the scheduler at start (vLLM's handshake)
@@ -134,6 +144,8 @@ class KVFillWorker:
                                  layer_ids=_layer_ids(kv_caches), bank=bank,
                                  page_image_bytes=0 if self.options.recording else self.options.page_image_mib << 20)
         self.planner = _with_cache_slots(self.planner, self.engine)
+        if self.recorder is not None and state_caches:
+            self.recorder.set_states(StatePages(state_caches), self._state_layouts(state_caches))
         # Compile the kernels (GPU) or write the page images of every position a
         # request can have (CPU) now, not in the first filling step.
         self.engine.warmup(self.max_model_len)
@@ -141,6 +153,37 @@ class KVFillWorker:
                     self.options.summary(), self.engine.backend, self.dcp_rank, torch.get_num_threads(),
                     self.engine.describe())
         self._startup_fill()
+
+    def _state_layouts(self, caches) -> dict:
+        """Layer -> (group index, block size, full state layout) of the state layers recorded."""
+        from .states import state_layout
+
+        index = {n: i for i, g in enumerate(self.kv_cache_config.kv_cache_groups) for n in g.layer_names}
+        return {n: (index[n], int(self.specs[n].block_size), state_layout(self.specs[n], self.tp_size))
+                for n in caches}
+
+    def _replay_states(self, bank, caches, groups: dict[str, CacheGroup]) -> dict[str, CacheGroup]:
+        """The state layers the bank holds states of get them at every fill
+        (``StatePages``); the groups left to the engine (a group whose every
+        layer's state is replayed is not registered there)."""
+        names = [n for n in caches if n in bank.states]
+        missing = sorted(set(caches) - set(names))
+        if missing:
+            logger.warning("KVFillConnector: %s holds no recorded state for %d state layers (%s...): they get the "
+                           "zero state; record the bank again with this kvfill for exact replay", bank.source,
+                           len(missing), missing[0])
+        if not names:
+            return groups
+        self.state_pages = StatePages({n: caches[n] for n in names},
+                                      {n: bank.state_pages(n, self.specs[n].shapes, self.specs[n].dtypes)
+                                       for n in names})
+        for geo, g in zip(self.planner.groups, self.kv_cache_config.kv_cache_groups):
+            layers = [n for n in g.layer_names if n in self.state_pages.states]
+            if layers:
+                self.state_groups[geo.name] = layers
+        logger.info("KVFillConnector: replaying the recorded state of %d state layers", len(names))
+        return {name: g for name, g in groups.items()
+                if name not in self.state_groups or set(g.layers) - set(self.state_groups[name])}
 
     def restore_kv_caches(self) -> None:
         """vLLM 0.33 sleep mode, on wake: the caches' memory is back at the
@@ -228,7 +271,10 @@ class KVFillWorker:
         selections = meta.request_selections()
         try:
             plan = self.planner.plan(selections, groups=self.engine.groups)
+            states = self._state_blocks(selections)
             stats = self.last_stats = self.engine.fill(plan)
+            if states:
+                self.state_pages.write(states)
         except ValueError as exc:
             self._skipped(selections, exc)
             return
@@ -239,7 +285,16 @@ class KVFillWorker:
             len(selections), stats.entries, stats.bytes / 2**20, stats.launches, elapsed * 1e3,
         )
         if self.options.verify:
-            self._verify(plan)
+            self._verify(plan, states)
+
+    def _state_blocks(self, selections) -> dict:
+        """Layer -> (state block ids, the sequences they replay) of the step's
+        requests: each request's state block gets the state of the sequence
+        its last filled block replays (``Planner.plan`` of the state groups)."""
+        if not self.state_groups:
+            return {}
+        plan = self.planner.plan(selections, groups=self.state_groups)
+        return {layer: (e.block_ids, e.sequence) for g, e in plan.groups.items() for layer in self.state_groups[g]}
 
     def record(self, meta: KVFillConnectorMetadata) -> None:
         """Record role: after the forward, save the rows of the prompts the step completed."""
@@ -271,14 +326,16 @@ class KVFillWorker:
         failed, self.failed_block_ids = self.failed_block_ids, set()
         return failed
 
-    def _verify(self, plan: FillPlan) -> None:
+    def _verify(self, plan: FillPlan, states: dict | None = None) -> None:
         report = self.engine.verify(plan)
-        self.stats.record_verify(report.num_mismatched)
-        if report.ok:
-            logger.debug("KVFillConnector: verified %d elements", report.num_checked)
+        pages, bad_pages, first_pages = self.state_pages.mismatches(states) if states else (0, 0, [])
+        self.stats.record_verify(report.num_mismatched + bad_pages)
+        if report.ok and not bad_pages:
+            logger.debug("KVFillConnector: verified %d elements and %d state pages", report.num_checked, pages)
             return
         msg = (f"KVFillConnector: verify found {report.num_mismatched} of {report.num_checked} "
-               f"elements mismatched after the fill, first: {report.first[:3]}")
+               f"elements and {bad_pages} of {pages} state pages mismatched after the fill, first: "
+               f"{(report.first or first_pages)[:3]}")
         if self.options.verify == "raise":
             raise RuntimeError(msg)
         logger.error(msg)

@@ -61,7 +61,9 @@ from .inputs import (  # noqa: F401  (public here: kvfill.record.RecordError, es
     Estimate, RecordError, check_budget, check_max_model_len, check_out, check_prompt_lengths, choose_positions,
     default_max_model_len, estimate, read_prompt_lines, read_prompts, unresolved, with_drafter,
 )
-from .run import host_workers, run_vllm as _run_vllm, stop_signals  # noqa: F401  (_run_vllm: tests stand in for it)
+from .run import (  # noqa: F401  (_run_vllm: tests stand in for it)
+    host_workers, run_vllm as _run_vllm, stop_signals, without_tail,
+)
 
 
 class _WriteFailed(RecordError):
@@ -141,6 +143,11 @@ def record(
     with stop_signals(), _work_dir(out) as work:
         engine = _run_vllm(model, unique, work, dtype, kv_cache_dtype, block_size, run_max_len,
                            llm_kwargs or {}, tokenizer or model)
+        tail = int(engine.get("state_tail") or 0)
+        if tail:  # a model with recurrent state: each prompt recorded without the tokens vLLM computes itself
+            unique = without_tail(unique, tail)
+            log(f"recurrent state recorded after all but the last {tail} token(s) of each prompt "
+                f"({len(unique)} sequences)")
         fetched = engine.pop("fetched_bytes", None)
         if fetched is not None:
             log(f"fetched {int(fetched) / 2**20:.1f} MiB of the workers' parts through vLLM")

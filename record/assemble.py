@@ -19,7 +19,8 @@ from typing import Sequence
 
 import torch
 
-from kvfill.bank import Bank, sequence_key
+from kvfill.bank import Bank, BankError, sequence_key
+from kvfill.bank.state import layouts_from_json, state_tensor_name
 
 
 def rows_path(work: str, token_ids: Sequence[int], tp_rank: int = 0, pp_rank: int = 0) -> str:
@@ -35,15 +36,22 @@ class _Part:
 
         with safe_open(path, framework="pt") as f:
             meta = f.metadata()
-            self.rows = {name: f.get_tensor(name) for name in f.keys()}
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
         try:
             self.heads = json.loads(meta["heads"])
             self.files = int(meta["files_per_prompt"])
             self.layers = json.loads(meta["layers"])
             self.value_dtypes = json.loads(meta["value_dtypes"])
+            self.tp_rank, self.tp_size = int(meta["tp_rank"]), int(meta.get("tp_size", "1"))
+            self.state_layouts = layouts_from_json(meta.get("states"), path)
             self.where = f"TP rank {meta['tp_rank']}, PP rank {meta['pp_rank']}"
         except (KeyError, ValueError, TypeError) as exc:
             raise RuntimeError(f"{path}: not a recorder's rows file (metadata {exc})") from None
+        state_names = {state_tensor_name(n, i): n for n, lay in self.state_layouts.items() for i in range(len(lay))}
+        self.rows = {n: t for n, t in tensors.items() if n not in state_names}
+        # layer -> its state tensors [1, *local shape], in spec order
+        self.states = {n: [tensors[state_tensor_name(n, i)] for i in range(len(lay))]
+                       for n, lay in self.state_layouts.items()}
         self.path = path
 
 
@@ -91,10 +99,35 @@ def merge_layer(name: str, parts: list[tuple], kv: Sequence[int] | None,
     return torch.cat(keys + values, dim=1) if len(parts) > 1 else parts[0][1], [total, d, dv]
 
 
+def merge_states(name: str, parts: list, where: str) -> tuple[list[torch.Tensor], tuple]:
+    """A state layer's full tensors from every TP rank's part ``(tp_rank,
+    tp_size, layout, tensors, origin)``, after checking each rank arrived
+    once with one layout (``StateTensor.merge``)."""
+    parts = sorted(parts, key=lambda p: p[0])
+    size, layout = parts[0][1], parts[0][2]
+    if [p[0] for p in parts] != list(range(size)) or any(p[1] != size or p[2] != layout for p in parts):
+        raise RuntimeError(f"{where}: state layer {name!r} arrived from TP ranks {[p[0] for p in parts]} of "
+                           f"{[p[1] for p in parts]} ({[p[4] for p in parts]}); expected each of {size} ranks "
+                           f"once, with one layout")
+    for r, _, _, tensors, origin in parts:
+        want = [st.local_shape(r, size) for st in layout]
+        got = [tuple(t.shape[1:]) for t in tensors]
+        if got != want or [t.dtype for t in tensors] != [st.dtype for st in layout]:
+            raise RuntimeError(f"{where}: state layer {name!r} from {origin} holds {got} of "
+                               f"{[str(t.dtype) for t in tensors]}; its layout names {want}")
+    try:
+        return [st.merge([p[3][i] for p in parts], f"{where}: state layer {name!r}")
+                for i, st in enumerate(layout)], layout
+    except BankError as exc:
+        raise RuntimeError(str(exc)) from None
+
+
 def assemble(work: str, unique: list, meta: dict, out: str) -> Bank:
     """The bank of the rows recorded in ``work`` for the prompts ``unique``
     (their recorded tokens), the sequences one after another."""
     layers: dict[str, list[torch.Tensor]] = {}
+    states: dict[str, list[list[torch.Tensor]]] = {}  # state layer -> per prompt, its full tensors [1, *shape]
+    layouts: dict = {}
     kvs, info, value_dtypes, merged = {}, {}, {}, set()
     for t in unique:
         key = sequence_key(t)
@@ -108,12 +141,25 @@ def assemble(work: str, unique: list, meta: dict, out: str) -> Bank:
                                f"({[os.path.basename(p) for p in paths]}); its workers expected "
                                f"{parts[0].files}: a worker's rows are missing")
         by_layer: dict[str, list] = {}
+        by_state: dict[str, list] = {}
         for p in parts:
-            info.update(p.layers)
             value_dtypes.update(p.value_dtypes)
             for name, rows in p.rows.items():
-                kv = (p.layers.get(name) or {}).get("kv")
+                info[name] = p.layers.get(name) or {}
+                kv = info[name].get("kv")
                 by_layer.setdefault(name, []).append((p.heads.get(name, [0, 1, 1]), rows, kv, p.where))
+            for name, tensors in p.states.items():
+                by_state.setdefault(name, []).append((p.tp_rank, p.tp_size, p.state_layouts[name], tensors, p.where))
+        if (layers or states) and set(by_state) != set(states):
+            raise RuntimeError(f"a prompt of {len(t)} tokens was recorded with state layers {sorted(by_state)[:4]}, "
+                               f"an earlier one with {sorted(states)[:4]}: every prompt needs every layer")
+        for name, got in by_state.items():
+            tensors, layout = merge_states(name, got, f"prompt {key}")
+            if name in layouts and layout != layouts[name]:
+                raise RuntimeError(f"prompt {key}: state layer {name!r} arrived with another layout than an earlier "
+                                   f"prompt's")
+            layouts[name] = layout
+            states.setdefault(name, []).append(tensors)
         if layers and set(by_layer) != set(layers):
             raise RuntimeError(f"a prompt of {len(t)} tokens was recorded with layers {sorted(by_layer)[:4]}..., "
                                f"an earlier one with {sorted(layers)[:4]}...: every prompt needs every layer")
@@ -134,4 +180,5 @@ def assemble(work: str, unique: list, meta: dict, out: str) -> Bank:
                 value_dtypes={k: v for k, v in value_dtypes.items() if k in layers},
                 kv={k: v for k, v in kvs.items() if v},
                 parts={k: v["parts"] for k, v in info.items() if k in layers and k not in merged},
-                metadata=meta, source=out)
+                states={n: [torch.cat(ts) for ts in zip(*per)] for n, per in states.items()},
+                state_layouts=layouts, metadata=meta, source=out)

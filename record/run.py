@@ -345,7 +345,9 @@ def run_vllm(model, token_ids, record_dir, dtype, kv_cache_dtype, block_size, ma
     params = SamplingParams(max_tokens=1, ignore_eos=True, detokenize=False, temperature=0.0)
     try:
         with llm_engine(**kw) as llm:
-            llm.generate([TokensPrompt(prompt_token_ids=t) for t in token_ids], params, use_tqdm=False)
+            tail = state_tail(llm.llm_engine.vllm_config)
+            sent = without_tail(token_ids, tail)
+            llm.generate([TokensPrompt(prompt_token_ids=t) for t in sent], params, use_tqdm=False)
             fetched = fetch_parts(llm, record_dir)
             end_nodes(llm, rpc_end_node)
             config = llm.llm_engine.vllm_config
@@ -358,7 +360,34 @@ def run_vllm(model, token_ids, record_dir, dtype, kv_cache_dtype, block_size, ma
     return {"block_size": str(config.cache_config.block_size),
             "max_model_len": str(config.model_config.max_model_len),
             "vllm_version": getattr(vllm, "__version__", "unknown"),
+            "state_tail": str(tail),
             "fetched_bytes": str(fetched)}
+
+
+def state_tail(vllm_config) -> int:
+    """How many of each prompt's last tokens a recording of a model with
+    recurrent state leaves out (0: none): the tokens a serving run computes
+    itself (``scheduler.computed_tail``), so the state recorded after the
+    rest is the one a replayed request continues from (``bank/state.py``)."""
+    from kvfill.connector.scheduler import computed_tail
+
+    model = vllm_config.model_config
+    if not (getattr(model, "has_inner_state", False) or getattr(model, "is_hybrid", False)):
+        return 0
+    return computed_tail(vllm_config)
+
+
+def without_tail(token_ids, tail: int) -> list[list[int]]:
+    """Each prompt without its last ``tail`` tokens (one token at least),
+    each distinct prompt once, in first-seen order."""
+    out, seen = [], set()
+    for t in token_ids:
+        cut = list(t[:max(1, len(t) - tail)])
+        key = tuple(cut)
+        if key not in seen:
+            seen.add(key)
+            out.append(cut)
+    return out
 
 
 def _listening(host: str, port: int) -> bool:

@@ -1,0 +1,70 @@
+"""vLLM's state layers (``MambaSpec``: gated delta-net, Mamba-1/2, short
+conv, linear attention) as the bank's state section sees them
+(``kvfill/bank/state.py``): each state tensor's full (TP 1) shape and how
+tensor parallelism cuts it, derived from the spec's per-rank shapes and the
+layer's kind - the cuts vLLM's weight loaders make:
+
+* a conv state ``[state_len, channels]`` (``[channels, state_len]`` when
+  vLLM's conv layout is dim-first) is cut along its channels; gated
+  delta-net's channels are q, k and v (``head_k_dim * k_heads`` twice, then
+  ``head_v_dim * v_heads``: ``MergedColumnParallelLinear``, each part
+  sharded on its own), Mamba-2's are x, B and C (``intermediate``, then
+  ``n_groups * d_state`` twice), Mamba-1's and short conv's one block;
+* a recurrent (temporal / ssm) state is cut along its heads, dim 0;
+* a spec marked ``tp_replicated`` is whole on every rank.
+
+The sizes of q/k/v and x/B/C come from the recurrent state's shape (its
+heads x head dims), so no model config is read.  Mamba-2 with fewer groups
+than ranks (vLLM replicates groups then) cuts differently: a bank recorded so
+is refused at load by its shapes.
+"""
+from __future__ import annotations
+
+from vllm.v1.kv_cache_interface import MambaSpec
+
+from kvfill.bank.state import StateTensor
+
+_CONV_FIRST_KINDS = ("MAMBA1", "MAMBA2", "SHORT_CONV", "GDN_ATTN")  # state 0 is the conv state
+
+
+def conv_dim_first() -> bool:
+    """Whether vLLM lays conv states out ``[channels, state_len]``."""
+    try:
+        from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+    except ImportError:
+        return False
+    return bool(is_conv_state_dim_first())
+
+
+def mamba_kind(spec: MambaSpec) -> str:
+    kind = getattr(spec, "mamba_type", None)
+    return str(getattr(kind, "name", kind))
+
+
+def state_layout(spec: MambaSpec, tp_size: int, dim_first: bool | None = None) -> tuple[StateTensor, ...]:
+    """The full state tensors of a layer whose spec (this rank's shapes) is
+    ``spec`` at tensor parallel size ``tp_size``."""
+    dim_first = conv_dim_first() if dim_first is None else dim_first
+    shapes = [tuple(int(x) for x in s) for s in spec.shapes]
+    dtypes = list(spec.dtypes)
+    if getattr(spec, "tp_replicated", False):
+        return tuple(StateTensor(s, d, None) for s, d in zip(shapes, dtypes))
+    kind = mamba_kind(spec)
+    t = int(tp_size)
+    out = []
+    for i, (s, d) in enumerate(zip(shapes, dtypes)):
+        dim = (0 if dim_first else 1) if i == 0 and kind in _CONV_FIRST_KINDS and len(s) == 2 else 0
+        full = s[:dim] + (s[dim] * t,) + s[dim + 1:]
+        segments = (full[dim],)
+        if i == 0 and dim == (0 if dim_first else 1) and len(shapes) > 1 and len(shapes[1]) == 3:
+            heads, d1, d2 = shapes[1]
+            if kind == "GDN_ATTN":  # recurrent [v_heads, v_dim, k_dim]: q and k are k_dim-wide heads
+                v = heads * t * d1
+                k = (full[dim] - v) // 2
+                segments = (k, k, v) if k > 0 and 2 * k + v == full[dim] else segments
+            elif kind == "MAMBA2":  # recurrent [heads, head_dim, d_state]: x is heads x head_dim
+                x = heads * t * d1
+                g = (full[dim] - x) // 2
+                segments = (x, g, g) if g > 0 and x + 2 * g == full[dim] else segments
+        out.append(StateTensor(full, d, dim, segments))
+    return tuple(out)

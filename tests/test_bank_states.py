@@ -1,0 +1,237 @@
+"""The bank's state section (kvfill/bank/state.py): state tensors cut and
+merged over tensor parallelism as vLLM shards them, packed into pages as vLLM
+lays them out, saved and loaded (whole and per rank), and written into state
+blocks (kvfill/kernels/state_pages.py) with every other byte untouched."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from kvfill.bank import Bank, BankError, BankPart
+from kvfill.bank.state import StateTensor, pack, state_tensor_name, unpack
+from kvfill.kernels.state_pages import StatePages
+
+# A gated delta-net layer: 2 key heads and 4 value heads of 8, conv kernel 4 (state_len 3); conv channels
+# q (16), k (16), v (32); recurrent state [v_heads, v_dim, k_dim].
+K, V = 2 * 8, 4 * 8
+GDN = (StateTensor((3, 2 * K + V), torch.bfloat16, 1, (K, K, V)), StateTensor((4, 8, 8), torch.float32, 0))
+
+
+def _full(layout, s=3, seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    return [torch.randn((s, *st.shape), generator=g).to(st.dtype) for st in layout]
+
+
+def _vllm_shard(conv: torch.Tensor, r: int, t: int) -> torch.Tensor:
+    """Rank r's conv channels as vLLM's MergedColumnParallelLinear gives them: its q, then its k, then its v."""
+    q, k, v = conv[..., :K], conv[..., K:2 * K], conv[..., 2 * K:]
+    return torch.cat([x.chunk(t, dim=-1)[r] for x in (q, k, v)], dim=-1)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_state_tensors_are_cut_as_vllm_shards_them_and_merge_back(tp):
+    conv, ssm = _full(GDN)
+    parts_conv = [GDN[0].take(conv, r, tp) for r in range(tp)]
+    parts_ssm = [GDN[1].take(ssm, r, tp) for r in range(tp)]
+    for r in range(tp):
+        assert torch.equal(parts_conv[r], _vllm_shard(conv, r, tp))
+        assert torch.equal(parts_ssm[r], ssm.chunk(tp, dim=1)[r])
+        assert tuple(parts_conv[r].shape[1:]) == GDN[0].local_shape(r, tp)
+    assert torch.equal(GDN[0].merge(parts_conv), conv)
+    assert torch.equal(GDN[1].merge(parts_ssm), ssm)
+
+
+def test_a_replicated_state_is_whole_on_every_rank_and_must_agree():
+    st = StateTensor((2, 6), torch.float32, None)
+    x = _full((st,))[0]
+    assert torch.equal(st.take(x, 1, 2), x)
+    assert torch.equal(st.merge([x, x.clone()]), x)
+    with pytest.raises(BankError, match="differs between ranks"):
+        st.merge([x, x + 1])
+
+
+def test_a_segment_tp_cannot_split_is_refused_naming_it():
+    with pytest.raises(BankError, match="segment of 16 .* tensor parallel size 3"):
+        GDN[0].ranges(0, 3)
+    with pytest.raises(BankError, match="segments"):
+        StateTensor((3, 10), torch.float32, 1, (4, 4))
+
+
+class _Layer:
+    """Stands in for a vLLM MambaBase layer: its state shapes and dtypes."""
+
+    def __init__(self, shapes, dtypes):
+        self.shapes, self.dtypes = shapes, dtypes
+
+    def get_state_shape(self):
+        return self.shapes
+
+    def get_state_dtype(self):
+        return self.dtypes
+
+
+def test_pages_pack_the_states_as_vllm_binds_them():
+    """vLLM's own MambaBase.bind_kv_cache reads the states out of the page
+    bytes ``pack`` writes (its padding left alone)."""
+    mamba = pytest.importorskip("vllm.model_executor.layers.mamba.abstract")
+    conv, ssm = _full(GDN)
+    layer = _Layer([GDN[0].shape, GDN[1].shape], [GDN[0].dtype, GDN[1].dtype])
+    pages = pack([conv, ssm])
+    padded = torch.full((3, pages.shape[1] + 64), 0x5A, dtype=torch.int8)
+    padded[:, :pages.shape[1]] = pages.view(torch.int8)
+    mamba.MambaBase.bind_kv_cache(layer, padded[:, None, None, :])
+    assert torch.equal(layer.kv_cache[0], conv) and torch.equal(layer.kv_cache[1], ssm)
+    back = unpack(padded, [GDN[0].shape, GDN[1].shape], [GDN[0].dtype, GDN[1].dtype])
+    assert torch.equal(back[0], conv) and torch.equal(back[1], ssm)
+    assert (padded[:, pages.shape[1]:] == 0x5A).all()
+
+
+def _bank(s=3, source="bank"):
+    lengths = [5, 7, 4][:s]
+    rows = torch.randn(sum(lengths), 2 * 2 * 8, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    return Bank({"model.layers.3.self_attn.attn": rows}, sequence_lengths=lengths,
+                sequence_tokens=[list(range(10 + i, 10 + i + n)) for i, n in enumerate(lengths)],
+                kv={"model.layers.3.self_attn.attn": (2, 8, 8)},
+                states={"model.layers.0.linear_attn": _full(GDN, s)},
+                state_layouts={"model.layers.0.linear_attn": GDN}, source=source)
+
+
+def test_state_sections_round_trip_through_a_bank_file(tmp_path):
+    bank = _bank()
+    path = tmp_path / "b.safetensors"
+    bank.save(path)
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata()
+        assert meta["version"] == "4"
+        assert set(json.loads(meta["states"])) == {"model.layers.0.linear_attn"}
+        assert f.get_tensor(state_tensor_name("model.layers.0.linear_attn", 1)).dtype == torch.float32
+    back = Bank.load(path)
+    for a, b in zip(bank.states["model.layers.0.linear_attn"], back.states["model.layers.0.linear_attn"]):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    assert back.state_layouts == bank.state_layouts
+    assert back.nbytes == bank.nbytes and "1 state layers" in back.describe()
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_each_rank_loads_its_part_of_the_states_and_the_parts_reassemble(tmp_path, tp):
+    bank = _bank()
+    path = tmp_path / "b.safetensors"
+    bank.save(path)
+    name = "model.layers.0.linear_attn"
+    loaded = [Bank.load(path, BankPart(r, tp)) for r in range(tp)]
+    selected = [bank.select(BankPart(r, tp)) for r in range(tp)]
+    for i, st in enumerate(GDN):
+        for r in range(tp):
+            assert torch.equal(loaded[r].states[name][i], selected[r].states[name][i])
+        assert torch.equal(st.merge([p.states[name][i] for p in loaded]), bank.states[name][i])
+    # the page a rank's cache holds: its local shapes
+    shapes = [st.local_shape(1, tp) for st in GDN]
+    page = loaded[1].state_pages(name, shapes, [st.dtype for st in GDN])
+    assert page.shape == (3, sum(st.local_shape(1, tp)[0] * st.local_shape(1, tp)[1] * (2 if i == 0 else 8 * 4)
+                                 for i, st in enumerate(GDN)))
+
+
+def test_a_pipeline_stage_without_the_state_layer_loads_none(tmp_path):
+    path = tmp_path / "b.safetensors"
+    _bank().save(path)
+    part = Bank.load(path, BankPart(layers=frozenset({"model.layers.3.self_attn.attn"})))
+    assert part.states == {} and part.state_layouts == {}
+
+
+def test_state_pages_of_another_shape_or_dtype_are_refused_naming_both():
+    bank = _bank()
+    name = "model.layers.0.linear_attn"
+    with pytest.raises(BankError, match=r"recorded as .*\[3, 64\].*the cache holds .*\[4, 64\]"):
+        bank.state_pages(name, [(4, 64), (4, 8, 8)], [torch.bfloat16, torch.float32])
+    with pytest.raises(BankError, match="bfloat16"):
+        bank.state_pages(name, [(3, 64), (4, 8, 8)], [torch.bfloat16, torch.bfloat16])
+    with pytest.raises(BankError, match="no recorded state for layer 'x'"):
+        bank.state_pages("x", [], [])
+
+
+def test_a_bank_file_whose_state_tensor_lies_about_its_shape_is_refused(tmp_path):
+    path = tmp_path / "b.safetensors"
+    _bank().save(path)
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata()
+        tensors = {n: f.get_tensor(n) for n in f.keys()}
+    name = state_tensor_name("model.layers.0.linear_attn", 1)
+    tensors[name] = tensors[name][:2]
+    save_file(tensors, str(path), metadata=meta)
+    with pytest.raises(BankError, match="one state per sequence"):
+        Bank.load(path)
+
+
+def test_a_version_3_bank_still_reads_with_no_states(tmp_path):
+    path = tmp_path / "b.safetensors"
+    bank = _bank()
+    Bank(bank.layers, sequence_lengths=bank.lengths, sequence_tokens=bank.sequence_tokens, kv=bank.kv).save(path)
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata()
+        tensors = {n: f.get_tensor(n) for n in f.keys()}
+    meta = {k: v for k, v in meta.items() if k not in ("states", "metadata_sha256", "bank_id")}
+    meta["version"] = "3"
+    save_file(tensors, str(path), metadata=meta)
+    old = Bank.load(path)
+    assert old.states == {} and torch.equal(old.layers["model.layers.3.self_attn.attn"],
+                                            bank.layers["model.layers.3.self_attn.attn"])
+
+
+def test_state_pages_write_the_recorded_state_into_each_block_and_nothing_else():
+    bank = _bank()
+    name = "model.layers.0.linear_attn"
+    pages = bank.state_pages(name, [st.shape for st in GDN], [st.dtype for st in GDN])
+    nbytes = pages.shape[1]
+    # vLLM's registered view: [blocks, 1, 1, page bytes] of int8 over padded pages, poisoned
+    raw = torch.full((6, nbytes + 32), -7, dtype=torch.int8)
+    cache = raw[:, :nbytes].view(6, 1, 1, nbytes)
+    sp = StatePages({name: cache}, {name: pages})
+    blocks = {name: (np.array([4, 1]), np.array([2, 0]))}
+    assert sp.write(blocks) == 2 * nbytes
+    assert torch.equal(raw[4, :nbytes].view(torch.uint8), pages[2])
+    assert torch.equal(raw[1, :nbytes].view(torch.uint8), pages[0])
+    untouched = [b for b in range(6) if b not in (4, 1)]
+    assert (raw[untouched] == -7).all() and (raw[:, nbytes:] == -7).all()
+    assert sp.mismatches(blocks) == (2, 0, [])
+    raw[1, 5] += 1
+    checked, bad, first = sp.mismatches(blocks)
+    assert (checked, bad) == (2, 1) and first == [(name, 1, 0)]
+
+
+def test_state_pages_refuse_a_bad_block_or_sequence_before_any_write():
+    bank = _bank()
+    name = "model.layers.0.linear_attn"
+    pages = bank.state_pages(name, [st.shape for st in GDN], [st.dtype for st in GDN])
+    cache = torch.full((4, 1, 1, pages.shape[1]), 3, dtype=torch.int8)
+    sp = StatePages({name: cache, "other": cache.clone()}, {name: pages})
+    with pytest.raises(ValueError, match="sequences \\[3\\] outside the bank's 3"):
+        sp.write({name: (np.array([1]), np.array([3]))})
+    with pytest.raises(ValueError, match="block ids \\[4\\] outside"):
+        sp.write({name: (np.array([4]), np.array([0]))})
+    assert (cache == 3).all()
+
+
+def test_the_connector_derives_gdn_and_mamba2_layouts_from_vllm_specs():
+    specs = pytest.importorskip("kvfill.connector.states")
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum as E
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    tp = 2
+    gdn = MambaSpec(block_size=16, shapes=((3, (2 * K + V) // tp), (4 // tp, 8, 8)),
+                    dtypes=(torch.bfloat16, torch.float32), mamba_type=E.GDN_ATTN)
+    assert specs.state_layout(gdn, tp, dim_first=False) == GDN
+    # Mamba-2: 8 heads of 4, 2 groups of state 6: x 32 channels, B and C 12 each
+    m2 = MambaSpec(block_size=16, shapes=((3, (32 + 24) // tp), (8 // tp, 4, 6)),
+                   dtypes=(torch.bfloat16, torch.bfloat16), mamba_type=E.MAMBA2)
+    conv, ssm = specs.state_layout(m2, tp, dim_first=False)
+    assert conv == StateTensor((3, 56), torch.bfloat16, 1, (32, 12, 12))
+    assert ssm == StateTensor((8, 4, 6), torch.bfloat16, 0, (8,))
+    # vLLM's dim-first conv layout: [channels, state_len]
+    ds = MambaSpec(block_size=16, shapes=(((2 * K + V) // tp, 3), (4 // tp, 8, 8)),
+                   dtypes=(torch.bfloat16, torch.float32), mamba_type=E.GDN_ATTN)
+    assert specs.state_layout(ds, tp, dim_first=True)[0] == StateTensor((2 * K + V, 3), torch.bfloat16, 0, (K, K, V))
