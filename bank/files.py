@@ -193,8 +193,8 @@ def _read_metadata(path: str) -> dict[str, str]:
                         f"expected {BANK_FORMAT!r})")
     if meta.get("version") not in READ_VERSIONS:
         raise BankError(f"{path}: bank version {meta.get('version')!r}; this kvfill reads versions "
-                        f"{list(READ_VERSIONS)} (ragged sequences, rows in the canonical K/V order) - record the bank again with "
-                        f"`python -m kvfill.record` (the prompts file and model it was recorded from)")
+                        f"{list(READ_VERSIONS)} (ragged sequences, rows in the canonical K/V order) - record the bank "
+                        f"again with `python -m kvfill.record` (the prompts file and model it was recorded from)")
     return meta
 
 

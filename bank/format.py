@@ -19,8 +19,8 @@ Schema (one safetensors file, ``BANK_FORMAT`` version ``BANK_VERSION``)
   every attention backend, cache layout and platform: staging a bank for an
   engine permutes it once into each cache's element order (vLLM CPU's K and V
   views, ``(2, B, N, H, D)``, FlashInfer NHD / HND, ``[B, H, N, 2 x head]``,
-  kernel-block splits).  A layer of no known KV view (recurrent state) keeps
-  its cache's own element order and replays only into the same view.
+  kernel-block splits).  A layer of no known KV view keeps its cache's own
+  element order and replays only into the same view.
 * ``__metadata__`` (strings): ``format``, ``version``, ``num_sequences``,
   ``sequence_lengths`` (JSON list of S ints >= 1, summing to every layer's
   ``T``), ``sequence_tokens`` (JSON list of S lists: each sequence's
@@ -34,9 +34,17 @@ Schema (one safetensors file, ``BANK_FORMAT`` version ``BANK_VERSION``)
   and provenance written by the recorder (``model``, ``dtype``,
   ``kv_cache_dtype``, ``block_size``, ``max_model_len``, ``vllm_version``,
   ``prompts_sha256``, ...), kept as given.
-* Version 3 (ragged sequences, canonical rows) replaced version 2
-  (rectangular ``[S, N, R]`` in the cache's own order); older banks are
-  refused with how to record them again.
+* State section (hybrid models, ``state.py``): per state layer (vLLM's
+  ``MambaSpec`` layers: gated delta-net, Mamba, ...) and state tensor ``i``,
+  a tensor ``<layer>/state<i>`` ``[S, *full shape]`` in the state's own
+  dtype: each sequence's state after all its positions, all heads and
+  channels; metadata ``states`` (JSON: layer -> a list of ``{"shape",
+  "dtype", "dim", "segments"}``: the full shape and how tensor parallelism
+  cuts it).  A row tensor's name never holds ``/state``.
+* Version 4 added the state section; version 3 (ragged sequences, canonical
+  rows, no state) is still read.  Version 3 replaced version 2 (rectangular
+  ``[S, N, R]`` in the cache's own order); older banks are refused with how
+  to record them again.
 * What one rank of a parallel engine loads of it - its KV heads, its
   pipeline stage's layers, its DCP positions - is ``parts.py``.
 

@@ -124,6 +124,9 @@ class Planner:
             if geo.whole_blocks:
                 selections.append(GroupSelection(0, ids_of(table), 0, 0, whole=True))
                 continue
+            if geo.kind == GroupKind.MAMBA:
+                selections.append(_state_block(req_id, geo, table, ids_of, lo, hi, num_tokens))
+                continue
             first = lo // geo.span
             end = _cdiv(hi, geo.span) if hi > lo else first
             if end > len(table):
@@ -181,6 +184,21 @@ class Planner:
             if entries.num_entries:
                 out[geo.name] = entries
         return FillPlan(out)
+
+
+def _state_block(req_id, geo: GroupGeometry, table, ids_of, lo: int, hi: int, num_tokens: int) -> GroupSelection:
+    """A state group's selection: the one block its kernels read the state
+    from in the request's next step - the block of the request's last token
+    (vLLM's ``mamba_get_block_table_tensor``: block 0 with ``mamba_cache_mode``
+    none, whose block spans ``max_model_len``; the running block with
+    ``align``, where the blocks before it are null) - when anything is filled."""
+    if hi <= lo:
+        return GroupSelection(0, (), lo, lo)
+    k = (num_tokens - 1) // geo.span
+    if k >= len(table):
+        raise ValueError(f"request {req_id!r}, state group {geo.name!r}: the state block of position "
+                         f"{num_tokens - 1} is block {k} of span {geo.span}, but only {len(table)} are allocated")
+    return GroupSelection(k, ids_of(table[k:k + 1]), lo, hi)
 
 
 def _assign_sequences(groups: Sequence[GroupGeometry], selections: list[GroupSelection],

@@ -79,7 +79,7 @@ class Recorder:
         self.saves = self.saves_rows or self.records_states
         self.files_per_prompt = self.pp_size * (self.tp_size if self.records_states else self.tp_size // replicas)
         self.pages = None  # StatePages of this rank's state layers (set_states)
-        self.state_layers: dict = {}  # layer -> (group index, block size, full layout)
+        self.state_layers: dict = {}  # layer -> (group index, full layout)
 
     def _heads(self, formats) -> dict[str, list[int]]:
         """Layer -> ``[lo, hi, total]``: the model's KV heads this rank's rows
@@ -105,21 +105,20 @@ class Recorder:
 
     def set_states(self, pages, layers: dict) -> None:
         """This rank's state layers: their caches (``StatePages``) and, per
-        layer, (group index, block size, full ``StateTensor`` layout)."""
+        layer, (group index, full ``StateTensor`` layout)."""
         self.pages, self.state_layers = pages, dict(layers)
 
     def _states(self, item) -> dict:
         """The state tensors ``<layer>/state<i>`` ``[1, *local shape]`` of the
-        request's state block after its ``positions`` tokens."""
+        request's state block (the planner's one block of each state group)
+        after its ``positions`` tokens."""
         out = {}
-        n = item.positions
-        for name, (gi, block_size, layout) in self.state_layers.items():
-            sel = item.selection.groups[gi]
-            k = (n - 1) // block_size - sel.first_block
-            if not 0 <= k < len(sel.block_ids):
+        for name, (gi, layout) in self.state_layers.items():
+            ids = item.selection.groups[gi].block_ids
+            if len(ids) != 1:
                 raise RuntimeError(f"KVFillConnector: recording {item.selection.req_id!r}: state layer {name!r} has "
-                                   f"no block of position {n - 1} in its selection")
-            page = self.pages.read(name, [int(sel.block_ids[k])])
+                                   f"{len(ids)} state blocks selected, expected 1")
+            page = self.pages.read(name, [int(ids[0])])
             shapes = [st.local_shape(self.tp_rank, self.tp_size) for st in layout]
             for i, t in enumerate(unpack(page, shapes, [st.dtype for st in layout])):
                 out[state_tensor_name(name, i)] = t
@@ -142,7 +141,7 @@ class Recorder:
                   for name, f in formats.items()}
         part = {"tp_rank": str(self.tp_rank), "tp_size": str(self.tp_size), "pp_rank": str(self.pp_rank),
                 "files_per_prompt": str(self.files_per_prompt),
-                "states": layouts_to_json({n: v[2] for n, v in self.state_layers.items()})}
+                "states": layouts_to_json({n: v[1] for n, v in self.state_layers.items()})}
         for item in meta.records:
             n = item.positions
             rows = engine.read(planner.plan([item.selection], groups=engine.groups)) if self.saves_rows else {}

@@ -56,14 +56,18 @@ def computed_tail(vllm_config: "VllmConfig") -> int:
     return 2 if _spec_method(vllm_config) is not None else 1
 
 
+# vLLM's mamba_cache_mode values whose state block kvfill knows (planner._state_block): a request's only
+# state block (none), or its running block, the blocks before it null (align, with prefix caching).
+STATE_CACHE_MODES = ("none", "align")
+
+
 def check_state_cache_mode(vllm_config: "VllmConfig") -> None:
-    """Replaying recorded state needs vLLM's ``mamba_cache_mode`` 'none' (a
-    request's state in its first state block); refused at start otherwise."""
+    """Replaying recorded state needs a ``mamba_cache_mode`` of
+    ``STATE_CACHE_MODES``; refused at start otherwise."""
     mode = getattr(vllm_config.cache_config, "mamba_cache_mode", "none")
-    if mode != "none":
-        raise ValueError(f"KVFillConnector: replaying recorded state needs mamba_cache_mode 'none', this engine runs "
-                         f"{mode!r} (vLLM sets 'align' when prefix caching is on for a hybrid model); serve with "
-                         f"--no-enable-prefix-caching, or a synthetic fill_mode")
+    if mode not in STATE_CACHE_MODES:
+        raise ValueError(f"KVFillConnector: replaying recorded state needs mamba_cache_mode in {STATE_CACHE_MODES}, "
+                         f"this engine runs {mode!r}; serve with one of them, or a synthetic fill_mode")
 
 
 class KVFillScheduler:

@@ -155,12 +155,11 @@ class KVFillWorker:
         self._startup_fill()
 
     def _state_layouts(self, caches) -> dict:
-        """Layer -> (group index, block size, full state layout) of the state layers recorded."""
+        """Layer -> (group index, full state layout) of the state layers recorded."""
         from .states import state_layout
 
         index = {n: i for i, g in enumerate(self.kv_cache_config.kv_cache_groups) for n in g.layer_names}
-        return {n: (index[n], int(self.specs[n].block_size), state_layout(self.specs[n], self.tp_size))
-                for n in caches}
+        return {n: (index[n], state_layout(self.specs[n], self.tp_size)) for n in caches}
 
     def _replay_states(self, bank, caches, groups: dict[str, CacheGroup]) -> dict[str, CacheGroup]:
         """The state layers the bank holds states of get them at every fill

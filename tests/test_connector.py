@@ -954,3 +954,117 @@ def test_a_bank_without_the_drafters_layers_is_refused_under_speculative_decodin
            "draft_model.model.layers.1.self_attn.attn)" in text, text
     assert "method 'draft_model'" in text and "recorded with speculative config none" in text, text
     assert "Record the bank with the serving run's --speculative-config" in text, text
+
+
+def _hybrid_bank(path, attn, mixer, shapes, dtypes):
+    """A bank of two sequences (40 and 30 tokens) with rows for ``attn`` and
+    one recorded state per sequence for the state layer ``mixer``."""
+    from kvfill.bank import Bank
+    from kvfill.bank.state import StateTensor
+
+    g = torch.Generator(device="cpu").manual_seed(9)
+    lengths = [40, 30]
+    rows = torch.randn(sum(lengths), 32, generator=g, device="cpu").to(torch.bfloat16)
+    layout = tuple(StateTensor(s, d, 0) for s, d in zip(shapes, dtypes))
+    states = [torch.randn((2, *s), generator=g, device="cpu").to(d) for s, d in zip(shapes, dtypes)]
+    bank = Bank({attn: rows}, sequence_lengths=lengths,
+                sequence_tokens=[list(range(100, 140)), list(range(200, 230))], kv={attn: (2, 8, 8)},
+                states={mixer: states}, state_layouts={mixer: layout})
+    bank.save(path)
+    return bank
+
+
+def test_a_hybrid_replay_writes_the_recorded_state_of_the_requests_sequence_into_its_state_block(tmp_path):
+    """vLLM's scheduler and the connector's worker over a poisoned buffer: a
+    request whose prompt is a recorded sequence plus one token gets that
+    sequence's rows (verified) and, in its state block, that sequence's
+    recorded state, packed as vLLM binds it; no other byte changes."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    from kvfill.bank.state import pack
+
+    attn, mixer = "model.layers.0.self_attn.attn", "model.layers.1.mixer"
+    shapes, dtypes = ((2, 8), (2, 4, 4)), (torch.bfloat16, torch.float32)
+    bank = _hybrid_bank(tmp_path / "bank.safetensors", attn, mixer, shapes, dtypes)
+    page = FullAttentionSpec(**ATT).page_size_bytes
+    mamba = MambaSpec(block_size=256, shapes=shapes, dtypes=dtypes, page_size_padded=page)
+    h = make_harness(tmp_path, [([attn], FullAttentionSpec(**ATT)), ([mixer], mamba)],
+                     extra={"fill_mode": "replay", "bank": str(tmp_path / "bank.safetensors"), "verify": "raise"},
+                     prefix_caching=False)
+    assert h.worker.worker.state_groups == {"group1": [mixer]}
+    h.add("a", list(range(200, 230)) + [5])
+    h.step()  # verify: raise - every written row and state page read back
+    full_ids, state_ids = h.block_table("a")
+    null = h.scheduler.kv_cache_manager.block_pool.null_block.block_id
+    (block,) = [b for b in state_ids if b != null]
+    got = h.views[mixer][block].reshape(-1).view(torch.uint8)
+    want = pack([s[1:2] for s in bank.states[mixer]])[0]
+    assert torch.equal(got[:want.numel()], want)
+    expected = h.raw.clone()  # outside the request's attention slots and its state block: the poison
+    views = h.views_over(expected)
+    for t in range(30):
+        views[attn][full_ids[t // BS], :, t % BS] = h.views_over(h.poison)[attn][full_ids[t // BS], :, t % BS]
+    views[mixer][block] = h.views_over(h.poison)[mixer][block]
+    assert_bytes(expected, h.poison)
+
+
+def test_hybrid_replay_recomputes_a_preempted_request_and_refuses_an_unknown_state_cache_mode(tmp_path):
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    from kvfill.connector.scheduler import KVFillScheduler
+
+    attn, mixer = "model.layers.0.self_attn.attn", "model.layers.1.mixer"
+    shapes, dtypes = ((2, 8), (2, 4, 4)), (torch.bfloat16, torch.float32)
+    _hybrid_bank(tmp_path / "bank.safetensors", attn, mixer, shapes, dtypes)
+    page = FullAttentionSpec(**ATT).page_size_bytes
+    mamba = MambaSpec(block_size=256, shapes=shapes, dtypes=dtypes, page_size_padded=page)
+    h = make_harness(tmp_path, [([attn], FullAttentionSpec(**ATT)), ([mixer], mamba)],
+                     extra={"fill_mode": "replay", "bank": str(tmp_path / "bank.safetensors")}, prefix_caching=False)
+    sched = h.scheduler.connector.scheduler
+    req = h.add("a", list(range(200, 230)) + [5])
+    assert sched.get_num_new_matched_tokens(req, 0) == (30, False)
+    sched.filled["a"] = 0
+    req.num_preemptions = 1  # preempted after its fill: recomputed, not filled again
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    h.config.cache_config.mamba_cache_mode = "align"  # prefix caching on a hybrid: its running block (planner)
+    KVFillScheduler(h.config, h.kv_cache_config, sched.options)
+    h.config.cache_config.mamba_cache_mode = "all"
+    with pytest.raises(ValueError, match=r"mamba_cache_mode in \('none', 'align'\), this engine runs 'all'"):
+        KVFillScheduler(h.config, h.kv_cache_config, sched.options)
+
+
+@pytest.mark.parametrize("prompt,seq,index", [(list(range(200, 230)) + [5], 1, 1),  # 31 tokens: state block 1
+                                              (list(range(100, 132)) + [5], 0, 2)])  # 33: block 2, past the fill
+def test_with_prefix_caching_the_state_goes_to_the_running_block_past_null_blocks(tmp_path, prompt, seq, index):
+    """mamba_cache_mode align (vLLM's choice with prefix caching on a hybrid):
+    a request's state blocks before its running one - the block of its last
+    token, past the filled tokens when the fill ends at a block boundary - are
+    null (or vLLM's prefill checkpoint, which vLLM writes); the recorded
+    state goes into the running block, nothing else changes."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    from kvfill.bank.state import pack
+
+    attn, mixer = "model.layers.0.self_attn.attn", "model.layers.1.mixer"
+    shapes, dtypes = ((2, 8), (2, 4, 4)), (torch.bfloat16, torch.float32)
+    bank = _hybrid_bank(tmp_path / "bank.safetensors", attn, mixer, shapes, dtypes)
+    page = FullAttentionSpec(**ATT).page_size_bytes
+    mamba = MambaSpec(block_size=BS, shapes=shapes, dtypes=dtypes, page_size_padded=page, mamba_cache_mode="align")
+    h = make_harness(tmp_path, [([attn], FullAttentionSpec(**ATT)), ([mixer], mamba)],
+                     extra={"fill_mode": "replay", "bank": str(tmp_path / "bank.safetensors"), "verify": "raise"},
+                     prefix_caching=True, mamba_cache_mode="align")
+    h.add("a", prompt)
+    h.step()
+    full_ids, state_ids = h.block_table("a")
+    null = h.scheduler.kv_cache_manager.block_pool.null_block.block_id
+    # the running block last; before it null blocks, or vLLM's prefill checkpoint block (its own to write)
+    assert max(i for i, b in enumerate(state_ids) if b != null) == index
+    got = h.views[mixer][state_ids[index]].reshape(-1).view(torch.uint8)
+    want = pack([s[seq:seq + 1] for s in bank.states[mixer]])[0]
+    assert torch.equal(got[:want.numel()], want)
+    expected = h.raw.clone()
+    views, poison = h.views_over(expected), h.views_over(h.poison)
+    for t in range(len(prompt) - 1):
+        views[attn][full_ids[t // BS], :, t % BS] = poison[attn][full_ids[t // BS], :, t % BS]
+    views[mixer][state_ids[index]] = poison[mixer][state_ids[index]]
+    assert_bytes(expected, h.poison)

@@ -139,6 +139,20 @@ def test_mamba_fills_the_request_state_rows():
     assert g.local_base.tolist() == [128]  # the state after the last external token
 
 
+def test_the_state_block_is_the_block_of_the_last_prompt_token_even_past_the_filled_range():
+    """vLLM reads a request's state from the block of its last token (mamba
+    cache mode align: the running block, null blocks before it): with the
+    fill ending at a block boundary that block lies past the filled tokens."""
+    geo = GroupGeometry("mamba", GroupKind.MAMBA, 64)
+    planner = Planner([geo])
+    sel = planner.select("a", 129, 0, [[NULL_BLOCK_ID, NULL_BLOCK_ID, 9]])
+    g = planner.plan([sel])["mamba"]
+    assert g.block_ids.tolist() == [9] and g.local_base.tolist() == [127]
+    assert planner.select("b", 1, 0, [[9]]).groups[0].block_ids == ()  # nothing filled, no state written
+    with pytest.raises(ValueError, match="state block of position 128 is block 2 of span 64, but only 2"):
+        planner.select("c", 129, 0, [[NULL_BLOCK_ID, 9]])
+
+
 @pytest.mark.parametrize("num_tokens,local", [(1, 0), (2, 0), (2, 1), (5, 4)])
 def test_nothing_external_plans_nothing(num_tokens, local):
     geo = GroupGeometry("full", GroupKind.FULL_ATTENTION, 4, DcpGeometry(world_size=2))

@@ -10,6 +10,7 @@ per scheduled request.
 """
 from __future__ import annotations
 
+import math
 import json
 import os
 from dataclasses import dataclass, field
@@ -65,7 +66,7 @@ def model_dir(root) -> str:
 
 def vllm_config(model_path, *, extra=None, block_size=16, prefix_caching=True, connector="KVFillConnector",
                 module_path="kvfill.connector", cache_dtype="auto", max_model_len=2048, num_blocks=None,
-                disable_hybrid=False) -> VllmConfig:
+                disable_hybrid=False, mamba_cache_mode="none") -> VllmConfig:
     kt = KVTransferConfig(
         kv_connector=connector,
         kv_role="kv_both",
@@ -79,7 +80,8 @@ def vllm_config(model_path, *, extra=None, block_size=16, prefix_caching=True, c
         model_config=ModelConfig(model=model_path, skip_tokenizer_init=True, max_model_len=max_model_len,
                                  dtype="bfloat16"),
         cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=prefix_caching,
-                                 cache_dtype=cache_dtype, num_gpu_blocks_override=num_blocks),
+                                 cache_dtype=cache_dtype, num_gpu_blocks_override=num_blocks,
+                                 mamba_cache_mode=mamba_cache_mode),
         scheduler_config=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=max_model_len,
                                          max_model_len=max_model_len, is_encoder_decoder=False,
                                          # unset = vLLM decides (0.33 refuses an explicit "enable"
@@ -153,7 +155,7 @@ def make_harness(tmp_path, groups: list[tuple[list[str], object]], *, num_blocks
     raw = poisoned_buffer(size, poison_seed)
     views = _views(raw, kv_cache_config, specs, layout)
     scheduler = Scheduler(config, kv_cache_config, StructuredOutputManager(config),
-                          block_size=min(s.block_size for _, s in groups))
+                          block_size=math.lcm(*(s.block_size for _, s in groups)))
     worker = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kv_cache_config)
     worker.register_kv_caches(views)
     return Harness(config, kv_cache_config, scheduler, worker, raw, views, specs, layout)
