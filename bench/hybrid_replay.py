@@ -110,7 +110,8 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-lens", type=int, nargs="+", default=[150, 230, 310], metavar="N")
     p.add_argument("--output-len", type=int, default=10)
     p.add_argument("--ssm-dtype", default="auto", help="vLLM's --mamba-ssm-cache-dtype (auto: the model's)")
-    p.add_argument("--runs", nargs="+", choices=RUNS, default=list(RUNS))
+    p.add_argument("--runs", nargs="+", choices=RUNS, default=list(RUNS),
+                   help="prefill (the reference) or, where vLLM's own prefill fails, prefill_split")
     p.add_argument("--prefix-caching", action="store_true",
                    help="prefill and replay with vLLM's prefix caching (mamba_cache_mode align)")
     p.add_argument("--shared-prefix", type=int, default=0, metavar="K",
@@ -143,7 +144,9 @@ def main(argv=None) -> int:
                      "--tensor-parallel-size", str(a.record_tp), *flags], "recording", timeout=900,
                     env=child_env(a.record_tp))
     print(next(line for line in rec.stdout.splitlines() if line.startswith("wrote")), flush=True)
-    runs = [r for r in RUNS if r == "prefill" or r in a.runs]
+    runs = [r for r in RUNS if r in a.runs]
+    if not {"prefill", "prefill_split"} & set(runs):
+        p.error("--runs needs a reference: prefill or prefill_split")
     cmd = [sys.executable, os.path.abspath(__file__), "--bank", a.bank, "--prompts-file", a.prompts_file, "--model",
            a.model, "--output-len", str(a.output_len), "--max-model-len", str(a.max_model_len),
            "--ssm-dtype", a.ssm_dtype, "--shared-prefix", str(a.shared_prefix),
@@ -151,20 +154,22 @@ def main(argv=None) -> int:
     print(f"running {', '.join(runs)} at TP {a.tp} ...", flush=True)
     results = child_result([*cmd, "--tp", str(a.tp), "--only", ",".join(runs)], "the runs", timeout=1800,
                            env=child_env(a.tp))
-    rows = [compare(results["prefill"], results[r]) for r in runs[1:]]
-    if "prefill_split" in results and "replay" in results:  # the same split of the prompt, computed for real
+    ref = "prefill" if "prefill" in results else "prefill_split"
+    rows = [compare(results[ref], results[r]) for r in runs if r != ref]
+    if ref == "prefill" and "prefill_split" in results and "replay" in results:  # the fill's split, computed for real
         rows.append({**compare(results["prefill_split"], results["replay"]), "run": "replay vs prefill_split"})
     if a.record_tp != a.tp:  # the context the bank carries: real prefill at the recording's TP size
         print(f"running prefill at the recording's TP {a.record_tp} ...", flush=True)
         results.update(child_result([*cmd, "--tp", str(a.record_tp), "--only", "prefill_at_record_tp"],
                                     "prefill at the recording's TP size", timeout=900, env=child_env(a.record_tp)))
         rows += [{**compare(results["prefill_at_record_tp"], results[r]), "run": f"{r} vs prefill_at_record_tp"}
-                 for r in runs[1:] if r in ("replay", "normal")]
+                 for r in runs if r in ("replay", "normal")]
     pc = (f"; prefix caching on (decoys sharing {a.shared_prefix} tokens first), prefix cache hits in tokens: "
           f"{ {r: results[r].get('prefix_cache_hit_tokens') for r in runs if r != 'prefill_split'} }"
           if a.prefix_caching else "")
     print(f"\n{len(lengths)} prompts of {lengths} tokens, {a.output_len} greedy tokens; {os.path.basename(a.model)} "
           f"(bf16, recurrent state {a.ssm_dtype}), TP {a.tp}; bank recorded at TP {a.record_tp}{pc}")
+    print(f"reference: {ref}" + (" (vLLM's own prefill not run)" if ref != "prefill" else ""))
     print(table(rows, ["run", "tokens_equal_to_prefill", "prompts_identical", "max_abs_logprob_diff"]))
     by = {r["run"]: r for r in rows}
     synthetic_differ = not by.get("normal", {"identical": False})["identical"]
@@ -177,7 +182,7 @@ def main(argv=None) -> int:
         claim = ("replay's first tokens equal real prefill's at the recording's TP size, and more of its tokens than "
                  "a synthetic fill's")
     else:
-        exact = by.get("replay vs prefill_split", by.get("replay"))
+        exact = by.get("replay vs prefill_split", by.get("replay"))  # replay vs the split, however it is named
         ok = exact["identical"] and synthetic_differ
         split = " split as the fill splits it" if "prefill_split" in results else ""
         claim = f"replay's tokens equal real prefill's{split}; a synthetic fill's differ"

@@ -271,6 +271,8 @@ class KVFillWorker:
         try:
             plan = self.planner.plan(selections, groups=self.engine.groups)
             states = self._state_blocks(selections)
+            if states:
+                self.state_pages.check(states)  # before the engine writes anything
             stats = self.last_stats = self.engine.fill(plan)
             if states:
                 self.state_pages.write(states)
@@ -332,9 +334,9 @@ class KVFillWorker:
         if report.ok and not bad_pages:
             logger.debug("KVFillConnector: verified %d elements and %d state pages", report.num_checked, pages)
             return
+        state = f" and {bad_pages} of {pages} state pages" if pages else ""
         msg = (f"KVFillConnector: verify found {report.num_mismatched} of {report.num_checked} "
-               f"elements and {bad_pages} of {pages} state pages mismatched after the fill, first: "
-               f"{(report.first or first_pages)[:3]}")
+               f"elements{state} mismatched after the fill, first: {(report.first or first_pages)[:3]}")
         if self.options.verify == "raise":
             raise RuntimeError(msg)
         logger.error(msg)

@@ -47,10 +47,9 @@ class StatePages:
     def num_sequences(self) -> int:
         return min((s.shape[0] for s in self.states.values()), default=0)
 
-    def write(self, blocks: Mapping[str, tuple[np.ndarray, np.ndarray]]) -> int:
-        """Write each layer's recorded state of ``sequence[i]`` into block
-        ``block_ids[i]`` (``blocks``: layer -> (block_ids, sequences)); the
-        sequences are checked before the first write.  Returns bytes written."""
+    def check(self, blocks: Mapping[str, tuple[np.ndarray, np.ndarray]]) -> list:
+        """ValueError naming the layer for a block id outside its cache or a
+        sequence outside the bank; else the writes ``write`` makes."""
         staged = []
         for name, (ids, seqs) in blocks.items():
             st = self.states.get(name)
@@ -64,13 +63,20 @@ class StatePages:
             if seqs.size and (seqs.min() < 0 or seqs.max() >= st.shape[0]):
                 raise ValueError(f"state layer {name!r}: sequences {seqs.tolist()[:8]} outside the bank's "
                                  f"{st.shape[0]}")
-            staged.append((rows, st, ids, seqs))
-        nbytes = 0
-        for rows, st, ids, seqs in staged:
             if ids.size:
-                dev = rows.device
-                rows[torch.from_numpy(ids).to(dev)] = st[torch.from_numpy(seqs).to(dev)]
-                nbytes += ids.size * rows.shape[1]
+                staged.append((rows, st, ids, seqs))
+        return staged
+
+    def write(self, blocks: Mapping[str, tuple[np.ndarray, np.ndarray]]) -> int:
+        """Write each layer's recorded state of ``sequence[i]`` into block
+        ``block_ids[i]`` (``blocks``: layer -> (block_ids, sequences)), after
+        checking every layer's (``check``): nothing is written when one is
+        bad.  Returns bytes written."""
+        nbytes = 0
+        for rows, st, ids, seqs in self.check(blocks):
+            dev = rows.device
+            rows[torch.from_numpy(ids).to(dev)] = st[torch.from_numpy(seqs).to(dev)]
+            nbytes += ids.size * rows.shape[1]
         return nbytes
 
     def read(self, name: str, block_ids) -> torch.Tensor:

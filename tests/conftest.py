@@ -116,6 +116,10 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(cpu_only)
         if not HAS_VLLM and "needs_vllm" in item.keywords:
             item.add_marker(no_vllm)
+    listing = os.environ.get("KVFILL_LIST_NEEDS_VLLM")  # tests/test_device_image.py: the tests marked needs_vllm
+    if listing:
+        with open(listing, "w") as f:
+            f.write("".join(f"{item.nodeid}\n" for item in items if "needs_vllm" in item.keywords))
 
 
 def pytest_report_header(config):

@@ -24,7 +24,7 @@ GDN = (StateTensor((3, 2 * K + V), torch.bfloat16, 1, (K, K, V)), StateTensor((4
 
 def _full(layout, s=3, seed=0):
     g = torch.Generator(device="cpu").manual_seed(seed)
-    return [torch.randn((s, *st.shape), generator=g).to(st.dtype) for st in layout]
+    return [torch.randn((s, *st.shape), generator=g, device="cpu").to(st.dtype) for st in layout]
 
 
 def _vllm_shard(conv: torch.Tensor, r: int, t: int) -> torch.Tensor:
@@ -75,10 +75,11 @@ class _Layer:
         return self.dtypes
 
 
+@pytest.mark.needs_vllm
 def test_pages_pack_the_states_as_vllm_binds_them():
     """vLLM's own MambaBase.bind_kv_cache reads the states out of the page
     bytes ``pack`` writes (its padding left alone)."""
-    mamba = pytest.importorskip("vllm.model_executor.layers.mamba.abstract")
+    import vllm.model_executor.layers.mamba.abstract as mamba
     conv, ssm = _full(GDN)
     layer = _Layer([GDN[0].shape, GDN[1].shape], [GDN[0].dtype, GDN[1].dtype])
     pages = pack([conv, ssm])
@@ -93,7 +94,8 @@ def test_pages_pack_the_states_as_vllm_binds_them():
 
 def _bank(s=3, source="bank"):
     lengths = [5, 7, 4][:s]
-    rows = torch.randn(sum(lengths), 2 * 2 * 8, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    g = torch.Generator(device="cpu").manual_seed(1)
+    rows = torch.randn(sum(lengths), 2 * 2 * 8, generator=g, device="cpu").to(torch.bfloat16)
     return Bank({"model.layers.3.self_attn.attn": rows}, sequence_lengths=lengths,
                 sequence_tokens=[list(range(10 + i, 10 + i + n)) for i, n in enumerate(lengths)],
                 kv={"model.layers.3.self_attn.attn": (2, 8, 8)},
@@ -216,8 +218,9 @@ def test_state_pages_refuse_a_bad_block_or_sequence_before_any_write():
     assert (cache == 3).all()
 
 
+@pytest.mark.needs_vllm
 def test_the_connector_derives_gdn_and_mamba2_layouts_from_vllm_specs():
-    specs = pytest.importorskip("kvfill.connector.states")
+    import kvfill.connector.states as specs
     from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum as E
     from vllm.v1.kv_cache_interface import MambaSpec
 
@@ -235,3 +238,19 @@ def test_the_connector_derives_gdn_and_mamba2_layouts_from_vllm_specs():
     ds = MambaSpec(block_size=16, shapes=(((2 * K + V) // tp, 3), (4 // tp, 8, 8)),
                    dtypes=(torch.bfloat16, torch.float32), mamba_type=E.GDN_ATTN)
     assert specs.state_layout(ds, tp, dim_first=True)[0] == StateTensor((2 * K + V, 3), torch.bfloat16, 0, (K, K, V))
+
+
+def test_the_recorder_merges_every_tp_ranks_state_part_and_refuses_a_missing_or_twice_saved_one():
+    from kvfill.record.assemble import merge_states
+
+    full = _full(GDN, s=1)
+    parts = [(r, 2, GDN, [st.take(t, r, 2) for st, t in zip(GDN, full)], f"TP rank {r}") for r in (1, 0)]
+    merged, layout = merge_states("l", parts, "prompt k")
+    assert layout == GDN and all(torch.equal(a, b) for a, b in zip(merged, full))
+    with pytest.raises(RuntimeError, match=r"arrived from TP ranks \[1\] of \[2\].*each of 2 ranks once"):
+        merge_states("l", parts[:1], "prompt k")
+    with pytest.raises(RuntimeError, match=r"arrived from TP ranks \[0, 0\]"):
+        merge_states("l", [parts[1], parts[1]], "prompt k")
+    bad = [(0, 2, GDN, [t[..., :-1] if i == 0 else t for i, t in enumerate(parts[1][3])], "TP rank 0"), parts[0]]
+    with pytest.raises(RuntimeError, match="from TP rank 0 holds"):
+        merge_states("l", bad, "prompt k")

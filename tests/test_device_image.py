@@ -73,36 +73,60 @@ def function_ids(text: str) -> set[str]:
     return {n.split("[", 1)[0] for n in node_ids(text)}
 
 
-def test_the_whole_suite_collects_in_the_image(image):
+def junit_function_id(classname: str, name: str) -> str:
+    """A JUnit test case's node id without parameters: ``tests.test_x`` or
+    ``tests.test_x.TestC`` and ``name[params]`` -> ``tests/test_x.py[::TestC]::name``."""
+    parts = classname.split(".")
+    for k in range(len(parts), 0, -1):
+        if (ROOT / ("/".join(parts[:k]) + ".py")).is_file():
+            return "::".join(["/".join(parts[:k]) + ".py", *parts[k:], name.split("[", 1)[0]])
+    return f"{classname}::{name.split('[', 1)[0]}"
+
+
+@pytest.fixture(scope="module")
+def outer(tmp_path_factory):
+    """The suite as it collects here, with vLLM: its output and the node ids
+    marked needs_vllm (conftest writes them where KVFILL_LIST_NEEDS_VLLM says)."""
+    listing = tmp_path_factory.mktemp("outer") / "needs_vllm.txt"
+    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "tests"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "KVFILL_LIST_NEEDS_VLLM": str(listing)})
+    assert out.returncode == 0, out.stdout[-3000:]
+    return out.stdout, set(listing.read_text().split())
+
+
+@pytest.fixture(scope="module")
+def inner(image, tmp_path_factory):
+    """The whole suite run once in the image (device_check.sh's fuzz count):
+    the run, and its JUnit test cases by ``classname::name``."""
+    report = tmp_path_factory.mktemp("inner") / "junit.xml"
+    run = in_image(image, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEs", f"--junitxml={report}", "tests",
+                   env={"KVFILL_FUZZ_EXAMPLES": "20"})
+    cases = {f"{c.get('classname')}::{c.get('name')}": c for c in ET.parse(report).iter("testcase")} \
+        if report.exists() else {}
+    return run, cases
+
+
+def test_the_whole_suite_collects_in_the_image(inner, outer):
     """Every test function collects there, or its module skips for vLLM; a
     collection error stops a pytest run before any test runs."""
-    inner = in_image(image, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "-rs", "tests",
-                     timeout=600)
-    assert inner.returncode == 0, inner.stdout[-4000:] + inner.stderr[-2000:]
-    assert "error" not in inner.stdout.splitlines()[-1], inner.stdout[-2000:]
+    run, cases = inner
+    assert "ERROR collecting" not in run.stdout and cases, run.stdout[-4000:] + run.stderr[-2000:]
     skipped_modules = set(re.findall(r"^SKIPPED \[\d+\] (tests/\S+\.py):\d+: could not import 'vllm",
-                                     inner.stdout, re.M))
-    outer = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-                            "tests"], cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert outer.returncode == 0, outer.stdout[-3000:]
-    missing = {n for n in function_ids(outer.stdout) - function_ids(inner.stdout)
-               if n.split("::")[0] not in skipped_modules}
+                                     run.stdout, re.M))
+    ran = {junit_function_id(*key.split("::", 1)) for key in cases}
+    missing = {n for n in function_ids(outer[0]) - ran if n.split("::")[0] not in skipped_modules}
     assert not missing, sorted(missing)[:20]
 
 
-def test_the_suite_passes_in_the_image_with_every_vllm_test_skipped(image, tmp_path):
-    """The whole suite there (device_check.sh's fuzz count): no failure, no
-    error; every test marked needs_vllm skipped for that reason."""
-    report = tmp_path / "junit.xml"
-    inner = in_image(image, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", f"--junitxml={report}", "tests",
-                     env={"KVFILL_FUZZ_EXAMPLES": "20"})
-    assert inner.returncode == 0, inner.stdout[-6000:]
-    cases = {f"{c.get('classname')}::{c.get('name')}": c for c in ET.parse(report).iter("testcase")}
+def test_the_suite_passes_in_the_image_with_every_vllm_test_skipped(inner, outer):
+    """The whole suite there: no failure, no error; every test marked
+    needs_vllm skipped for that reason."""
+    run, cases = inner
+    assert run.returncode == 0, run.stdout[-6000:]
     assert len(cases) > 1000
-    marked = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-                             "-m", "needs_vllm", "tests"], cwd=ROOT, capture_output=True, text=True, timeout=600)
-    want = node_ids(marked.stdout)
-    assert len(want) >= 20, marked.stdout[-2000:]
+    want = outer[1]
+    assert len(want) >= 20, sorted(want)[:5]
     for node in want:
         path, name = node.split("::", 1)
         case = cases.get(f"{path.removesuffix('.py').replace('/', '.')}::{name}")
