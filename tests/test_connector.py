@@ -1068,3 +1068,24 @@ def test_with_prefix_caching_the_state_goes_to_the_running_block_past_null_block
         views[attn][full_ids[t // BS], :, t % BS] = poison[attn][full_ids[t // BS], :, t % BS]
     views[mixer][state_ids[index]] = poison[mixer][state_ids[index]]
     assert_bytes(expected, h.poison)
+
+
+def test_verify_reads_every_replayed_state_page_back(tmp_path, monkeypatch):
+    """verify: raise compares each state block with the recorded state it was
+    to get: a state write that went nowhere is an error naming the pages."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    from kvfill.kernels.state_pages import StatePages
+
+    attn, mixer = "model.layers.0.self_attn.attn", "model.layers.1.mixer"
+    shapes, dtypes = ((2, 8), (2, 4, 4)), (torch.bfloat16, torch.float32)
+    _hybrid_bank(tmp_path / "bank.safetensors", attn, mixer, shapes, dtypes)
+    page = FullAttentionSpec(**ATT).page_size_bytes
+    mamba = MambaSpec(block_size=256, shapes=shapes, dtypes=dtypes, page_size_padded=page)
+    h = make_harness(tmp_path, [([attn], FullAttentionSpec(**ATT)), ([mixer], mamba)],
+                     extra={"fill_mode": "replay", "bank": str(tmp_path / "bank.safetensors"), "verify": "raise"},
+                     prefix_caching=False)
+    monkeypatch.setattr(StatePages, "write", lambda self, blocks: 0)
+    h.add("a", list(range(200, 230)) + [5])
+    with pytest.raises(RuntimeError, match=r"verify found 0 of \d+ elements and 1 of 1 state pages mismatched"):
+        h.step()
