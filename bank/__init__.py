@@ -13,6 +13,7 @@ One file per role:
     dcp.py      DcpGeometry, which DCP rank holds which token (the fill kernels' too)
     index.py    BankIndex, which recorded sequence a block replays (metadata alone)
     rows.py     RowFormat, the canonical K/V row order and the permutation to each cache's
+    state.py    StateTensor, the state section: hybrid models' recurrent state per sequence
 """
 from .bank import Bank
 from .dcp import NO_DCP, DcpGeometry

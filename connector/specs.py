@@ -1,4 +1,4 @@
-"""vLLM KV cache specs -> planner geometry.  The only planner-side module that imports vLLM.
+"""vLLM KV cache specs -> planner geometry (with ``states.py``: state specs -> the bank's state layout).
 
 A group's DCP world size W (``dcp_world_size_of``) is resolved exactly as the
 installed vLLM's allocator resolves it: newer vLLM's per-spec helper
