@@ -92,7 +92,7 @@ def outer(tmp_path_factory):
                          cwd=ROOT, capture_output=True, text=True, timeout=600,
                          env={**os.environ, "KVFILL_LIST_NEEDS_VLLM": str(listing)})
     assert out.returncode == 0, out.stdout[-3000:]
-    return out.stdout, set(listing.read_text().split())
+    return out.stdout, {line for line in listing.read_text().splitlines() if line}
 
 
 @pytest.fixture(scope="module")
