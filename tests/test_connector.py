@@ -974,23 +974,37 @@ def _hybrid_bank(path, attn, mixer, shapes, dtypes):
     return bank
 
 
+HYBRID_ATTN, HYBRID_MIXER = "model.layers.0.self_attn.attn", "model.layers.1.mixer"
+HYBRID_STATES = (((2, 8), (2, 4, 4)), (torch.bfloat16, torch.float32))  # the state layer's shapes and dtypes
+
+
+def _hybrid_harness(tmp_path, mode="none", **extra):
+    """vLLM's scheduler and the connector's worker replaying ``_hybrid_bank``
+    over an attention layer and a state layer (mamba_cache_mode ``mode``:
+    none - one state block spanning max_model_len - or align, with prefix
+    caching, blocks of BS); returns the harness and the bank."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    shapes, dtypes = HYBRID_STATES
+    bank = _hybrid_bank(tmp_path / "bank.safetensors", HYBRID_ATTN, HYBRID_MIXER, shapes, dtypes)
+    page = FullAttentionSpec(**ATT).page_size_bytes
+    mamba = MambaSpec(block_size=256 if mode == "none" else BS, shapes=shapes, dtypes=dtypes,
+                      page_size_padded=page, mamba_cache_mode=mode)
+    h = make_harness(tmp_path, [([HYBRID_ATTN], FullAttentionSpec(**ATT)), ([HYBRID_MIXER], mamba)],
+                     extra={"fill_mode": "replay", "bank": str(tmp_path / "bank.safetensors"), **extra},
+                     prefix_caching=mode != "none", mamba_cache_mode=mode)
+    return h, bank
+
+
 def test_a_hybrid_replay_writes_the_recorded_state_of_the_requests_sequence_into_its_state_block(tmp_path):
     """vLLM's scheduler and the connector's worker over a poisoned buffer: a
     request whose prompt is a recorded sequence plus one token gets that
     sequence's rows (verified) and, in its state block, that sequence's
     recorded state, packed as vLLM binds it; no other byte changes."""
-    from vllm.v1.kv_cache_interface import MambaSpec
-
     from kvfill.bank.state import pack
 
-    attn, mixer = "model.layers.0.self_attn.attn", "model.layers.1.mixer"
-    shapes, dtypes = ((2, 8), (2, 4, 4)), (torch.bfloat16, torch.float32)
-    bank = _hybrid_bank(tmp_path / "bank.safetensors", attn, mixer, shapes, dtypes)
-    page = FullAttentionSpec(**ATT).page_size_bytes
-    mamba = MambaSpec(block_size=256, shapes=shapes, dtypes=dtypes, page_size_padded=page)
-    h = make_harness(tmp_path, [([attn], FullAttentionSpec(**ATT)), ([mixer], mamba)],
-                     extra={"fill_mode": "replay", "bank": str(tmp_path / "bank.safetensors"), "verify": "raise"},
-                     prefix_caching=False)
+    attn, mixer = HYBRID_ATTN, HYBRID_MIXER
+    h, bank = _hybrid_harness(tmp_path, verify="raise")
     assert h.worker.worker.state_groups == {"group1": [mixer]}
     h.add("a", list(range(200, 230)) + [5])
     h.step()  # verify: raise - every written row and state page read back
@@ -1009,17 +1023,9 @@ def test_a_hybrid_replay_writes_the_recorded_state_of_the_requests_sequence_into
 
 
 def test_hybrid_replay_recomputes_a_preempted_request_and_refuses_an_unknown_state_cache_mode(tmp_path):
-    from vllm.v1.kv_cache_interface import MambaSpec
-
     from kvfill.connector.scheduler import KVFillScheduler
 
-    attn, mixer = "model.layers.0.self_attn.attn", "model.layers.1.mixer"
-    shapes, dtypes = ((2, 8), (2, 4, 4)), (torch.bfloat16, torch.float32)
-    _hybrid_bank(tmp_path / "bank.safetensors", attn, mixer, shapes, dtypes)
-    page = FullAttentionSpec(**ATT).page_size_bytes
-    mamba = MambaSpec(block_size=256, shapes=shapes, dtypes=dtypes, page_size_padded=page)
-    h = make_harness(tmp_path, [([attn], FullAttentionSpec(**ATT)), ([mixer], mamba)],
-                     extra={"fill_mode": "replay", "bank": str(tmp_path / "bank.safetensors")}, prefix_caching=False)
+    h, _ = _hybrid_harness(tmp_path)
     sched = h.scheduler.connector.scheduler
     req = h.add("a", list(range(200, 230)) + [5])
     assert sched.get_num_new_matched_tokens(req, 0) == (30, False)
@@ -1041,18 +1047,10 @@ def test_with_prefix_caching_the_state_goes_to_the_running_block_past_null_block
     token, past the filled tokens when the fill ends at a block boundary - are
     null (or vLLM's prefill checkpoint, which vLLM writes); the recorded
     state goes into the running block, nothing else changes."""
-    from vllm.v1.kv_cache_interface import MambaSpec
-
     from kvfill.bank.state import pack
 
-    attn, mixer = "model.layers.0.self_attn.attn", "model.layers.1.mixer"
-    shapes, dtypes = ((2, 8), (2, 4, 4)), (torch.bfloat16, torch.float32)
-    bank = _hybrid_bank(tmp_path / "bank.safetensors", attn, mixer, shapes, dtypes)
-    page = FullAttentionSpec(**ATT).page_size_bytes
-    mamba = MambaSpec(block_size=BS, shapes=shapes, dtypes=dtypes, page_size_padded=page, mamba_cache_mode="align")
-    h = make_harness(tmp_path, [([attn], FullAttentionSpec(**ATT)), ([mixer], mamba)],
-                     extra={"fill_mode": "replay", "bank": str(tmp_path / "bank.safetensors"), "verify": "raise"},
-                     prefix_caching=True, mamba_cache_mode="align")
+    attn, mixer = HYBRID_ATTN, HYBRID_MIXER
+    h, bank = _hybrid_harness(tmp_path, mode="align", verify="raise")
     h.add("a", prompt)
     h.step()
     full_ids, state_ids = h.block_table("a")
@@ -1073,18 +1071,9 @@ def test_with_prefix_caching_the_state_goes_to_the_running_block_past_null_block
 def test_verify_reads_every_replayed_state_page_back(tmp_path, monkeypatch):
     """verify: raise compares each state block with the recorded state it was
     to get: a state write that went nowhere is an error naming the pages."""
-    from vllm.v1.kv_cache_interface import MambaSpec
-
     from kvfill.kernels.state_pages import StatePages
 
-    attn, mixer = "model.layers.0.self_attn.attn", "model.layers.1.mixer"
-    shapes, dtypes = ((2, 8), (2, 4, 4)), (torch.bfloat16, torch.float32)
-    _hybrid_bank(tmp_path / "bank.safetensors", attn, mixer, shapes, dtypes)
-    page = FullAttentionSpec(**ATT).page_size_bytes
-    mamba = MambaSpec(block_size=256, shapes=shapes, dtypes=dtypes, page_size_padded=page)
-    h = make_harness(tmp_path, [([attn], FullAttentionSpec(**ATT)), ([mixer], mamba)],
-                     extra={"fill_mode": "replay", "bank": str(tmp_path / "bank.safetensors"), "verify": "raise"},
-                     prefix_caching=False)
+    h, _ = _hybrid_harness(tmp_path, verify="raise")
     monkeypatch.setattr(StatePages, "write", lambda self, blocks: 0)
     h.add("a", list(range(200, 230)) + [5])
     with pytest.raises(RuntimeError, match=r"verify found 0 of \d+ elements and 1 of 1 state pages mismatched"):
