@@ -33,6 +33,7 @@ from kvfill.kernels import FillEngine
 from .metadata import KVFillConnectorMetadata
 from .options import FillOptions
 from .planner import Planner
+from .states import has_recurrent_state
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -72,7 +73,7 @@ class Recorder:
         replicas = max(1, self.tp_size // self.total_heads)
         self.saves_rows = tp_rank % replicas == 0  # the first rank of each head's replicas saves it
         # A model with recurrent state: every rank saves its part of each state layer (set_states).
-        self.records_states = bool(getattr(model, "has_inner_state", False) or getattr(model, "is_hybrid", False))
+        self.records_states = has_recurrent_state(model)
         if self.records_states and getattr(vllm_config.cache_config, "mamba_cache_mode", "none") != "none":
             raise ValueError(f"KVFillConnector: recording recurrent state needs mamba_cache_mode 'none', this engine "
                              f"runs {vllm_config.cache_config.mamba_cache_mode!r}: record without prefix caching")

@@ -36,6 +36,12 @@ def conv_dim_first() -> bool:
     return bool(is_conv_state_dim_first())
 
 
+def has_recurrent_state(model_config) -> bool:
+    """Whether vLLM's model config names layers with recurrent state (a
+    hybrid or a pure Mamba model): what a recording then keeps per sequence."""
+    return bool(getattr(model_config, "has_inner_state", False) or getattr(model_config, "is_hybrid", False))
+
+
 def mamba_kind(spec: MambaSpec) -> str:
     kind = getattr(spec, "mamba_type", None)
     return str(getattr(kind, "name", kind))

@@ -370,9 +370,9 @@ def state_tail(vllm_config) -> int:
     itself (``scheduler.computed_tail``), so the state recorded after the
     rest is the one a replayed request continues from (``bank/state.py``)."""
     from kvfill.connector.scheduler import computed_tail
+    from kvfill.connector.states import has_recurrent_state
 
-    model = vllm_config.model_config
-    if not (getattr(model, "has_inner_state", False) or getattr(model, "is_hybrid", False)):
+    if not has_recurrent_state(vllm_config.model_config):
         return 0
     return computed_tail(vllm_config)
 
