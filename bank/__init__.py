@@ -8,7 +8,8 @@ One file per role:
                 rule, BANK_FORMAT / BANK_VERSION, BankError, dtype_name
     files.py    a bank file on disk: metadata read and checked, a part loaded,
                 atomic save, the file's identity, free_bytes
-    bank.py     Bank, a bank in memory: checked against a cache, a part selected
+    bank.py     Bank, a bank in memory: checked as built, a part selected
+    checks.py   a bank checked against a cache: rows in its element order, state pages
     parts.py    BankPart, what one rank loads: its TP heads, PP layers, DCP positions
     dcp.py      DcpGeometry, which DCP rank holds which token (the fill kernels' too)
     index.py    BankIndex, which recorded sequence a block replays (metadata alone)

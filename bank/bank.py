@@ -1,6 +1,6 @@
 """``Bank``: a bank in memory - recorded rows per layer (the schema: ``format.py``),
-checked against a cache and put in its element order, a rank's part selected
-(``parts.py``), read from and written to a bank file (``files.py``).
+checked as it is built, a rank's part selected (``parts.py``), read from and
+written to a bank file (``files.py``); checked against a cache in ``checks.py``.
 """
 from __future__ import annotations
 
@@ -11,11 +11,12 @@ import numpy as np
 import torch
 
 from . import files
+from .checks import check_rows, state_pages
 from .format import BankError, dtype_name
 from .index import BankIndex
 from .parts import WHOLE, BankPart
 from .rows import RowFormat
-from .state import StateTensor, pack
+from .state import StateTensor
 
 
 def _geometry(source: str, name: str, kv) -> tuple[int, int, int]:
@@ -25,6 +26,35 @@ def _geometry(source: str, name: str, kv) -> tuple[int, int, int]:
         raise BankError(f"{source}: layer {name!r} kv is {kv!r}; expected [num_kv_heads >= 1, head_size >= 1, "
                         f"head_size_v >= 0]")
     return tuple(int(x) for x in g)
+
+
+def _packed(source: str, layers, sequence_lengths, sequence_tokens) -> tuple[dict, list[int]]:
+    """Every layer as ``[T, R]`` and the sequences' lengths, after checking
+    the layers agree on them."""
+    out, shapes = {}, {}
+    for name, t in layers.items():
+        if not isinstance(t, torch.Tensor) or t.dim() not in (2, 3) or min(t.shape) < 1:
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise BankError(f"{source}: layer {name!r} is {got}; expected a tensor [rows, row] or "
+                            f"[sequences, positions, row] with every dim >= 1")
+        shapes[name] = tuple(t.shape[:-1])
+        out[name] = t.reshape(-1, t.shape[-1]) if t.dim() == 3 else t
+    if len(set(shapes.values())) != 1:
+        raise BankError(f"{source}: layers disagree on their rows: {shapes}")
+    shape = next(iter(shapes.values()))
+    if len(shape) == 2:
+        lengths = [shape[1]] * shape[0]
+        if sequence_lengths is not None and list(sequence_lengths) != lengths:
+            raise BankError(f"{source}: sequence_lengths {list(sequence_lengths)[:8]} disagree with "
+                            f"layers of [{shape[0]}, {shape[1]}, row]")
+    else:
+        if sequence_lengths is None:
+            sequence_lengths = [len(t) for t in sequence_tokens] or [shape[0]]
+        lengths = [int(n) for n in sequence_lengths]
+        if not lengths or min(lengths) < 1 or sum(lengths) != shape[0]:
+            raise BankError(f"{source}: sequence_lengths {lengths[:8]} (sum {sum(lengths)}) must be ints "
+                            f">= 1 summing to the layers' {shape[0]} rows")
+    return out, lengths
 
 
 class Bank:
@@ -64,7 +94,7 @@ class Bank:
             raise BankError(f"{source}: holds no layers")
         self.source = source
         self.identity = identity  # the file's (files.identity_of); None: built in memory
-        self.layers, lengths = self._packed(layers, sequence_lengths, sequence_tokens)
+        self.layers, lengths = _packed(source, layers, sequence_lengths, sequence_tokens)
         self.lengths = tuple(int(n) for n in lengths)
         self.starts = tuple(int(x) for x in np.concatenate([[0], np.cumsum(self.lengths)[:-1]]))
         self.part = part
@@ -100,34 +130,6 @@ class Bank:
                 raise BankError(f"{self.source}: state layer {name!r} holds {got} of "
                                 f"{[dtype_name(t.dtype) for t in tensors]}; expected {want} of "
                                 f"{[dtype_name(st.dtype) for st in layout]} (one state per sequence)")
-
-    def _packed(self, layers, sequence_lengths, sequence_tokens) -> tuple[dict, list[int]]:
-        """Every layer as ``[T, R]`` and the sequences' lengths, after checking
-        the layers agree on them."""
-        out, shapes = {}, {}
-        for name, t in layers.items():
-            if not isinstance(t, torch.Tensor) or t.dim() not in (2, 3) or min(t.shape) < 1:
-                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-                raise BankError(f"{self.source}: layer {name!r} is {got}; expected a tensor [rows, row] or "
-                                f"[sequences, positions, row] with every dim >= 1")
-            shapes[name] = tuple(t.shape[:-1])
-            out[name] = t.reshape(-1, t.shape[-1]) if t.dim() == 3 else t
-        if len(set(shapes.values())) != 1:
-            raise BankError(f"{self.source}: layers disagree on their rows: {shapes}")
-        shape = next(iter(shapes.values()))
-        if len(shape) == 2:
-            lengths = [shape[1]] * shape[0]
-            if sequence_lengths is not None and list(sequence_lengths) != lengths:
-                raise BankError(f"{self.source}: sequence_lengths {list(sequence_lengths)[:8]} disagree with "
-                                f"layers of [{shape[0]}, {shape[1]}, row]")
-        else:
-            if sequence_lengths is None:
-                sequence_lengths = [len(t) for t in sequence_tokens] or [shape[0]]
-            lengths = [int(n) for n in sequence_lengths]
-            if not lengths or min(lengths) < 1 or sum(lengths) != shape[0]:
-                raise BankError(f"{self.source}: sequence_lengths {lengths[:8]} (sum {sum(lengths)}) must be ints "
-                                f">= 1 summing to the layers' {shape[0]} rows")
-        return out, lengths
 
     # ------------------------------------------------------------ questions
     @property
@@ -201,66 +203,19 @@ class Bank:
         """The layer's rows in the element order of a cache of ``dtype`` whose
         row is described by ``fmt`` and whose bytes encode ``value_dtype``,
         after checking they fit; BankError naming what differs."""
-        rows, order = self.check_rows(name, dtype, fmt, value_dtype)
+        rows, order = check_rows(self, name, dtype, fmt, value_dtype)
         return rows if order is None else order.to_cache(rows)
 
     def check_rows(self, name: str, dtype: torch.dtype, fmt: RowFormat,
                    value_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, RowFormat | None]:
-        """``rows_for`` without the permutation: the stored rows and the
-        format that puts them in the cache's order (None: already in it)."""
-        t = self.layers.get(name)
-        if t is None:
-            some = sorted(self.layers)[:3]
-            raise BankError(f"{self.source}: has no rows for layer {name!r} (it holds {len(self.layers)} layers, "
-                            f"e.g. {some}); record the bank from the same model")
-        if t.dtype != dtype:
-            raise BankError(f"{self.source}: layer {name!r} was recorded as {t.dtype}, the cache holds {dtype}; "
-                            f"record the bank with the same dtype and kv_cache_dtype")
-        recorded = self.value_dtypes.get(name)
-        if value_dtype is not None and recorded and recorded != dtype_name(value_dtype):
-            raise BankError(f"{self.source}: layer {name!r} holds {recorded} values, the cache encodes "
-                            f"{dtype_name(value_dtype)}; record the bank with the same kv_cache_dtype")
-        cache_parts = [list(p) for p in fmt.parts]
-        row = sum(int(np.prod(p)) for p in fmt.parts)
-        kv = self.kv.get(name)
-        if kv is not None:
-            if fmt.kv is None:
-                raise BankError(f"{self.source}: layer {name!r} holds K/V rows of {list(kv)} (heads, head_size, "
-                                f"head_size_v); the cache's element dims {cache_parts} are no known K/V view "
-                                f"(give the engine the layer's geometry: CacheGroup(kv=...))")
-            if tuple(fmt.kv) != kv:
-                split = kv[1:] == tuple(fmt.kv)[1:] and kv[0] > fmt.kv[0] and self.part.tp_size == 1
-                raise BankError(f"{self.source}: layer {name!r} was recorded with {list(kv)} (heads, head_size, "
-                                f"head_size_v), the cache holds {list(fmt.kv)}: " + (
-                                    "a tensor-parallel rank's heads; load the rank's part (Bank.load(path, "
-                                    "BankPart(tp_rank, tp_size)))" if split else "another model or head layout"))
-            return t, (fmt if fmt.order is not None else None)
-        if t.shape[1] != row:
-            raise BankError(f"{self.source}: layer {name!r} rows have {t.shape[1]} elements, the cache's have {row} "
-                            f"(another model or head layout?)")
-        recorded_parts = self.parts.get(name)
-        if recorded_parts and recorded_parts != cache_parts:
-            raise BankError(f"{self.source}: layer {name!r} rows were recorded in the element order of caches with "
-                            f"element dims {recorded_parts} (no known K/V view), these caches have {cache_parts}; "
-                            f"record the bank on this platform and attention backend")
-        return t, None
+        """``rows_for`` without the permutation (``checks.check_rows``)."""
+        return check_rows(self, name, dtype, fmt, value_dtype)
 
     def state_pages(self, name: str, shapes, dtypes) -> torch.Tensor:
         """A state layer's recorded states as pages ``[S, page bytes]`` (uint8)
-        for a cache whose spec names ``shapes`` and ``dtypes`` (this rank's),
-        after checking they are the ones recorded; BankError naming what differs."""
-        tensors = self.states.get(name)
-        if tensors is None:
-            raise BankError(f"{self.source}: has no recorded state for layer {name!r} (it holds "
-                            f"{len(self.states)} state layers); record the bank with this kvfill from the same model")
-        have = [(list(t.shape[1:]), dtype_name(t.dtype)) for t in tensors]
-        want = [(list(s), dtype_name(d)) for s, d in zip(shapes, dtypes)]
-        if have != want:
-            where = f"TP rank {self.part.tp_rank}/{self.part.tp_size}" if self.part.tp_size > 1 else "TP size 1"
-            raise BankError(f"{self.source}: state layer {name!r} was recorded as {have} (shape, dtype at {where}), "
-                            f"the cache holds {want}: record the bank with the serving run's dtype, mamba cache "
-                            f"dtypes and speculative config (a conv state holds its drafts' positions)")
-        return pack(tensors)
+        for a cache whose spec names ``shapes`` and ``dtypes`` (``checks.state_pages``)."""
+        return state_pages(self, name, shapes, dtypes)
+
 
     # ------------------------------------------------------------ files
     def save(self, path: str | os.PathLike) -> None:

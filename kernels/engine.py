@@ -122,24 +122,6 @@ class FillEngine:
         return contextlib.nullcontext()
 
     # ------------------------------------------------------------ plans
-    def _checked(self, plan: FillPlan | Mapping[str, GroupFill]) -> dict[str, GroupFill]:
-        """Normalize and validate every group's entries (nothing is written on
-        error); drop empty entries and groups."""
-        out = {}
-        for gname, entries in FillPlan.of(plan).groups.items():
-            info = self._registry.group(gname)
-            if not isinstance(entries, GroupFill):
-                entries = GroupFill(block_ids=entries)
-            entries = entries.normalized(info.slots_per_block)
-            entries.validate(gname, num_blocks=info.num_blocks, slots_per_block=info.slots_per_block,
-                             num_sequences=self._registry.num_sequences)
-            keep = entries.slot_end > entries.slot_start
-            if not keep.all():
-                entries = entries.select(keep)
-            if entries.num_entries:
-                out[gname] = entries
-        return out
-
     def whole_plan(self, groups: Iterable[str] | None = None) -> FillPlan:
         """Every block of the given groups (default: all), block b holding the
         rank-local tokens ``[b * slots_per_block, (b + 1) * slots_per_block)``."""
@@ -156,18 +138,12 @@ class FillEngine:
 
         Stream-ordered on the current stream; no host synchronisation.
         """
-        checked = self._checked(plan)
+        checked = checked_plan(self._registry, plan)
         if not checked:
             return FillStats(0, 0, 0, 0)
         with self._on_device():
             launches = self._backend.fill(checked)
-        slots = nbytes = 0
-        for c in self._registry.classes:
-            if c.group in checked:
-                n = checked[c.group].num_slots * len(c.tensors)
-                slots += n
-                nbytes += n * c.layout.row_size * c.layout.itemsize
-        return FillStats(sum(g.num_entries for g in checked.values()), slots, nbytes, launches)
+        return fill_stats(self._registry, checked, launches)
 
     def fill_all(self, groups: Iterable[str] | None = None) -> FillStats:
         """Startup fill: every block of every (or the given) group."""
@@ -223,7 +199,7 @@ class FillEngine:
         """What the planned slots hold now, per layer ``[num_rows, layer row]``
         in the caches' dtype (``verify.read_plan``): how a bank is recorded.
         Synchronises with the device."""
-        return read_plan(self._registry, self._checked(plan))
+        return read_plan(self._registry, checked_plan(self._registry, plan))
 
     def row_formats(self) -> dict[str, RowFormat]:
         """Layer -> its row's element dims (a bank's ``parts``) and relation to
@@ -240,7 +216,37 @@ class FillEngine:
 
         Synchronises with the device (reads the caches back).
         """
-        return verify_plan(self._registry, self._checked(plan), max_report=max_report)
+        return verify_plan(self._registry, checked_plan(self._registry, plan), max_report=max_report)
+
+
+def checked_plan(registry: Registry, plan: FillPlan | Mapping[str, GroupFill]) -> dict[str, GroupFill]:
+    """Normalize and validate every group's entries against the registered
+    caches (nothing is written on error); drop empty entries and groups."""
+    out = {}
+    for gname, entries in FillPlan.of(plan).groups.items():
+        info = registry.group(gname)
+        if not isinstance(entries, GroupFill):
+            entries = GroupFill(block_ids=entries)
+        entries = entries.normalized(info.slots_per_block)
+        entries.validate(gname, num_blocks=info.num_blocks, slots_per_block=info.slots_per_block,
+                         num_sequences=registry.num_sequences)
+        keep = entries.slot_end > entries.slot_start
+        if not keep.all():
+            entries = entries.select(keep)
+        if entries.num_entries:
+            out[gname] = entries
+    return out
+
+
+def fill_stats(registry: Registry, checked: Mapping[str, GroupFill], launches: int) -> FillStats:
+    """Entries, slots (over every layer) and bytes a checked plan writes."""
+    slots = nbytes = 0
+    for c in registry.classes:
+        if c.group in checked:
+            n = checked[c.group].num_slots * len(c.tensors)
+            slots += n
+            nbytes += n * c.layout.row_size * c.layout.itemsize
+    return FillStats(sum(g.num_entries for g in checked.values()), slots, nbytes, launches)
 
 
 def make_backend(name: str, registry: Registry, page_image_bytes: int | None = None) -> FillBackend:
