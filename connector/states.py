@@ -74,3 +74,10 @@ def state_layout(spec: MambaSpec, tp_size: int, dim_first: bool | None = None) -
                 segments = (x, g, g) if g > 0 and x + 2 * g == full[dim] else segments
         out.append(StateTensor(full, d, dim, segments))
     return tuple(out)
+
+
+def state_layouts(caches, specs, kv_cache_config, tp_size: int) -> dict:
+    """Layer -> (group index, full state layout) of the state layers ``caches``
+    names (the ones a worker records), from their specs (this rank's shapes)."""
+    index = {n: i for i, g in enumerate(kv_cache_config.kv_cache_groups) for n in g.layer_names}
+    return {n: (index[n], state_layout(specs[n], tp_size)) for n in caches}

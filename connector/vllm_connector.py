@@ -26,9 +26,10 @@ from .metadata import (
     check_bank_handshakes, check_record_handshakes,
 )
 from .options import FillOptions
+from .ranks import worker_where
 from .scheduler import KVFillScheduler
 from .specs import filled_group_ids
-from .worker import KVFillWorker, worker_where
+from .worker import KVFillWorker
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

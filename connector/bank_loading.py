@@ -1,0 +1,64 @@
+"""What a replaying worker loads when vLLM registers its caches: this rank's
+part of the bank - its KV heads, its stage's layers and state layers, its DCP
+positions below ``max_model_len`` - on the caches' device (loaded and checked
+by ``bank_checks.py``), and the state layers whose recorded states the bank
+holds, written into each request's state block at every fill
+(``StatePages``).
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, Mapping
+
+from vllm.logger import init_logger
+
+from kvfill.bank import Bank
+from kvfill.kernels import CacheGroup
+from kvfill.kernels.state_pages import StatePages
+
+from .bank_checks import load_bank, rank_part
+from .registration import cache_device
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+# Under "vllm." so that vLLM's logging configuration (handlers, level) applies.
+logger = init_logger("vllm.kvfill.connector")
+
+
+def load_rank_bank(path: str, groups: dict[str, CacheGroup], state_caches: Mapping[str, Any],
+                   vllm_config: "VllmConfig", *, tp_rank: int, tp_size: int, max_model_len: int) -> Bank:
+    """This rank's part of the bank at ``path``, on the caches' device
+    (``max_model_len`` 0: every recorded position)."""
+    # This rank's part only: its KV heads, its stage's layers, its DCP positions below max_model_len.
+    part = rank_part(groups, tp_rank, tp_size, max_model_len or None)
+    part = replace(part, layers=part.layers | frozenset(state_caches))  # and its state layers' states
+    return load_bank(path, part, vllm_config, device=cache_device(groups))
+
+
+def replay_states(bank: Bank, caches: Mapping[str, Any], groups: dict[str, CacheGroup], specs: Mapping[str, Any],
+                  planner_groups, kv_cache_groups) -> tuple[StatePages | None, dict[str, list[str]],
+                                                            dict[str, CacheGroup]]:
+    """The state layers the bank holds states of get them at every fill
+    (``StatePages``, None: no state layer's); which layers of each group
+    (group name -> its layers whose recorded state is replayed); the groups
+    left to the engine (a group whose every layer's state is replayed is not
+    registered there)."""
+    names = [n for n in caches if n in bank.states]
+    missing = sorted(set(caches) - set(names))
+    if missing:
+        logger.warning("KVFillConnector: %s holds no recorded state for %d state layers (%s...): they get the "
+                       "zero state; record the bank again with this kvfill for exact replay", bank.source,
+                       len(missing), missing[0])
+    if not names:
+        return None, {}, groups
+    state_pages = StatePages({n: caches[n] for n in names},
+                             {n: bank.state_pages(n, specs[n].shapes, specs[n].dtypes) for n in names})
+    state_groups: dict[str, list[str]] = {}
+    for geo, g in zip(planner_groups, kv_cache_groups):
+        layers = [n for n in g.layer_names if n in state_pages.states]
+        if layers:
+            state_groups[geo.name] = layers
+    logger.info("KVFillConnector: replaying the recorded state of %d state layers", len(names))
+    return state_pages, state_groups, {name: g for name, g in groups.items()
+                                       if name not in state_groups or set(g.layers) - set(state_groups[name])}
