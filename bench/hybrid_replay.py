@@ -68,7 +68,7 @@ def run_one(a, run: str) -> dict:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from kvfill.record.run import llm_engine
+    from kvfill.record.engine import llm_engine
 
     ids = prompt_ids(a.model, a.prompts_file)
     kw = {}

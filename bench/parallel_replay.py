@@ -71,7 +71,7 @@ def generate(a, kt: dict | None) -> list[dict]:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from kvfill.record.run import llm_engine
+    from kvfill.record.engine import llm_engine
 
     ids = prompt_ids(a.model, a.prompts_file)
     kw = {"enforce_eager": True, **engine_kwargs(a.config)}

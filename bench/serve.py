@@ -136,7 +136,7 @@ class Server:
             if sig == signal.SIGTERM:
                 time.sleep(2)  # children get a moment after the leader
         self.log.close()
-        from kvfill.record.run import remove_vllm_tempdir
+        from kvfill.record.engine import remove_vllm_tempdir
 
         remove_vllm_tempdir(self.tmp)
 

@@ -53,8 +53,9 @@ class KVFillBankHandshake(_WorkerHandshake):
 class KVFillRecordHandshake(_WorkerHandshake):
     """What a recording worker runs with: ``engine``, the digest of the
     recording's engine flags its node's kvfill-record computed
-    (``record.run.engine_digest``).  Several nodes each run kvfill-record
-    (node 0 records, the others only host workers); their flags must agree."""
+    (``record.engine_config.engine_digest``).  Several nodes each run
+    kvfill-record (node 0 records, the others only host workers); their flags
+    must agree."""
 
     engine: str
 

@@ -210,7 +210,7 @@ def rpc_drop_parts(worker) -> None:
 def rpc_end_node(worker, reply: bool) -> bool:
     """The recording is over: a worker on a node other than the first drops
     its parts and tells its node's kvfill-record (its parent process,
-    ``record.run.host_workers``) with SIGUSR1; vLLM's own headless nodes run
+    ``record.nodes.host_workers``) with SIGUSR1; vLLM's own headless nodes run
     until stopped.  Without ``reply`` (only the first rank replies) it then
     exits at once: blocked on the first node's queue, it would otherwise
     outlast its executor's grace period and be killed.  Returns whether this

@@ -28,10 +28,10 @@ def main(argv=None) -> int:
     except RecordError as exc:
         print(f"kvfill-record: error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # Ctrl-C (run.stop_signals); vLLM stopped and the work folder removed
+    except KeyboardInterrupt:  # Ctrl-C (signals.stop_signals); vLLM stopped and the work folder removed
         print("kvfill-record: interrupted; nothing written", file=sys.stderr)
         return 130
-    except SystemExit as exc:  # SIGTERM (run.stop_signals), or argparse's own exit
+    except SystemExit as exc:  # SIGTERM (signals.stop_signals), or argparse's own exit
         if isinstance(exc.code, int) and exc.code > 128:
             print(f"kvfill-record: stopped by signal {exc.code - 128}; nothing written", file=sys.stderr)
         raise

@@ -31,7 +31,7 @@ USAGE = "kvfill-record --model MODEL --prompts FILE --out BANK [kvfill options] 
 # size estimate, provenance), so they are not hidden in llm_kwargs.
 NAMED = ("dtype", "kv_cache_dtype", "block_size", "tokenizer", "max_model_len")
 
-# The recorder's own LLM settings (record._run_vllm) against a user's value:
+# The recorder's own LLM settings (engine_config.engine_kwargs) against a user's value:
 # - enforce_eager=True: honoured (llm_kwargs overrides it).  Eager or compiled,
 #   the rows are read after the whole forward (wait_for_save); a compiled
 #   serving run's numerics are recorded with --no-enforce-eager.

@@ -821,7 +821,7 @@ def test_parts_fetched_through_vllm_from_each_workers_own_disk_assemble_the_shar
 
     from kvfill.connector import recorder as worker_side
     from kvfill.connector.options import FillOptions
-    from kvfill.record import run
+    from kvfill.record import transfer
     from kvfill.record.assemble import assemble
 
     shared = tmp_path / "shared"
@@ -849,10 +849,10 @@ def test_parts_fetched_through_vllm_from_each_workers_own_disk_assemble_the_shar
             Engine.calls += 1
             return out
 
-    monkeypatch.setattr(run, "CHUNK_BYTES", 1000)
+    monkeypatch.setattr(transfer, "CHUNK_BYTES", 1000)
     work = tmp_path / "work"
     work.mkdir()
-    fetched = run.fetch_parts(Engine(), str(work))
+    fetched = transfer.fetch_parts(Engine(), str(work))
     assert fetched == sum(f.stat().st_size for f in shared.iterdir())
     assert Engine.calls > len(ASM_TOKENS) * 2 + 2  # chunked: several reads per part
     for f in shared.iterdir():

@@ -275,7 +275,7 @@ def test_a_tp_2_engine_whose_workers_hold_another_save_than_its_scheduler_does_n
     from kvfill.bench.models import HEAD_DIM, KV_HEADS, MODEL_LAYERS, make_model
     from kvfill.connector.options import FillOptions
     from kvfill.kernels import Bank, BankIndex
-    from kvfill.record.run import llm_engine
+    from kvfill.record.engine import llm_engine
 
     model = make_model(os.path.join(ROOT, "out", "tiny-llama"))
     kv = (KV_HEADS, HEAD_DIM, HEAD_DIM)
@@ -297,7 +297,7 @@ def test_a_tp_2_engine_whose_workers_hold_another_save_than_its_scheduler_does_n
                         kv_transfer_config={"kv_connector": "KVFillConnector", "kv_role": "kv_both",
                                             "kv_connector_extra_config": {"bank": str(workers_bank)}}):
             pytest.fail("the engine started")
-    text = str(err.value)  # the workers are gone with the failed start (record.run.llm_engine)
+    text = str(err.value)  # the workers are gone with the failed start (record.engine.llm_engine)
     ours, theirs = BankIndex.read(scheduler_bank).identity, BankIndex.read(workers_bank).identity
     assert f"the scheduler indexed the bank {str(scheduler_bank)!r}, identity {ours}" in text, text
     for rank in (0, 1):

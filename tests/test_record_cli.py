@@ -236,7 +236,7 @@ def test_engine_flags_reach_vllm_through_the_recorder(tmp_path, out_dir, monkeyp
         seen.update(dtype=dtype, max_model_len=max_model_len, llm_kwargs=llm_kwargs)
         raise RecordError("the stand-in vLLM stops here")
 
-    monkeypatch.setattr(recorder, "_run_vllm", stand_in)
+    monkeypatch.setattr(recorder.recording, "_run_vllm", stand_in)
     rc = main(["--model", str(model), "--prompts", str(prompts), "--out", str(out_dir / "b.safetensors"),
                "-tp", "2", "--dtype", "float32", "--max-model-len", "64", "--trust-remote-code"])
     assert rc == 2 and "the stand-in vLLM stops here" in capsys.readouterr().err

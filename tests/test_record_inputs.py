@@ -81,14 +81,15 @@ def fake_vllm(monkeypatch, during=None):
             write_rows(work, t)
         return {"block_size": "128", "max_model_len": str(max(map(len, token_ids)) + 16), "vllm_version": "fake"}
 
-    monkeypatch.setattr(recorder, "_run_vllm", run)
+    monkeypatch.setattr(recorder.recording, "_run_vllm", run)
     return runs
 
 
 @pytest.fixture
 def no_vllm(monkeypatch):
     """vLLM must not start: the input is refused before."""
-    monkeypatch.setattr(recorder, "_run_vllm", lambda *a: pytest.fail("vLLM started before the input was refused"))
+    monkeypatch.setattr(recorder.recording, "_run_vllm",
+                        lambda *a: pytest.fail("vLLM started before the input was refused"))
 
 
 def test_a_recording_writes_the_bank_and_removes_its_work_folder(model, prompts, out_dir, monkeypatch):
@@ -215,7 +216,7 @@ def run(model, token_ids, work, *rest):
     print(work, flush=True)
     time.sleep(120)
 
-recorder._run_vllm = run
+recorder.recording._run_vllm = run
 recorder.record(sys.argv[1], sys.argv[2], sys.argv[3], log=lambda msg: None)
 """
 
@@ -353,13 +354,13 @@ def run_lengths(monkeypatch):
     """The max_model_len each (fake) vLLM run was given."""
     seen = []
     fake_vllm(monkeypatch, during=None)
-    real = recorder._run_vllm
+    real = recorder.recording._run_vllm
 
     def run(model, token_ids, work, dtype, kv_cache_dtype, block_size, max_model_len, *rest):
         seen.append(max_model_len)
         return real(model, token_ids, work, dtype, kv_cache_dtype, block_size, max_model_len, *rest)
 
-    monkeypatch.setattr(recorder, "_run_vllm", run)
+    monkeypatch.setattr(recorder.recording, "_run_vllm", run)
     return seen
 
 
@@ -383,7 +384,7 @@ def test_max_num_batched_tokens_under_a_prompt_is_refused_naming_the_line(model,
         recorder.record(model, prompts, str(out_dir / "b.safetensors"), llm_kwargs={"max_num_batched_tokens": 50})
 
 
-# ------------------------------------------------------------------ signals (record/run.py)
+# ------------------------------------------------------------------ signals (record/signals.py)
 @pytest.mark.parametrize("signum, raised", [(signal.SIGINT, KeyboardInterrupt), (signal.SIGTERM, SystemExit)])
 def test_a_signal_vllm_turns_into_its_own_error_is_reported_as_the_signal(signum, raised):
     """Ctrl-C reaches vLLM's workers too, and vLLM's engine then fails with
@@ -393,7 +394,7 @@ def test_a_signal_vllm_turns_into_its_own_error_is_reported_as_the_signal(signum
     handlers are restored."""
     import time
 
-    from kvfill.record.run import stop_signals
+    from kvfill.record.signals import stop_signals
 
     before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     with pytest.raises(raised) as exc:
@@ -428,7 +429,7 @@ def run(model, token_ids, work, *rest):
     except KeyboardInterrupt:  # as vLLM's engine does when its workers died of the same Ctrl-C
         raise RuntimeError("cancelled")
 
-recorder._run_vllm = run
+recorder.recording._run_vllm = run
 sys.exit(main(["--model", sys.argv[1], "--prompts", sys.argv[2], "--out", sys.argv[3]]))
 """
 
@@ -465,7 +466,7 @@ def test_pipeline_parallelism_on_vllm_cpu_is_recorded_compiled_and_eager_is_refu
     """vLLM CPU's PP fails in eager mode whatever the prompts (a later stage
     never gets its intermediate tensors); the recorder runs it compiled, and
     an explicit --enforce-eager is refused before vLLM starts."""
-    from kvfill.record.run import engine_kwargs
+    from kvfill.record.engine_config import engine_kwargs
 
     args = ("m", [[1, 2]], "/w", "auto", "auto", None, 64)
     assert engine_kwargs(*args, {"pipeline_parallel_size": 2}, "m", cpu=True)["enforce_eager"] is False
@@ -480,7 +481,7 @@ def test_every_node_of_a_recording_derives_one_engine_digest_from_the_same_flags
     """Node 0 refuses a node whose kvfill-record ran other engine flags
     (``engine_digest``, through the handshake); which node it is, its paths
     and its work folder are its own."""
-    from kvfill.record.run import engine_kwargs
+    from kvfill.record.engine_config import engine_kwargs
 
     def digest(record_dir="/w", model="m", **flags):
         kw = engine_kwargs(model, [[1, 2]], record_dir, "auto", "auto", None, 64,

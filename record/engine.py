@@ -1,0 +1,102 @@
+"""The vLLM engine's life cycle (``kvfill.record``, and the bench scripts).
+
+``llm_engine``: vLLM's ``LLM``, shut down as vLLM's own entry points do
+(``shutdown``: its executor stops and reaps its workers) whatever happens, so
+no worker writes into the recording's work folder afterwards; a start that
+fails after the workers came up stops them too.  The files vLLM's CPU backend
+leaves (its FileStore rendezvous in the temp folder, its shared-memory
+all-reduce segments in /dev/shm) go with the run's private temp folder
+(``remove_vllm_tempdir``).
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+import glob
+import os
+import shutil
+import tempfile
+import weakref
+
+SHM = "/dev/shm"
+
+
+@contextlib.contextmanager
+def _private_tempdir():
+    """vLLM's rendezvous file (``vllm_dist_<id>``, made by the engine's
+    process in ``tempfile.gettempdir()``) goes into a folder of the run's
+    own; its name is the prefix of the shared-memory segments vLLM CPU's
+    workers make.  Yields a function returning the ids seen so far; the
+    folder and every segment of those ids are removed at the end."""
+    folder = tempfile.mkdtemp(prefix="kvfill-record-vllm-")
+    before, ids = tempfile.tempdir, set()
+
+    def seen() -> set[str]:
+        ids.update(os.path.basename(p) for p in glob.glob(os.path.join(folder, "vllm_dist_*")))
+        return ids
+
+    tempfile.tempdir = folder
+    try:
+        yield seen
+    finally:
+        tempfile.tempdir = before
+        remove_vllm_tempdir(folder, seen())
+
+
+def remove_vllm_tempdir(folder: str, idents=()) -> None:
+    """A stopped vLLM run's temp folder (``TMPDIR`` of a server kvfill
+    started, or ``_private_tempdir``), with the shared-memory segments of
+    the rendezvous ids it held or ``idents`` names."""
+    idents = set(idents) | {os.path.basename(p) for p in glob.glob(os.path.join(folder, "vllm_dist_*"))}
+    for ident in idents:
+        for path in glob.glob(os.path.join(SHM, glob.escape(ident) + "-*")):
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def _executors() -> list:
+    from vllm.v1.executor.abstract import Executor
+
+    return [o for o in gc.get_objects() if isinstance(o, Executor)]
+
+
+def _stop_executors_since(before) -> None:
+    """A start that failed after vLLM's workers came up (a refusal in the
+    engine core's init, e.g. the bank check) leaves its executor alive until
+    this process exits (its finalizer holds it): stop the executors made
+    since ``before`` (a WeakSet) now, so their workers go with the failure."""
+    for executor in _executors():
+        if executor not in before:
+            with contextlib.suppress(Exception):
+                executor.shutdown()
+
+
+def shutdown(llm) -> None:
+    """Stop vLLM's engine as its entry points do: the engine core's
+    shutdown stops the executor, which reaps its workers (killing those that
+    do not exit), and tears down the distributed state."""
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if core is not None:
+        core.shutdown()
+
+
+@contextlib.contextmanager
+def llm_engine(**kwargs):
+    """vLLM's ``LLM(**kwargs)``, stopped on leaving (``shutdown``: its workers
+    reaped) with the files vLLM CPU's workers leave removed: what kvfill
+    starts, it cleans up.  The recorder and the bench scripts run engines so."""
+    from vllm import LLM
+
+    before = weakref.WeakSet(_executors())
+    with _private_tempdir() as seen:
+        try:
+            llm = LLM(**kwargs)
+        except BaseException:
+            _stop_executors_since(before)
+            raise
+        try:
+            seen()  # the rendezvous file exists while the workers run
+            yield llm
+        finally:
+            shutdown(llm)

@@ -1,0 +1,130 @@
+"""The recording's vLLM engine flags (``kvfill.record``): ``LLM``'s kwargs
+(``engine_kwargs``) and their digest every node checks (``engine_digest``),
+vLLM's whole engine config built before a worker starts
+(``check_engine_config``: a flag vLLM refuses is one line naming the flags
+given), and vLLM's failures put in one line (``vllm_failed``).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+
+from .inputs import RecordError
+
+
+# vLLM CPU's pipeline parallelism fails in eager mode: a later stage's worker
+# never allocates its intermediate tensors (AssertionError in
+# sync_and_gather_intermediate_tensors, then a KeyError in the scheduler),
+# whatever the prompts; its compile warm-up allocates them.
+_CPU_PP_EAGER = ("vLLM CPU's pipeline parallelism fails in eager mode (a later stage never gets its intermediate "
+                 "tensors: vLLM's AssertionError, whatever the prompts); leave --enforce-eager out, the recorder "
+                 "then runs PP compiled")
+
+
+def engine_kwargs(model, token_ids, record_dir, dtype, kv_cache_dtype, block_size, max_model_len, llm_kwargs,
+                  tokenizer, cpu: bool = False) -> dict:
+    """``LLM(**kwargs)`` of the recording: the recorder's settings, the
+    user's engine flags (``llm_kwargs``) over them.  Eager unless the user
+    says otherwise - but compiled for pipeline parallelism on vLLM CPU
+    (``cpu``), which fails eager (``_CPU_PP_EAGER``)."""
+    cpu_pp = cpu and int(llm_kwargs.get("pipeline_parallel_size") or 1) > 1
+    if cpu_pp and llm_kwargs.get("enforce_eager"):
+        raise RecordError(f"--enforce-eager with --pipeline-parallel-size {llm_kwargs['pipeline_parallel_size']}: "
+                          + _CPU_PP_EAGER)
+    kw = dict(
+        model=model,
+        # The recorder's own tokenizer: with skip_tokenizer_init, vLLM's chat
+        # template warm-up fails and logs a traceback as a warning (several
+        # times) that reads as a failure; token ids go in either way.
+        tokenizer=tokenizer,
+        enforce_eager=not cpu_pp,
+        dtype=dtype,
+        kv_cache_dtype=kv_cache_dtype,
+        max_model_len=max_model_len,
+        # whole prompts per step: at least max_model_len (vLLM's rule without chunked prefill)
+        max_num_batched_tokens=max(max_model_len, 2048),
+        max_num_seqs=min(len(token_ids), 16),
+        enable_prefix_caching=False,  # every prompt prefilled for real, in its own blocks
+        # Each prompt prefilled in one step: with chunks, vLLM frees sliding-window
+        # blocks behind the window between chunks, before the rows are read.
+        enable_chunked_prefill=False,
+        disable_log_stats=True,
+        kv_transfer_config={
+            "kv_connector": "KVFillConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"record_dir": record_dir},
+        },
+    )
+    if block_size:
+        kw["block_size"] = block_size
+    kw.update(llm_kwargs)
+    kw["kv_transfer_config"]["kv_connector_extra_config"]["record_engine"] = engine_digest(kw)
+    return kw
+
+
+# Engine flags a node's kvfill-record may set its own way: which node it is,
+# and paths (each node has its own disk; the same model may sit elsewhere).
+_NODE_OWN = ("node_rank", "model", "tokenizer", "kv_transfer_config")
+
+
+def engine_digest(kw: dict) -> str:
+    """A digest of the recording's engine flags but ``_NODE_OWN``: every
+    node's kvfill-record computes it from its own command line, and every
+    worker reports it to the first node at start (the connector's handshake),
+    which refuses a node whose flags differ - its workers would run another
+    model shape, length or numerics."""
+    same = {k: v for k, v in sorted(kw.items()) if k not in _NODE_OWN}
+    text = json.dumps(same, sort_keys=True, default=repr)
+    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _flags(names) -> str:
+    return ", ".join(f"--{n.replace('_', '-')}" for n in names) or "none beyond the recorder's own"
+
+
+def given_flags(llm_kwargs: dict, dtype: str, kv_cache_dtype: str, block_size) -> list[str]:
+    """The engine flags the user gave: those in ``llm_kwargs`` and the named
+    ones set (what ``check_engine_config``'s refusal lists)."""
+    return list(llm_kwargs) + [k for k, v in (("dtype", dtype != "auto"), ("kv_cache_dtype", kv_cache_dtype != "auto"),
+                                              ("block_size", block_size)) if v]
+
+
+def check_engine_config(kw: dict, given: list[str], headless: bool = False):
+    """Build vLLM's whole engine config from ``kw`` as ``LLM`` does (as a
+    headless node's with ``headless``), so vLLM's refusal of a flag
+    (``given``: the user's) is one line before any worker starts, not a
+    pydantic traceback after it.  Returns the config."""
+    from vllm.config import KVTransferConfig
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = dict(kw, kv_transfer_config=KVTransferConfig(**kw["kv_transfer_config"]))
+    try:
+        return EngineArgs(**args).create_engine_config(headless=headless)
+    except (ValueError, TypeError, AssertionError, NotImplementedError) as exc:
+        raise RecordError(f"vLLM refuses this engine configuration: {_first_message(exc)} (engine flags given: "
+                          f"{_flags(given)})") from None
+
+
+def _first_message(exc: BaseException) -> str:
+    """vLLM's own words: a pydantic error's first message, else the first line."""
+    errors = getattr(exc, "errors", None)
+    if callable(errors):
+        try:
+            msg = errors()[0].get("msg", "")
+            if msg:
+                return str(msg).removeprefix("Value error, ")
+        except Exception:  # noqa: BLE001  (not pydantic's after all)
+            pass
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0][:300]}" if text else type(exc).__name__
+
+
+def vllm_failed(exc: BaseException, kw: dict, token_ids) -> str:
+    """One line for a failure inside vLLM's run: whose it is and with what input."""
+    lengths = [len(t) for t in token_ids]
+    parallel = ", ".join(f"--{k.replace('_', '-')} {kw[k]}" for k in ("tensor_parallel_size", "pipeline_parallel_size")
+                         if int(kw.get(k) or 1) > 1)
+    return (f"vLLM failed while starting or prefilling ({_first_message(exc)}): a failure of vLLM's own, not an "
+            f"input the recorder refused; it ran {len(lengths)} prompts of {min(lengths)}-{max(lengths)} tokens"
+            f"{' with ' + parallel if parallel else ''} (vLLM's log above names the failing worker). Retry with "
+            f"other parallel sizes or prompts, or report it to vLLM with that log")

@@ -1,0 +1,109 @@
+"""A recording on several nodes (``kvfill.record``, vLLM's multiprocessing
+executor with ``--nnodes``): node 0 ends the other nodes' part
+(``end_nodes``), and every other node's kvfill-record only hosts its workers
+until then (``host_workers``).
+"""
+from __future__ import annotations
+
+import glob
+import inspect
+import multiprocessing.connection
+import os
+import shutil
+import signal
+import socket
+import tempfile
+import threading
+
+from .engine import _private_tempdir
+from .engine_config import check_engine_config, engine_kwargs, given_flags, vllm_failed
+from .inputs import RecordError
+
+
+def end_nodes(llm, rpc_end_node) -> None:
+    """The other nodes' kvfill-record stop their workers (``rpc_end_node``).
+    With the engine core in this process (the recorder's default) only the
+    first rank replies, so the other nodes' workers exit at once; else each
+    replies and its node stops it as vLLM's executor does (after a grace
+    period)."""
+    core = getattr(getattr(getattr(llm, "llm_engine", None), "engine_core", None), "engine_core", None)
+    executor = getattr(core, "model_executor", None)
+    if executor is not None and "unique_reply_rank" in inspect.signature(executor.collective_rpc).parameters:
+        executor.collective_rpc(rpc_end_node, args=(False,), unique_reply_rank=0)
+    else:
+        llm.collective_rpc(rpc_end_node, args=(True,))
+
+
+def _listening(host: str, port: int) -> bool:
+    """Whether the first node's rendezvous (torch.distributed's store, served
+    by its rank 0 for the engine's life) still accepts connections: vLLM's
+    workers on a further node wait on the first node's queue forever when it
+    is gone."""
+    try:
+        socket.create_connection((host, port), timeout=2).close()
+    except OSError:
+        return False
+    return True
+
+
+def host_workers(model, token_ids, dtype, kv_cache_dtype, block_size, max_model_len, llm_kwargs,
+                 tokenizer=None, log=print) -> None:
+    """A node other than the first (``--node-rank`` > 0 with ``--nnodes``):
+    start this node's workers of the recording as vLLM's headless node does
+    (its ``MultiprocExecutor``; they join the first node's engine at
+    ``--master-addr``), and stop them when the first node ends the recording
+    (``rpc_end_node``: SIGUSR1 from a worker), a worker dies, or a signal
+    stops this process.  The engine flags are derived as the first node's
+    (the same command line), and checked there (``engine_digest``).  Writes
+    nothing; what the workers saved they dropped when fetched."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    from vllm.platforms import current_platform
+    from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+
+    node = int(llm_kwargs["node_rank"])
+    # the workers never write into record_dir: it names their parts' folders, removed here whatever the end
+    # (a worker killed by its executor's shutdown leaves its folder)
+    record_dir = f"kvfill-record-node{node}-{os.getpid()}"
+    parts = os.path.join(tempfile.gettempdir(), f"kvfill-parts-{record_dir}-*")
+    kw = engine_kwargs(model, token_ids, record_dir, dtype, kv_cache_dtype, block_size,
+                       max_model_len, llm_kwargs, tokenizer, cpu=current_platform.is_cpu())
+    if (kw.get("distributed_executor_backend") or "mp") != "mp":
+        raise RecordError(f"--node-rank {node}: this node hosts workers through vLLM's multiprocessing executor; "
+                          f"got --distributed-executor-backend {kw['distributed_executor_backend']} (with Ray, "
+                          f"start the recording on the Ray head only)")
+    config = check_engine_config(kw, given_flags(llm_kwargs, dtype, kv_cache_dtype, block_size), headless=True)
+    ended = threading.Event()
+    previous = signal.signal(signal.SIGUSR1, lambda signum, frame: ended.set())
+    executor = None
+    try:
+        with _private_tempdir():
+            try:
+                log(f"node {node} of {config.parallel_config.nnodes}: starting this node's workers; they join the "
+                    f"first node at {config.parallel_config.master_addr}:{config.parallel_config.master_port}")
+                executor = MultiprocExecutor(config, monitor_workers=False)
+                sentinels = [w.proc.sentinel for w in executor.workers]
+                head = (config.parallel_config.master_addr, config.parallel_config.master_port)
+                polls = 0
+                while not ended.is_set() and not multiprocessing.connection.wait(sentinels, timeout=0.2):
+                    polls += 1
+                    if polls % 10 == 0 and not ended.is_set() and not _listening(*head):
+                        for w in executor.workers:  # blocked on a queue nobody writes: no grace period
+                            w.proc.kill()
+                        raise RecordError(f"node {node}: the first node's engine at {head[0]}:{head[1]} stopped "
+                                          f"before it ended the recording (its own error says why); this node's "
+                                          f"workers stopped")
+            except (KeyboardInterrupt, SystemExit, RecordError):
+                raise
+            except Exception as exc:
+                raise RecordError(vllm_failed(exc, kw, token_ids)) from exc
+            finally:
+                if executor is not None:
+                    executor.shutdown()
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+        for folder in glob.glob(parts):
+            shutil.rmtree(folder, ignore_errors=True)
+    if not ended.is_set():
+        raise RecordError(f"node {node}: a worker of this node stopped before the first node ended the recording "
+                          f"(vLLM's log above says why; the first node's error names the recording's fate)")
+    log(f"node {node}: the first node ended the recording; this node's workers stopped, nothing left here")
