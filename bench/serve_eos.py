@@ -7,7 +7,7 @@
 A fill that is not the prompt's own KV changes the text the model writes, so
 it changes how long each output is - and with it throughput, TPOT and the
 batch the decode runs at.  This measures it on a trained model
-(SmolLM2-135M-Instruct, ``kvfill.bench.models.make_real_model``, float32):
+(SmolLM2-135M-Instruct, ``kvfill.bench.real_model.make_real_model``, float32):
 
   1. a fixed prompt set: real English text (the standard library's own
      documentation, ``real_prompts``) of ``--prompt-lens`` tokens, each asked
@@ -52,7 +52,7 @@ def write_prompts(model: str, lengths: list[int], out_dir: str) -> tuple[str, st
     prompts of the module docstring, the same text in both files."""
     from transformers import AutoTokenizer
 
-    from kvfill.bench.models import real_prompts
+    from kvfill.bench.real_model import real_prompts
 
     tok = AutoTokenizer.from_pretrained(model)
     prompts = []
@@ -158,7 +158,7 @@ def main(argv=None) -> int:
     lo, hi = a.prompt_lens
     if not (1 <= lo <= hi <= 1000) or a.prompts < 1 or a.max_tokens < 1 or a.concurrency < 1:
         p.error("expected 1 <= MIN <= MAX <= 1000 for --prompt-lens and --prompts, --max-tokens, --concurrency >= 1")
-    from kvfill.bench.models import make_real_model
+    from kvfill.bench.real_model import make_real_model
 
     _, log = start_log()
     os.makedirs(a.log_dir, exist_ok=True)

@@ -3,6 +3,7 @@ import pytest
 
 from kvfill.bench import engine_demo as demo
 from kvfill.bench import fill_bench, gpu_check
+from kvfill.bench import gpu_check_sections as sections
 
 pytestmark = pytest.mark.cpu_only  # dry runs of the scripts on the CPU
 
@@ -30,7 +31,7 @@ def test_gpu_check_replay_rows_fail_when_the_kernel_replays_nothing(tmp_path, mo
     real = triton_fill.launch_fill
     monkeypatch.setattr(triton_fill, "launch_fill",
                         lambda entries, *a, **kw: None if a[5] == "replay" else real(entries, *a, **kw))
-    monkeypatch.setattr(gpu_check.LZ, "CASES", gpu_check.LZ.CASES[:2])
+    monkeypatch.setattr(sections.LZ, "CASES", sections.LZ.CASES[:2])
     failures = gpu_check.main(["--smoke", "--out", str(tmp_path), "--device", "cpu", "--sizes", "1"])
     out = capsys.readouterr().out
     # u8-packed holds no values (zero mode, never replayed): its two cases still match.
@@ -43,15 +44,15 @@ def test_a_gpu_check_case_that_raises_is_its_own_error_and_the_check_goes_on(tmp
     """One raising case (a compile error, out of memory, a CUDA error) is
     reported with its reason; every later case, the performance rows and the
     summary still run, and the exit status counts it."""
-    real = gpu_check.check_case
-    monkeypatch.setattr(gpu_check.LZ, "CASES", gpu_check.LZ.CASES[:2])
+    real = sections.check_case
+    monkeypatch.setattr(sections.LZ, "CASES", sections.LZ.CASES[:2])
 
     def check_case(case, dtype, encoding, device, mode):
         if case.name == "std-LBHNC" and dtype == gpu_check.torch.float16 and mode == "normal":
             raise RuntimeError("CUDA error: an illegal memory access was encountered\nmore")
         return real(case, dtype, encoding, device, mode)
 
-    monkeypatch.setattr(gpu_check, "check_case", check_case)
+    monkeypatch.setattr(sections, "check_case", check_case)
     monkeypatch.setattr(gpu_check.fill_bench, "run_case", lambda *a, **k: (_ for _ in ()).throw(MemoryError("OOM")))
     failures = gpu_check.main(["--smoke", "--out", str(tmp_path), "--device", "cpu", "--sizes", "1"])
     out = capsys.readouterr().out
@@ -70,12 +71,12 @@ def test_gpu_check_replays_canonical_rows_of_a_tp_part_into_vllms_gpu_view(tmp_p
     """vLLM's per-layer GPU view ``[B, H, N, 2 x head]`` does not name its heads;
     the std-* cases give them, so the device replays TP rank 1's part of a
     canonical bank, permuted into the cache's order at staging."""
-    case = next(c for c in gpu_check.LZ.CASES if c.name == "std-LBNHC")
+    case = next(c for c in sections.LZ.CASES if c.name == "std-LBNHC")
     host = gpu_check.torch.zeros(case.nbytes(2), dtype=gpu_check.torch.uint8)
-    engine = gpu_check._engine(case.make(host, gpu_check.torch.bfloat16), case, "auto", "torch", 0.0)
+    engine = sections._engine(case.make(host, gpu_check.torch.bfloat16), case, "auto", "torch", 0.0)
     fmt = engine.row_formats()["layer.0"]
     assert fmt.kv == case.kv and fmt.order is not None and list(fmt.order) != sorted(fmt.order)
-    bank = gpu_check.random_bank(engine, gpu_check.torch.bfloat16)
+    bank = sections.random_bank(engine, gpu_check.torch.bfloat16)
     assert (bank.part.tp_rank, bank.part.tp_size) == (1, 2)
     assert bank.kv["layer.0"] == case.kv  # the rank's heads: half of the canonical bank's
 
@@ -96,7 +97,7 @@ def test_gpu_check_fails_when_a_perf_row_is_not_verified(tmp_path, monkeypatch, 
     from kvfill.kernels import FillEngine, VerifyReport
 
     monkeypatch.setattr(FillEngine, "verify", lambda self, plan, **kw: VerifyReport(False, 1, 1, ()))
-    monkeypatch.setattr(gpu_check.LZ, "CASES", gpu_check.LZ.CASES[:1])  # the perf rows are what is checked here
+    monkeypatch.setattr(sections.LZ, "CASES", sections.LZ.CASES[:1])  # the perf rows are what is checked here
     assert gpu_check.main(["--smoke", "--out", str(tmp_path), "--device", "cpu"]) == 5
     out = capsys.readouterr().out
     assert out.count("UNVERIFIED perf row") == 5 and "perf rows verified: 0/5" in out
@@ -153,6 +154,7 @@ def test_planner_bench_selects_what_the_in_tree_connector_selects(capsys):
 
 
 @pytest.mark.needs_vllm
+@pytest.mark.e2e
 def test_main_job_runs_vllm_with_kvfill_by_plugin_name(tmp_path, capsys):
     """The main job end to end on vLLM's CPU engine, small: kvfill (loaded by
     name through the vllm.general_plugins entry point) and the in-tree connector."""
@@ -213,6 +215,7 @@ def test_kernel_compiles_for_sm90_for_every_layout_in_the_zoo():
 
 
 @pytest.mark.needs_vllm
+@pytest.mark.e2e
 def test_main_job_on_a_hybrid_sliding_window_model(tmp_path):
     """Two KV cache groups in a real vLLM engine: Gemma3 alternating sliding-window
     and full attention; kvfill fills fewer bytes than whole blocks and every
@@ -235,6 +238,7 @@ def test_main_job_on_a_hybrid_sliding_window_model(tmp_path):
 
 
 @pytest.mark.needs_vllm
+@pytest.mark.e2e
 def test_serving_benchmark_drives_a_real_server_with_vllms_client(tmp_path):
     """bench/serve.py end to end, small: vLLM's OpenAI server with kvfill (by
     plugin name) on loopback, driven by `vllm bench serve`, stopped after; the

@@ -154,7 +154,7 @@ def test_constant_mode_writes_mean_rounded_to_dtype(case, backend):
 @pytest.mark.parametrize("case", VLLM_CASES, ids=lambda c: c.name)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.uint8])
 def test_gpu_check_layouts_equal_vllm_views(case, dtype):
-    """bench/layouts.py (used where vLLM is absent) builds vLLM's exact views."""
+    """kvfill.kernels.testing (the GPU check's cases, built where vLLM is absent) builds vLLM's exact views."""
     built = {c.name: c for c in BUILT_CASES}[case.name.replace("vllm-", "std-").replace("std-LBNHC-", "LBNHC-")]
     itemsize = torch.empty((), dtype=dtype).element_size()
     buf = torch.zeros(case.nbytes(itemsize), dtype=torch.uint8)
