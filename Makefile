@@ -8,7 +8,7 @@ PIP    := $(PY) -m pip --disable-pip-version-check
 STAMP  := $(VENV)/.installed
 HAS_NVIDIA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
-.PHONY: venv test test-gpu demo serve serve-bench serve-eos spec-replay soak record-signals bench bench-gpu gpu-check clean
+.PHONY: venv test test-fast test-gpu demo serve serve-bench serve-eos spec-replay soak record-signals bench bench-gpu gpu-check clean
 
 venv: $(STAMP)
 
@@ -26,8 +26,15 @@ else
 endif
 	touch $(STAMP)
 
+# Two pytest-xdist workers: one runs the end-to-end tests (marker e2e: vLLM
+# engines, servers, recordings) one after another, the other the rest and the
+# device-image stand-in (docs/testing.md).
 test: venv
-	TRITON_INTERPRET=1 $(PY) -m pytest -q
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -n 2 --dist loadgroup
+
+# The development loop: everything but the end-to-end tests, in a few minutes.
+test-fast: venv
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -n 2 -m "not e2e"
 
 # The main job: vLLM's CPU engine with kvfill vs the in-tree connector vs no connector.
 # The suite on CUDA tensors with compiled Triton (a machine with an NVIDIA GPU).

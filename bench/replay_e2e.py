@@ -4,6 +4,7 @@ same prompts from replayed KV, and compare with real prefill token for token.
     python bench/replay_e2e.py                     # 4 prompts x 256 tokens, 16 greedy tokens
     python bench/replay_e2e.py --prompts 8 --prompt-len 1024 --output-len 32 --json out/replay-e2e.json
     python bench/replay_e2e.py --serve             # the same through vLLM's OpenAI server, one server per run
+    python bench/replay_e2e.py --serve --prefill-offline   # real prefill on the offline engine: one server less
     python bench/replay_e2e.py --shared-prefix 256 --prompt-len 300   # prefix caching on, decoys first
     python bench/replay_e2e.py --real              # SmolLM2-135M on real text of 3 lengths, recorder defaults
 
@@ -17,7 +18,9 @@ and reports, per run, how many generated tokens equal real prefill's and the
 largest logprob difference over the tokens that agree.  ``--serve``: each run
 is a ``vllm serve`` on 127.0.0.1 (started and stopped by this script, by
 process group) asked for one greedy completion per prompt, one request at a
-time (``/v1/completions`` with the prompt's token ids, ``logprobs: 1``).  The claim checked:
+time (``/v1/completions`` with the prompt's token ids, ``logprobs: 1``, tokens
+returned as ids); with ``--prefill-offline`` real prefill runs on the offline
+engine with the same flags instead of a server of its own.  The claim checked:
 replay's greedy outputs equal prefill's, logprobs within ``--tolerance``,
 while the synthetic fills' outputs differ.  The bank is recorded with the
 recorder's defaults: every prompt whole, each its own length, so no position
@@ -159,12 +162,13 @@ def serve_one(a, run: str, bank: str, prompts_file: str, log_dir: str) -> dict:
         server.wait_ready(600)
         for t in ids:
             body = json.dumps({"model": a.model, "prompt": t, "max_tokens": a.output_len, "temperature": 0.0,
-                               "logprobs": 1, "ignore_eos": True}).encode()
+                               "logprobs": 1, "ignore_eos": True, "return_tokens_as_token_ids": True}).encode()
             req = urllib.request.Request(server.url("/v1/completions"), data=body,
                                          headers={"Content-Type": "application/json"})
             with urllib.request.urlopen(req, timeout=300) as r:
                 lp = json.loads(r.read())["choices"][0]["logprobs"]
-            rows.append({"tokens": lp["tokens"], "logprobs": lp["token_logprobs"]})
+            rows.append({"tokens": [int(t.removeprefix("token_id:")) for t in lp["tokens"]],
+                         "logprobs": lp["token_logprobs"]})
     finally:
         server.stop()
     return {"run": run, "outputs": rows, "command": cmd}
@@ -230,6 +234,8 @@ def main(argv=None) -> int:
                    help="with --real: the prompts' lengths in tokens (about: the text is cut, then tokenized again)")
     p.add_argument("--serve", action="store_true",
                    help="through vLLM's OpenAI server (one per run, loopback), not the offline engine")
+    p.add_argument("--prefill-offline", action="store_true",
+                   help="with --serve: real prefill on the offline engine (same flags), not a server of its own")
     p.add_argument("--shared-prefix", type=int, default=0, metavar="K",
                    help="prefix caching on; each run first generates from unrecorded decoys sharing each prompt's "
                         "first K tokens (offline runs only)")
@@ -246,6 +252,8 @@ def main(argv=None) -> int:
         p.error("--real and --hybrid exclude each other")
     if a.shared_prefix and not 0 < a.shared_prefix < a.prompt_len - 1:
         p.error(f"--shared-prefix {a.shared_prefix}: expected 0 < K < --prompt-len - 1 ({a.prompt_len - 1})")
+    if a.prefill_offline and not a.serve:
+        p.error("--prefill-offline goes with --serve")
     if a.shared_prefix and a.serve:
         p.error("--shared-prefix runs the offline engine; drop --serve")
     if a.only:
@@ -272,22 +280,25 @@ def main(argv=None) -> int:
     print(next(line for line in rec.stdout.splitlines() if line.startswith("wrote")), flush=True)
     results = {}
     runs = [r for r in RUNS if r == "prefill" or r in a.runs]
-    if a.serve:
-        for run in [r for r in runs if r != "prefill_split"]:
-            print(f"serving {run} ...", flush=True)
-            results[run] = serve_one(a, run, bank, prompts_file, out_dir)
-    else:
-        cmd = [sys.executable, os.path.abspath(__file__), "--only", ",".join(runs), "--bank", bank,
+    served = [r for r in runs if r != "prefill_split" and not (a.prefill_offline and r == "prefill")] \
+        if a.serve else []
+    offline = [r for r in runs if r not in served]
+    if offline:
+        cmd = [sys.executable, os.path.abspath(__file__), "--only", ",".join(offline), "--bank", bank,
                "--prompts-file", prompts_file, "--model", a.model, "--dtype", a.dtype, "--prompt-len",
                str(a.prompt_len), "--output-len", str(a.output_len), "--shared-prefix", str(a.shared_prefix)]
-        print(f"running {', '.join(runs)} (one engine after another, one process) ...", flush=True)
-        results = child_result(cmd, "the runs", timeout=900 * len(runs))
+        print(f"running {', '.join(offline)} (one engine after another, one process) ...", flush=True)
+        results = child_result(cmd, "the runs", timeout=900 * len(offline))
+    for run in served:
+        print(f"serving {run} ...", flush=True)
+        results[run] = serve_one(a, run, bank, prompts_file, out_dir)
     rows = [compare(results["prefill"], results[r]) for r in RUNS[1:] if r in results]
     from kvfill.bench.common import table
 
     shared = (f"; prefix caching on, after decoys sharing the first {a.shared_prefix} tokens"
               if a.shared_prefix else "")
-    print(f"\n{'vllm serve, ' if a.serve else ''}{a.prompts} prompts of {lengths} tokens, {a.output_len} greedy "
+    served_by = "vllm serve (real prefill offline), " if a.prefill_offline else "vllm serve, " if a.serve else ""
+    print(f"\n{served_by}{a.prompts} prompts of {lengths} tokens, {a.output_len} greedy "
           f"tokens; model {os.path.basename(a.model)}, {a.dtype}; replay bank recorded over the same prompts with "
           f"the recorder's defaults{shared}")
     print(table(rows, ["run", "prompts_identical", "tokens_equal_to_prefill", "per_prompt", "max_abs_logprob_diff"]))

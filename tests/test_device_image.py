@@ -23,6 +23,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 pytestmark = [
     pytest.mark.cpu_only,  # the GPU run is the device image itself
+    pytest.mark.e2e,
+    pytest.mark.xdist_group("device_image"),  # one worker: the module's fixtures run the image's suite once
     pytest.mark.skipif(bool(os.environ.get("KVFILL_IN_DEVICE_IMAGE")), reason="already inside the device image"),
 ]
 

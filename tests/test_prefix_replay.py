@@ -267,6 +267,7 @@ def test_a_bank_with_startup_fill_is_refused_naming_both_keys(tmp_path):
 
 
 @pytest.mark.cpu_only
+@pytest.mark.e2e
 def test_replay_after_prefix_cached_decoys_equals_real_prefill_end_to_end(tmp_path):
     """vLLM CPU end to end, prefix caching on: unrecorded decoys sharing each
     recorded prompt's first 256 tokens (two 128-token blocks) run first; the

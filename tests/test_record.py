@@ -89,44 +89,60 @@ def test_routing_fidelity_bench_runs_small_and_reports_a_distance_per_layer_and_
             assert [sum(layer) for layer in prompt] == [(5 - 1) * 2] * 4, run
 
 
-def test_replay_through_vllms_openai_server_equals_served_real_prefill(tmp_path):
-    """The same claim through ``vllm serve`` (loopback, one server per run,
-    stopped by the script): replay's greedy completion equals a no-connector
-    server's, logprobs within 1e-3 (that synthetic fills give other tokens is
-    shown offline, where a run costs no server start)."""
+def test_replay_through_vllms_openai_server_equals_real_prefill(tmp_path):
+    """The same claim through ``vllm serve`` (loopback, stopped by the
+    script): the served replay's greedy completion (token ids) equals real
+    prefill's on the offline engine with the same flags, logprobs within 1e-3
+    (a server of its own for prefill would add a server start and nothing
+    kvfill does; that synthetic fills give other tokens is shown offline)."""
     import json
 
     from kvfill.bench import replay_e2e
 
     out = tmp_path / "served.json"
-    rc = replay_e2e.main(["--serve", "--prompts", "1", "--prompt-len", "130", "--output-len", "3",
-                          "--runs", "replay", "--tolerance", "1e-3", "--json", str(out)])
+    rc = replay_e2e.main(["--serve", "--prefill-offline", "--prompts", "1", "--prompt-len", "130",
+                          "--output-len", "3", "--runs", "replay", "--tolerance", "1e-3", "--json", str(out)])
     rows = {r["run"]: r for r in json.loads(out.read_text())["rows"]}
     assert rc == 0, rows
     assert rows["replay"]["tokens_equal_to_prefill"] == "3/3" and rows["replay"]["max_abs_logprob_diff"] <= 1e-3
 
 
-def test_a_bank_recorded_at_tp_2_replays_at_tp_1_and_tp_2_as_real_prefill_decodes(tmp_path):
+@pytest.fixture(scope="module")
+def tp2_recording(tmp_path_factory):
+    """One TP 2 recording for the module (two tests read it): bench/parallel_replay.py
+    records 3 prompts at TP 2 and replays the bank at TP 2 and TP 1; its exit
+    code, JSON report and work folder (``bank-tp2.safetensors``, ``prompts.txt``),
+    with nothing left behind (as ``leaves_nothing`` checks each test)."""
+    import json
+
+    from conftest import nothing_left
+
+    from kvfill.bench import parallel_replay
+
+    base = tmp_path_factory.mktemp("tp2-recording")
+    out, work = base / "parallel.json", base / "work"
+    with nothing_left(base):
+        rc = parallel_replay.main(["--record", "tp2", "--replay", "tp2", "tp1", "--prompts", "3", "--prompt-len",
+                                   "64", "--output-len", "6", "--no-constant", "--tolerance", "1e-3", "--out-dir",
+                                   str(work), "--json", str(out)])
+    return rc, json.loads(out.read_text()), work
+
+
+def test_a_bank_recorded_at_tp_2_replays_at_tp_1_and_tp_2_as_real_prefill_decodes(tp2_recording):
     """vLLM CPU at tensor parallel size 2 (one core per worker): each worker
     saves its 4 of the tiny Llama's 8 KV heads and the recorder merges them
     into the canonical bank a TP 1 recording writes; replayed at TP 2 (each
     rank loading its heads) and at TP 1, greedy tokens equal real prefill's at
     the replaying size, logprobs within 1e-3 (TP 2's reduction order)."""
-    import json
-
-    from kvfill.bench import parallel_replay
     from kvfill.kernels import Bank
 
-    out, work = tmp_path / "parallel.json", tmp_path / "work"
-    rc = parallel_replay.main(["--record", "tp2", "--replay", "tp2", "tp1", "--prompts", "2", "--prompt-len", "64",
-                               "--output-len", "6", "--no-constant", "--tolerance", "1e-3", "--out-dir", str(work),
-                               "--json", str(out)])
-    rows = json.loads(out.read_text())["rows"]
+    rc, report, work = tp2_recording
+    rows = report["rows"]
     assert rc == 0, rows
     assert [(r["run"], r["tokens_equal_to_prefill"]) for r in rows] == [
-        ("bank recorded tp2, replayed tp2", "12/12"), ("bank recorded tp2, replayed tp1", "12/12")]
+        ("bank recorded tp2, replayed tp2", "18/18"), ("bank recorded tp2, replayed tp1", "18/18")]
     bank = Bank.load(work / "bank-tp2.safetensors")
-    assert set(bank.kv.values()) == {(8, 128, 128)} and len(bank.layers) == 4 and bank.lengths == (64, 64)
+    assert set(bank.kv.values()) == {(8, 128, 128)} and len(bank.layers) == 4 and bank.lengths == (64, 64, 64)
 
 
 def test_replay_on_a_sliding_window_hybrid_model_equals_real_prefill(tmp_path):
@@ -313,12 +329,13 @@ def _free_port() -> int:
 
 
 def test_a_recording_over_two_nodes_on_loopback_writes_the_one_node_bank_and_refuses_other_flags(
-        tmp_path, monkeypatch, capsys):
+        tp2_recording, tmp_path, monkeypatch, capsys):
     """vLLM's multiprocessing executor over two "nodes" on loopback (each its
     own kvfill-record process: --nnodes 2, its --node-rank, one worker and
     one core each): node 0 records and writes the bank, node 1 only hosts
     TP rank 1 and ends when node 0 ends the recording.  The bank's rows are
-    byte-identical to a one-node TP 2 recording of the same prompts.  A node
+    byte-identical to the module's one-node TP 2 recording of the same
+    prompts (``tp2_recording``).  A node
     1 started with other engine flags is refused at start naming its rank,
     and node 1 then ends on its own with an error (its workers would wait on
     the first node forever)."""
@@ -327,13 +344,10 @@ def test_a_recording_over_two_nodes_on_loopback_writes_the_one_node_bank_and_ref
 
     from safetensors import safe_open
 
-    from kvfill.bench.models import make_model
     from kvfill.record.__main__ import main
 
-    model = make_model(os.path.join(ROOT, "out", "tiny-llama"))
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text("".join(" ".join(f"w{(7 * i + j) % 200 + 3}" for j in range(n)) + "\n"
-                               for i, n in enumerate((40, 70, 55))))
+    _, report, work = tp2_recording
+    model, prompts = report["args"]["model"], report["args"]["prompts_file"]
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     monkeypatch.setenv("VLLM_TARGET_DEVICE", "cpu")
 
@@ -359,10 +373,8 @@ def test_a_recording_over_two_nodes_on_loopback_writes_the_one_node_bank_and_ref
     assert "node 1: the first node ended the recording; this node's workers stopped" in log1, log1
     assert not (tmp_path / "n1").exists()
 
-    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
-    assert main(["--model", model, "--prompts", str(prompts), "--dtype", "float32", "--tensor-parallel-size", "2",
-                 "--out", str(tmp_path / "one-node.safetensors")]) == 0
-    two, one = (safe_open(str(tmp_path / f), "pt") for f in ("two-nodes.safetensors", "one-node.safetensors"))
+    two, one = safe_open(str(tmp_path / "two-nodes.safetensors"), "pt"), safe_open(str(work / "bank-tp2.safetensors"),
+                                                                                   "pt")
     assert sorted(two.keys()) == sorted(one.keys()) and len(two.keys()) == 4
     for key in two.keys():
         assert torch.equal(two.get_tensor(key), one.get_tensor(key)), key
