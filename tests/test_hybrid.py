@@ -17,7 +17,10 @@ def test_a_gated_delta_net_hybrid_recorded_with_its_state_replays_real_prefill(t
     """A tiny Qwen3-Next (3 gated delta-net layers, 1 attention layer, MoE;
     bf16, as vLLM CPU runs gated delta-net) recorded with kvfill-record's
     defaults: each prompt without its last token, its state after the rest
-    (conv [3, q+k+v = 1024 channels] and recurrent [4 heads, 128, 128], bf16).
+    (conv [3, q+k+v = 1024 channels] and recurrent [4 heads, 128, 128], in
+    the dtypes vLLM's engine config picks on this CPU: bf16 conv state, and
+    recurrent state in float32 where vLLM CPU's accelerated gated delta-net
+    runs (AVX-512 BF16) and bf16 elsewhere).
     Replay's greedy tokens equal real prefill's split as the fill splits it
     (first N - 1 tokens, then the last), every written row and state page
     verified; a synthetic fill (zero state) differs from the first token.
@@ -35,6 +38,20 @@ def test_a_gated_delta_net_hybrid_recorded_with_its_state_replays_real_prefill(t
     assert rows["normal"]["per_prompt"] == [0, 0]
     bank = Bank.load(tmp_path / "run" / "bank.safetensors")
     assert bank.lengths == (47, 79) and sorted(bank.states) == STATE_LAYERS
+    conv, recurrent = state_dtypes(json.loads(out.read_text())["args"]["model"])
     for name in STATE_LAYERS:
-        assert [(tuple(t.shape), t.dtype) for t in bank.states[name]] == [((2, 3, 1024), torch.bfloat16),
-                                                                          ((2, 4, 128, 128), torch.bfloat16)]
+        assert [(tuple(t.shape), t.dtype) for t in bank.states[name]] == [((2, 3, 1024), conv),
+                                                                          ((2, 4, 128, 128), recurrent)]
+
+
+def state_dtypes(model: str) -> tuple[torch.dtype, torch.dtype]:
+    """The conv and recurrent state dtypes vLLM picks for ``model`` in bf16 on
+    this machine, read from vLLM's own engine config (its CPU platform sets
+    the recurrent state's by CPU feature) and state dtype calculator."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.layers.mamba.mamba_utils import MambaStateDtypeCalculator
+
+    config = EngineArgs(model=model, dtype="bfloat16", skip_tokenizer_init=True).create_engine_config()
+    cache = config.cache_config
+    return MambaStateDtypeCalculator.gated_delta_net_state_dtype(
+        config.model_config.dtype, cache.mamba_cache_dtype, cache.mamba_ssm_cache_dtype)
