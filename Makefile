@@ -30,7 +30,7 @@ endif
 # engines, servers, recordings) one after another, the other the rest and the
 # device-image stand-in (docs/testing.md).
 test: venv
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -n 2 --dist loadgroup
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -n 2 --dist loadgroup --durations=15
 
 # The development loop: everything but the end-to-end tests, in a few minutes.
 test-fast: venv
