@@ -68,8 +68,10 @@ def load(path: str, part, fits=None) -> dict:
     """The keyword arguments of ``Bank(...)`` for a bank file's ``part``
     (``parts.BankPart``; only its columns and rows are read), in memory
     this process owns (not a mapping of the file: rewriting or truncating it
-    later changes nothing here).  ``fits(nbytes)``: why the part's bytes do
-    not fit where they go (None: they do), asked before any row is read."""
+    later changes nothing here).  ``fits(nbytes)``: why the bytes the part
+    keeps - its rows and its TP cut of each state - do not fit where they go
+    (None: they do), asked before any row is read; the host's available memory
+    is checked against what reading it takes (each state tensor is read whole)."""
     from safetensors import safe_open
 
     meta = _read_metadata(path)
@@ -91,17 +93,21 @@ def load(path: str, part, fits=None) -> dict:
     rows, local = part.rows(lengths)
     with safe_open(path, framework="pt", device="cpu") as f:
         slices = {n: f.get_slice(n) for n in f.keys() if part.wants(n) and n not in state_names}
-        try:  # the part's columns (checked against each layer's kv before they are cut)
-            need = sum(sum(b - a for a, b in part.columns(n, kvs.get(n), sl.get_shape()[1])) * sum(local)
-                       * _ITEMSIZE.get(sl.get_dtype(), 8) for n, sl in slices.items())
-            need += sum(st.nbytes * len(lengths) for lay in layouts.values() for st in lay)
+        try:  # the part's columns (checked against each layer's kv before they are cut), and its states:
+            rows_need = sum(sum(b - a for a, b in part.columns(n, kvs.get(n), sl.get_shape()[1])) * sum(local)
+                            * _ITEMSIZE.get(sl.get_dtype(), 8) for n, sl in slices.items())
+            # the host reads each state tensor whole before it cuts the rank's part; the rank keeps its cut
+            states_read = sum(st.nbytes * len(lengths) for lay in layouts.values() for st in lay)
+            states_kept = sum(st.local_nbytes(part.tp_rank, part.tp_size) * len(lengths)
+                              for lay in layouts.values() for st in lay)
         except BankError as exc:
             raise BankError(f"{path}: {exc}") from None
+        need = rows_need + states_read
         free = free_bytes(torch.device("cpu"))
         if free is not None and need > free:
             raise BankError(f"{path}: {part.describe()} takes {need / 2**30:.2f} GiB, more than the host's "
                             f"{free / 2**30:.2f} GiB available memory")
-        problem = fits(need) if fits is not None else None
+        problem = fits(rows_need + states_kept) if fits is not None else None
         if problem:
             raise BankError(f"{path}: {problem}")
         layers = {n: part.take(n, kvs.get(n), sl.get_shape()[1], lambda a, b, sl=sl: sl[:, a:b], rows)

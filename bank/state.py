@@ -94,6 +94,10 @@ class StateTensor:
             first += seg
         return out
 
+    def local_nbytes(self, tp_rank: int, tp_size: int) -> int:
+        """The bytes of TP rank ``tp_rank``'s cut (one sequence's state)."""
+        return int(np.prod(self.local_shape(tp_rank, tp_size))) * torch.empty((), dtype=self.dtype).element_size()
+
     def local_shape(self, tp_rank: int, tp_size: int) -> tuple[int, ...]:
         if self.dim is None:
             return self.shape

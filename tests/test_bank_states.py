@@ -138,6 +138,21 @@ def test_each_rank_loads_its_part_of_the_states_and_the_parts_reassemble(tmp_pat
                                  for i, st in enumerate(GDN)))
 
 
+def test_a_tp_rank_asks_fits_for_the_bytes_it_keeps_not_every_state_whole(tmp_path):
+    """At TP 4 each rank uploads its rows and its cut of each state tensor:
+    the GPU fit check (``fits``) is asked for exactly the bytes of the part
+    the rank loads - a quarter of this bank's states, whose every tensor TP
+    cuts - not for every state tensor whole."""
+    bank = _bank()
+    path = tmp_path / "b.safetensors"
+    bank.save(path)
+    for r in range(4):
+        asked = []
+        part = Bank.load(path, BankPart(r, 4), fits=asked.append)
+        assert asked == [part.nbytes] == [part.row_bytes + part.state_bytes], (r, asked)
+        assert part.state_bytes * 4 == bank.state_bytes
+
+
 def test_a_pipeline_stage_without_the_state_layer_loads_none(tmp_path):
     path = tmp_path / "b.safetensors"
     _bank().save(path)
