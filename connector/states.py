@@ -76,6 +76,34 @@ def state_layout(spec: MambaSpec, tp_size: int, dim_first: bool | None = None) -
     return tuple(out)
 
 
+def state_bytes_per_sequence(vllm_config) -> int:
+    """The bytes one recorded sequence's state section takes in a bank (every
+    state layer's tensors whole, as at TP 1), from vLLM's own model class
+    (``get_mamba_state_shape_from_config`` / ``_dtype_from_config``, the
+    shapes its ``MambaSpec`` is built from) and its count of state layers,
+    before any worker starts: the recorder's estimate.  0 without recurrent
+    state."""
+    import copy
+    import math
+
+    import torch
+    from vllm.model_executor.models import ModelRegistry
+
+    model_config = vllm_config.model_config
+    if not has_recurrent_state(model_config):
+        return 0
+    model_cls, _ = ModelRegistry.resolve_model_cls(model_config.architectures, model_config)
+    whole = copy.copy(vllm_config)  # the same engine at TP 1 and PP 1: whole tensors, every layer
+    whole.parallel_config = parallel = copy.copy(vllm_config.parallel_config)
+    parallel.tensor_parallel_size = parallel.pipeline_parallel_size = 1
+    parallel.rank = 0
+    shapes = model_cls.get_mamba_state_shape_from_config(whole)
+    dtypes = model_cls.get_mamba_state_dtype_from_config(whole)
+    per_layer = sum(math.prod(s) * torch.empty((), dtype=d).element_size() for s, d in zip(shapes, dtypes))
+    layers = max(model_config.get_num_layers_by_block_type(parallel, kind) for kind in ("mamba", "linear_attention"))
+    return layers * per_layer
+
+
 def state_layouts(caches, specs, kv_cache_config, tp_size: int) -> dict:
     """Layer -> (group index, full state layout) of the state layers ``caches``
     names (the ones a worker records), from their specs (this rank's shapes)."""

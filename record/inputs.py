@@ -24,14 +24,17 @@ class Estimate:
     positions: int        # recorded in all: the sum of the sequences' lengths (a ragged bank stores no more)
     bytes_per_token: int  # layers x row bytes
     layers: int
+    state_bytes_per_sequence: int = 0  # the state section (models with recurrent state): every state layer whole
 
     @property
     def nbytes(self) -> int:
-        return self.positions * self.bytes_per_token
+        return self.positions * self.bytes_per_token + self.sequences * self.state_bytes_per_sequence
 
     def __str__(self) -> str:
+        states = (f" + {self.sequences} sequences x {self.state_bytes_per_sequence} B of recurrent state"
+                  if self.state_bytes_per_sequence else "")
         return (f"{self.sequences} sequences, {self.positions} positions in all x {self.bytes_per_token} B per "
-                f"token ({self.layers} attention layers) = {self.nbytes / 2**20:.1f} MiB")
+                f"token ({self.layers} attention layers){states} = {self.nbytes / 2**20:.1f} MiB")
 
 
 _KV_DTYPE_BYTES = {"fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "fp8_inc": 1, "fp8_ds_mla": 1}

@@ -43,6 +43,7 @@ recording; node 0 refuses at start a node whose engine flags differ
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import hashlib
 import json
@@ -139,7 +140,7 @@ def record(
 
     with stop_signals(), _work_dir(out) as work:
         engine = _run_vllm(model, unique, work, dtype, kv_cache_dtype, block_size, run_max_len,
-                           llm_kwargs or {}, tokenizer or model)
+                           llm_kwargs or {}, tokenizer or model, _state_estimate(est, budget, budget_gib, log))
         tail = int(engine.get("state_tail") or 0)
         if tail:  # a model with recurrent state: each prompt recorded without the tokens vLLM computes itself
             unique = without_tail(unique, tail)
@@ -166,6 +167,24 @@ def record(
         _write(bank, out, work)
     log(f"wrote {bank.describe()}")
     return bank
+
+
+def _state_estimate(est, budget: int | None, budget_gib, log):
+    """The check ``run_vllm`` makes once vLLM's engine config is built, before
+    any worker starts: with recurrent state, the estimate with the state
+    section (vLLM's state shapes, ``connector.states``), against the budget."""
+    def check(config) -> None:
+        from kvfill.connector.states import state_bytes_per_sequence
+
+        per_sequence = state_bytes_per_sequence(config)
+        if not per_sequence:
+            return
+        full = dataclasses.replace(est, state_bytes_per_sequence=per_sequence)
+        log(f"bank estimate with the state section: {full}")
+        if budget is not None and full.nbytes > budget:
+            raise RecordError(f"the bank would take ~{full.nbytes / 2**30:.3f} GiB with its recurrent state, over "
+                              f"--budget-gib {budget_gib}; record fewer prompts")
+    return check
 
 
 def _spec_dict(llm_kwargs: dict) -> dict:

@@ -22,7 +22,7 @@ from .transfer import fetch_parts
 
 
 def run_vllm(model, token_ids, record_dir, dtype, kv_cache_dtype, block_size, max_model_len, llm_kwargs,
-             tokenizer=None) -> dict[str, str]:
+             tokenizer=None, check_config=None) -> dict[str, str]:
     """Real prefill of every prompt (its recorded tokens, one output token)
     with the record role on, each prompt's positions recorded whole;
     returns the run's provenance: the vLLM version, and the max_model_len and
@@ -31,7 +31,9 @@ def run_vllm(model, token_ids, record_dir, dtype, kv_cache_dtype, block_size, ma
     ``max_model_len``: the user's (the serving run's gives its bits exactly:
     vLLM CPU's attention rounds differently with it, so the KV of positions
     past the first block differs in the last bits from a run with another
-    one), or ``inputs.default_max_model_len``."""
+    one), or ``inputs.default_max_model_len``.  ``check_config``: called
+    with vLLM's engine config once it is built, before any worker starts
+    (the recorder's estimate of the state section)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     import vllm
@@ -43,7 +45,9 @@ def run_vllm(model, token_ids, record_dir, dtype, kv_cache_dtype, block_size, ma
 
     kw = engine_kwargs(model, token_ids, record_dir, dtype, kv_cache_dtype, block_size, max_model_len, llm_kwargs,
                        tokenizer, cpu=current_platform.is_cpu())
-    check_engine_config(kw, given_flags(llm_kwargs, dtype, kv_cache_dtype, block_size))
+    config = check_engine_config(kw, given_flags(llm_kwargs, dtype, kv_cache_dtype, block_size))
+    if check_config is not None:
+        check_config(config)
     params = SamplingParams(max_tokens=1, ignore_eos=True, detokenize=False, temperature=0.0)
     try:
         with llm_engine(**kw) as llm:

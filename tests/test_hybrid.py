@@ -3,6 +3,7 @@ recurrent state (the bank's state section) beside the attention rows, and
 replay decodes as real prefill does - gated delta-net (a tiny Qwen3-Next)
 and Mamba-2 (a tiny Granite-4-H: the bench), bf16 models."""
 import json
+import os
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ import torch
 pytestmark = [pytest.mark.cpu_only, pytest.mark.usefixtures("leaves_nothing")]
 vllm = pytest.importorskip("vllm")
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STATE_LAYERS = [f"model.layers.{i}.linear_attn" for i in range(3)]
 
 
@@ -38,20 +40,60 @@ def test_a_gated_delta_net_hybrid_recorded_with_its_state_replays_real_prefill(t
     assert rows["normal"]["per_prompt"] == [0, 0]
     bank = Bank.load(tmp_path / "run" / "bank.safetensors")
     assert bank.lengths == (47, 79) and sorted(bank.states) == STATE_LAYERS
-    conv, recurrent = state_dtypes(json.loads(out.read_text())["args"]["model"])
+    config = engine_config(json.loads(out.read_text())["args"]["model"])
+    conv, recurrent = state_dtypes(config)
     for name in STATE_LAYERS:
         assert [(tuple(t.shape), t.dtype) for t in bank.states[name]] == [((2, 3, 1024), conv),
                                                                           ((2, 4, 128, 128), recurrent)]
+    # the recorder's estimate of the state section (vLLM's state shapes) is what was written
+    assert state_bytes_per_sequence(config) * 2 == bank.state_bytes
 
 
-def state_dtypes(model: str) -> tuple[torch.dtype, torch.dtype]:
-    """The conv and recurrent state dtypes vLLM picks for ``model`` in bf16 on
-    this machine, read from vLLM's own engine config (its CPU platform sets
-    the recurrent state's by CPU feature) and state dtype calculator."""
+def test_a_budget_the_state_section_exceeds_is_refused_before_any_worker_starts(tmp_path, monkeypatch):
+    """kvfill-record's estimate counts the state section as vLLM will hold it
+    (vLLM's state shapes for this engine config): a --budget-gib the
+    attention rows fit in but the states do not is refused once vLLM's engine
+    config is built, before any worker starts; nothing written."""
+    from kvfill.bench.spec_replay import write_prompts
+    from kvfill.bench.models import make_hybrid_model
+    from kvfill.record import RecordError, record, run
+
+    model = make_hybrid_model(os.path.join(ROOT, "out", "tiny-hybrid-gdn"), "gdn")
+    prompts = tmp_path / "prompts.txt"
+    write_prompts(str(prompts), [40, 60], seed=3)
+    monkeypatch.setattr(run, "llm_engine", lambda **kw: pytest.fail("a worker started"))
+    lines = []
+    with pytest.raises(RecordError, match="with its recurrent state, over --budget-gib") as err:
+        record(model, str(prompts), str(tmp_path / "b.safetensors"), dtype="bfloat16", budget_gib=1 / 1024,
+               log=lines.append)
+    assert "recurrent state" in str(err.value)
+    first = next(line for line in lines if line.startswith("bank estimate: "))
+    with_states = next(line for line in lines if line.startswith("bank estimate with the state section: "))
+    assert "recurrent state" not in first  # the rows' estimate, before vLLM's config is built
+    per_sequence = state_bytes_per_sequence(engine_config(model))
+    assert f"2 sequences x {per_sequence} B of recurrent state" in with_states, with_states
+    assert os.listdir(tmp_path) == ["prompts.txt"]
+
+
+def engine_config(model: str):
+    """vLLM's engine config for ``model`` in bf16 on this machine (its CPU
+    platform picks the recurrent state's dtype by CPU feature)."""
     from vllm.engine.arg_utils import EngineArgs
+
+    return EngineArgs(model=model, dtype="bfloat16", skip_tokenizer_init=True).create_engine_config()
+
+
+def state_dtypes(config) -> tuple[torch.dtype, torch.dtype]:
+    """The conv and recurrent state dtypes vLLM picks under ``config`` (its
+    state dtype calculator)."""
     from vllm.model_executor.layers.mamba.mamba_utils import MambaStateDtypeCalculator
 
-    config = EngineArgs(model=model, dtype="bfloat16", skip_tokenizer_init=True).create_engine_config()
     cache = config.cache_config
     return MambaStateDtypeCalculator.gated_delta_net_state_dtype(
         config.model_config.dtype, cache.mamba_cache_dtype, cache.mamba_ssm_cache_dtype)
+
+
+def state_bytes_per_sequence(config) -> int:
+    from kvfill.connector.states import state_bytes_per_sequence
+
+    return state_bytes_per_sequence(config)

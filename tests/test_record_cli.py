@@ -232,7 +232,8 @@ def test_engine_flags_reach_vllm_through_the_recorder(tmp_path, out_dir, monkeyp
     prompts.write_text("w3 w4 w5 w6\n")
     seen = {}
 
-    def stand_in(model, token_ids, work, dtype, kv_cache_dtype, block_size, max_model_len, llm_kwargs, tokenizer=None):
+    def stand_in(model, token_ids, work, dtype, kv_cache_dtype, block_size, max_model_len, llm_kwargs, tokenizer=None,
+                 check_config=None):
         seen.update(dtype=dtype, max_model_len=max_model_len, llm_kwargs=llm_kwargs)
         raise RecordError("the stand-in vLLM stops here")
 
