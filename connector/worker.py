@@ -26,7 +26,7 @@ from vllm.logger import init_logger
 
 from kvfill.bank import Bank, BankError
 from kvfill.kernels import CacheGroup, FillEngine
-from kvfill.kernels.state_pages import StatePages
+from kvfill.kernels.state_pages import StatePages, StateWrite
 
 from .bank_loading import load_rank_bank, replay_states
 from .metadata import KVFillBankHandshake, KVFillConnectorMetadata, KVFillRecordHandshake, KVFillStats, rank_where
@@ -186,16 +186,16 @@ class KVFillWorker:
             if states:
                 self.state_pages.check(states)  # before the engine writes anything
             stats = self.last_stats = self.engine.fill(plan)
-            if states:
-                self.state_pages.write(states)
+            written = self.state_pages.write(states) if states else StateWrite(0, 0, 0)
         except ValueError as exc:
             self.failed_block_ids |= skipped_blocks(selections, exc, self.planner, self.load_failure_policy)
             return
         elapsed = time.perf_counter() - t0
-        self.stats.record(len(selections), stats.entries, stats.bytes, elapsed)
+        self.stats.record(len(selections), stats.entries, stats.bytes + written.bytes, elapsed)
         logger.debug(
-            "KVFillConnector: filled %d requests, %d block entries, %.2f MiB in %d launches, %.3f ms host",
-            len(selections), stats.entries, stats.bytes / 2**20, stats.launches, elapsed * 1e3,
+            "KVFillConnector: filled %d requests, %d block entries and %d state pages, %.2f MiB in %d launches, "
+            "%.3f ms host", len(selections), stats.entries, written.pages, (stats.bytes + written.bytes) / 2**20,
+            stats.launches + written.launches, elapsed * 1e3,
         )
         if self.options.verify:
             verify_fill(self.engine, plan, self.state_pages, states, self.stats, self.options.verify)

@@ -1014,6 +1014,8 @@ def test_a_hybrid_replay_writes_the_recorded_state_of_the_requests_sequence_into
     got = h.views[mixer][block].reshape(-1).view(torch.uint8)
     want = pack([s[1:2] for s in bank.states[mixer]])[0]
     assert torch.equal(got[:want.numel()], want)
+    w = h.worker.worker  # the state page's bytes count with the rows' (vllm:kvfill_bytes_total)
+    assert w.stats.data["bytes"] == w.last_stats.bytes + h.views[mixer][block].numel() * h.views[mixer].element_size()
     expected = h.raw.clone()  # outside the request's attention slots and its state block: the poison
     views = h.views_over(expected)
     for t in range(30):
