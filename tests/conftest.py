@@ -5,7 +5,7 @@ import os
 # kernels under the interpreter, which must be enabled before any @triton.jit
 # definition is executed.
 DEVICE = os.environ.get("KVFILL_TEST_DEVICE", "cpu")
-if DEVICE == "cpu":
+if DEVICE.split(":")[0] == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import contextlib  # noqa: E402
@@ -33,7 +33,13 @@ BACKENDS = ["torch", "triton"]
 # ``cuda`` on the CPU (tests/test_device_image.py), for code that must not
 # follow it (a bank loads into host memory whatever it is).
 DEFAULT_DEVICE = os.environ.get("KVFILL_TEST_DEFAULT_DEVICE", DEVICE)
-if DEFAULT_DEVICE != "cpu":
+# KVFILL_TEST_DEVICE=cpu:0: the accelerator stand-in (tests/device_rule.py) - the default device and cpu:0 a
+# device of their own on the CPU, mixing them with host tensors an error as on CUDA (the device-image stand-in).
+if DEVICE == "cpu:0":
+    from device_rule import DeviceRule
+
+    DeviceRule().__enter__()
+elif DEFAULT_DEVICE != "cpu":
     torch.set_default_device(DEFAULT_DEVICE)
 
 

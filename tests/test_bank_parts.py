@@ -37,7 +37,7 @@ def truth(kv, layer, lengths=LENGTHS):
     bits: element (row, K then V, head, d) holds 1 + its index + a layer offset."""
     h, d, dv = kv
     total = sum(lengths)
-    idx = torch.arange(total * h * (d + dv), dtype=torch.int16).view(total, h * (d + dv)) + 1 + 8192 * layer
+    idx = torch.arange(total * h * (d + dv), dtype=torch.int16, device="cpu").view(total, h * (d + dv)) + 1 + 8192 * layer
     return idx[:, :h * d].reshape(total, h, d), idx[:, h * d:].reshape(total, h, dv)
 
 

@@ -83,7 +83,7 @@ def test_pages_pack_the_states_as_vllm_binds_them():
     conv, ssm = _full(GDN)
     layer = _Layer([GDN[0].shape, GDN[1].shape], [GDN[0].dtype, GDN[1].dtype])
     pages = pack([conv, ssm])
-    padded = torch.full((3, pages.shape[1] + 64), 0x5A, dtype=torch.int8)
+    padded = torch.full((3, pages.shape[1] + 64), 0x5A, dtype=torch.int8, device="cpu")  # host, as the states
     padded[:, :pages.shape[1]] = pages.view(torch.int8)
     mamba.MambaBase.bind_kv_cache(layer, padded[:, None, None, :])
     assert torch.equal(layer.kv_cache[0], conv) and torch.equal(layer.kv_cache[1], ssm)

@@ -1073,10 +1073,10 @@ def test_with_prefix_caching_the_state_goes_to_the_running_block_past_null_block
 def test_verify_reads_every_replayed_state_page_back(tmp_path, monkeypatch):
     """verify: raise compares each state block with the recorded state it was
     to get: a state write that went nowhere is an error naming the pages."""
-    from kvfill.kernels.state_pages import StatePages
+    from kvfill.kernels.state_pages import StatePages, StateWrite
 
     h, _ = _hybrid_harness(tmp_path, verify="raise")
-    monkeypatch.setattr(StatePages, "write", lambda self, blocks: 0)
+    monkeypatch.setattr(StatePages, "write", lambda self, blocks: StateWrite(0, 0, 0))
     h.add("a", list(range(200, 230)) + [5])
     with pytest.raises(RuntimeError, match=r"verify found 0 of \d+ elements and 1 of 1 state pages mismatched"):
         h.step()
