@@ -140,6 +140,7 @@ def pytest_configure(config):
                                        "device-image stand-in (tens of seconds each); make test-fast leaves them out")
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's, which names each test's group from its xdist_group marks
 def pytest_collection_modifyitems(config, items):
     cpu_only = pytest.mark.skip(reason=f"CPU-only test; KVFILL_TEST_DEVICE={DEVICE}")
     no_vllm = pytest.mark.skip(reason="needs vLLM, which is not installed here (the device image has none)")
