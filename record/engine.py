@@ -58,7 +58,14 @@ def remove_vllm_tempdir(folder: str, idents=()) -> None:
 def _executors() -> list:
     from vllm.v1.executor.abstract import Executor
 
-    return [o for o in gc.get_objects() if isinstance(o, Executor)]
+    found = []
+    for o in gc.get_objects():
+        try:
+            if isinstance(o, Executor):
+                found.append(o)
+        except ReferenceError:  # a weak proxy whose object is gone (isinstance asks it for its class)
+            continue
+    return found
 
 
 def _stop_executors_since(before) -> None:
