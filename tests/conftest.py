@@ -153,10 +153,10 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.xdist_group("e2e-leaves-nothing"))
         elif "e2e" in item.keywords and item.get_closest_marker("xdist_group") is None:
             item.add_marker(pytest.mark.xdist_group("e2e"))
+        if not HAS_VLLM and "needs_vllm" in item.keywords:  # first: the reason a skip reports
+            item.add_marker(no_vllm)
         if DEVICE != "cpu" and "cpu_only" in item.keywords:
             item.add_marker(cpu_only)
-        if not HAS_VLLM and "needs_vllm" in item.keywords:
-            item.add_marker(no_vllm)
     listing = os.environ.get("KVFILL_LIST_NEEDS_VLLM")  # tests/test_device_image.py: the tests marked needs_vllm
     if listing:
         with open(listing, "w") as f:

@@ -1,13 +1,14 @@
 """A stand-in for the device image, built from this environment.
 
-The lent GPU has torch, triton, pytest, hypothesis, safetensors and numpy
-(the device tool's README), no vLLM, and kvfill is not installed there:
+The lent GPU has torch, triton, pytest, hypothesis, safetensors, numpy,
+transformers, pytest-benchmark and psutil (the device tool's README), no vLLM
+and no pytest-xdist, and kvfill is not installed there:
 ``bench/device_check.sh`` puts it on the path through ``bench/device_env.sh``.
 ``build(folder)`` makes a virtual environment (no pip) whose site-packages
 holds exactly those distributions and what they require - every file their
 RECORD lists, linked from this environment's site-packages - so vLLM,
-transformers, pytest-benchmark and kvfill itself are absent there as they
-are on the device: imports fail and ``importlib.util.find_spec`` says None.
+pytest-xdist and kvfill itself are absent there as they are on the device:
+imports fail and ``importlib.util.find_spec`` says None.
 Returns its python; a subprocess of it (``sys.executable``) is in the image
 too.
 """
@@ -19,7 +20,8 @@ import subprocess
 import sys
 import sysconfig
 
-DEVICE_IMAGE = ("torch", "triton", "pytest", "hypothesis", "safetensors", "numpy")
+DEVICE_IMAGE = ("torch", "triton", "pytest", "hypothesis", "safetensors", "numpy", "transformers", "pytest-benchmark",
+                "psutil")
 
 
 def _canonical(name: str) -> str:

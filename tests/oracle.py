@@ -13,10 +13,11 @@ from kvfill.kernels import values as V
 
 
 def poisoned_buffer(nbytes: int, seed: int = 1234) -> torch.Tensor:
-    """Random bytes, on the tests' device (CPU unless KVFILL_TEST_DEVICE is set)."""
+    """Random bytes, on the tests' device (CPU unless KVFILL_TEST_DEVICE is set):
+    torch's default device, as a factory sees it (tests/device_rule.py's too)."""
     g = torch.Generator(device="cpu").manual_seed(seed)
     buf = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g, device="cpu")
-    return buf.to(torch.get_default_device())
+    return buf.to(torch.empty(0).device)
 
 
 def dcp_position(local: int, world: int, rank: int, interleave: int) -> int:

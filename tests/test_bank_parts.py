@@ -37,7 +37,8 @@ def truth(kv, layer, lengths=LENGTHS):
     bits: element (row, K then V, head, d) holds 1 + its index + a layer offset."""
     h, d, dv = kv
     total = sum(lengths)
-    idx = torch.arange(total * h * (d + dv), dtype=torch.int16, device="cpu").view(total, h * (d + dv)) + 1 + 8192 * layer
+    idx = torch.arange(total * h * (d + dv), dtype=torch.int16, device="cpu")  # a bank's rows: host memory
+    idx = idx.view(total, h * (d + dv)) + 1 + 8192 * layer
     return idx[:, :h * d].reshape(total, h, d), idx[:, h * d:].reshape(total, h, dv)
 
 
@@ -51,7 +52,8 @@ def make_bank(kvs, lengths=LENGTHS, tokens=None, own_order_row=24):
     layers = {}
     for i, (name, kv) in enumerate(kvs.items()):
         if kv is None:
-            bits = torch.arange(sum(lengths) * own_order_row, dtype=torch.int16).view(-1, own_order_row) + 1 + 8192 * i
+            bits = torch.arange(sum(lengths) * own_order_row, dtype=torch.int16, device="cpu")  # a bank: host memory
+            bits = bits.view(-1, own_order_row) + 1 + 8192 * i
         else:
             bits = canonical_rows(*truth(kv, i, lengths))
         layers[name] = bits.view(torch.bfloat16)
@@ -305,7 +307,7 @@ def test_dcp_ranks_rows_placed_at_their_global_positions_rebuild_every_sequence(
     bank = make_bank({"l0": (2, 4, 4)}, lengths=DCP_LENGTHS, tokens=DCP_TOKENS)
     whole = bits(bank.layers["l0"])
     starts = np.cumsum([0] + DCP_LENGTHS[:-1])
-    rebuilt = [torch.zeros(n, whole.shape[1], dtype=torch.int16) for n in DCP_LENGTHS]
+    rebuilt = [torch.zeros(n, whole.shape[1], dtype=torch.int16, device="cpu") for n in DCP_LENGTHS]  # as the bank
     times = [np.zeros(n, np.int64) for n in DCP_LENGTHS]
     for r in range(world):
         dcp = DcpGeometry(world, r, interleave)
@@ -433,9 +435,9 @@ def fill_rank(bank, layout, heads, d, dv, seed, backend, lo=0, plan_entries=REPL
                 bits(k).copy_(k_true[row, lo:lo + heads])
                 bits(v).copy_(v_true[row, lo:lo + heads])
                 got_k, got_v = layout.kv(layers[name], d, b, s)
-                for h in range(heads):
-                    assert torch.equal(bits(got_k[h]), k_true[row, lo + h]), (name, b, s, "K", h)
-                    assert torch.equal(bits(got_v[h]), v_true[row, lo + h]), (name, b, s, "V", h)
+                for h in range(heads):  # the bank's rows are host memory, the caches the device's
+                    assert torch.equal(bits(got_k[h]), k_true[row, lo + h].to(got_k.device)), (name, b, s, "K", h)
+                    assert torch.equal(bits(got_v[h]), v_true[row, lo + h].to(got_v.device)), (name, b, s, "V", h)
     assert_same_bytes(buf, expected)
     return eng, layers, plan
 

@@ -205,9 +205,11 @@ def replay_and_check(bank, layout, h, dtype, encoding, backend):
                 v.copy_(v_true[row])
                 # and read straight back from the filled caches: head by head
                 got_k, got_v = layout.kv(layers[name], b, s)
-                for head in range(h):
-                    assert torch.equal(_bits(got_k[head]), _bits(k_true[row, head])), (name, b, s, "K", head)
-                    assert torch.equal(_bits(got_v[head]), _bits(v_true[row, head])), (name, b, s, "V", head)
+                for head in range(h):  # the truth is host memory, the caches the device's
+                    assert torch.equal(_bits(got_k[head]), _bits(k_true[row, head]).to(got_k.device)), \
+                        (name, b, s, "K", head)
+                    assert torch.equal(_bits(got_v[head]), _bits(v_true[row, head]).to(got_v.device)), \
+                        (name, b, s, "V", head)
     assert_same_bytes(buf, expected)
     assert (buf != poison).any()
     assert eng.verify(plan).ok
@@ -348,7 +350,7 @@ def test_mla_rows_are_the_latent_row_and_replay_into_another_physical_order(back
                                     local_base=[x for _, _, x in flat])})
     bank = Bank({n: fmt[n].to_bank(r) for n, r in read.items()}, sequence_lengths=LENGTHS,
                 kv={n: fmt[n].kv for n in LAYERS})
-    assert all(torch.equal(bank.layers[n].view(torch.int16), lat[n]) for n in LAYERS)
+    assert all(torch.equal(bank.layers[n].view(torch.int16).cpu(), lat[n].cpu()) for n in LAYERS)  # on the host
 
     buf = poisoned_buffer(nbytes, seed=42)
     expected = buf.clone()

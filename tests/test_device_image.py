@@ -1,12 +1,16 @@
 """The suite as the first GPU run sees it, on the CPU: in a stand-in for the
 device image (``tests/device_image.py``: torch, triton, pytest, hypothesis,
-safetensors and numpy; no vLLM; kvfill not installed) with kvfill put on the
-path by the same code as ``bench/device_check.sh`` (``bench/device_env.sh``).
+safetensors, numpy, transformers, pytest-benchmark, psutil; no vLLM; kvfill
+not installed) with kvfill put on the path by the same code as
+``bench/device_check.sh`` (``bench/device_env.sh``).
 
 There, the whole suite must collect, every test that needs vLLM must skip,
-nothing else may fail, and banks must load into host memory while torch's
-default device is not the CPU (``meta`` stands in for ``cuda``).  The inner
-runs set ``KVFILL_IN_DEVICE_IMAGE``, so this file does not run itself.
+and nothing else may fail with the tests' device a device of its own
+(``KVFILL_TEST_DEVICE=cpu:0``: ``tests/device_rule.py``, torch's default
+device apart from host memory, mixing the two an error as on CUDA); banks
+must load into host memory while torch's default device is not the CPU
+(``meta`` stands in for ``cuda``).  The inner runs set
+``KVFILL_IN_DEVICE_IMAGE``, so this file does not run itself.
 """
 import os
 import pathlib
@@ -52,14 +56,14 @@ def test_the_image_has_no_vllm_and_kvfill_only_from_the_shim(image):
     """The stand-in itself: what the device lacks is absent, what it has is there."""
     code = ("import importlib.util as u, importlib.metadata as md, kvfill, kvfill.record, torch, triton, "
             "hypothesis, safetensors, numpy\n"
-            "print([u.find_spec(m) is None for m in ('vllm', 'transformers', 'pytest_benchmark')])\n"
+            "print([u.find_spec(m) is None for m in ('vllm', 'xdist', 'transformers', 'pytest_benchmark')])\n"
             "print(list(kvfill.__path__))\n"
             "import sysconfig; site = [sysconfig.get_paths()['purelib']]\n"
             "print([d.metadata['Name'] for d in md.distributions(path=site) if d.metadata['Name'] == 'kvfill'])\n")
     out = in_image(image, "-c", code, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     absent, path, dists = out.stdout.strip().splitlines()
-    assert absent == "[True, True, True]"
+    assert absent == "[True, True, False, False]"  # no vLLM, no pytest-xdist; transformers, pytest-benchmark
     assert str(image[1]) in path and str(ROOT) not in path, path  # the shim's namespace, not the repo
     assert dists == "[]"
 
@@ -99,11 +103,12 @@ def outer(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def inner(image, tmp_path_factory):
-    """The whole suite run once in the image (device_check.sh's fuzz count):
-    the run, and its JUnit test cases by ``classname::name``."""
+    """The whole suite run once in the image (device_check.sh's fuzz count)
+    on the accelerator stand-in (``tests/device_rule.py``): the run, and its
+    JUnit test cases by ``classname::name``."""
     report = tmp_path_factory.mktemp("inner") / "junit.xml"
     run = in_image(image, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEs", f"--junitxml={report}", "tests",
-                   env={"KVFILL_FUZZ_EXAMPLES": "20"})
+                   env={"KVFILL_FUZZ_EXAMPLES": "20", "KVFILL_TEST_DEVICE": "cpu:0"})
     cases = {f"{c.get('classname')}::{c.get('name')}": c for c in ET.parse(report).iter("testcase")} \
         if report.exists() else {}
     return run, cases

@@ -130,7 +130,8 @@ def test_ragged_replay_pages_wrap_inside_their_own_sequence():
             for slot in range(SLOTS):
                 row = [0, 5][seq] + (base + slot) % [5, 12][seq]
                 got = torch.cat([k[block, :, slot].reshape(-1), v[block, :, slot].reshape(-1)])
-                assert torch.equal(got.view(torch.int16), want[row].view(torch.int16)), (layer, block, slot)
+                assert torch.equal(got.view(torch.int16), want[row].view(torch.int16).to(got.device)), \
+                    (layer, block, slot)
     untouched = poisoned_buffer(LAYERS * NB * PAGE, seed=4).view(LAYERS, NB, -1)[:, [1]]
     assert torch.equal(with_images.view(LAYERS, NB, -1)[:, [1]], untouched)
 

@@ -224,12 +224,13 @@ def test_replay_ranks_reassembled_equal_single_rank_replay(world, interleave, ba
         if t < 33:
             assert torch.equal(got, want), f"token {t} on rank {r} (local {loc})"
         # the W = 1 replay holds sequence 1's row at position t mod 33 (its rows start at 40)
-        assert torch.equal(want[0].reshape(-1).cpu(), bank.layers["layer.0"][40 + t % 33].view(torch.uint8)), \
+        assert torch.equal(want[0].reshape(-1).cpu(), bank.layers["layer.0"][40 + t % 33].view(torch.uint8).cpu()), \
             f"token {t}"
         # rank r: its local row loc mod L_r, the row of the position it holds there
         dcp = DcpGeometry(world, r, interleave)
         held = int(dcp.global_positions(loc % int(dcp.local_count(33))))
-        assert torch.equal(got[0].reshape(-1).cpu(), bank.layers["layer.0"][40 + held].view(torch.uint8)), \
+        row = bank.layers["layer.0"][40 + held].view(torch.uint8).cpu()  # the engine holds the bank on its device
+        assert torch.equal(got[0].reshape(-1).cpu(), row), \
             f"token {t} on rank {r} (local {loc})"
 
 
@@ -453,9 +454,9 @@ def test_device_built_replay_entries_stay_inside_the_bank():
     assert eng.fill_device_entries("g", entries) == 1
     rows = bank.layers["l"]
     for slot, pos in enumerate([4, 5, 6, 0]):  # positions -3..0 -> rows 4, 5, 6, 0 of sequence 2 (clamped; 7 rows)
-        assert torch.equal(cache[1, :, slot].reshape(-1).cpu(), rows[14 + pos]), slot
+        assert torch.equal(cache[1, :, slot].reshape(-1).cpu(), rows[14 + pos].cpu()), slot
     for slot in range(2):
-        assert torch.equal(cache[2, :, slot].reshape(-1).cpu(), rows[9 + slot])  # sequence 1 starts at row 9
+        assert torch.equal(cache[2, :, slot].reshape(-1).cpu(), rows[9 + slot].cpu())  # sequence 1 starts at row 9
     assert (cache[1, :, 4:] == 0).all() and (cache[[0, 3]] == 0).all()
 
 
