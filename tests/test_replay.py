@@ -229,7 +229,7 @@ def test_replay_ranks_reassembled_equal_single_rank_replay(world, interleave, ba
         # rank r: its local row loc mod L_r, the row of the position it holds there
         dcp = DcpGeometry(world, r, interleave)
         held = int(dcp.global_positions(loc % int(dcp.local_count(33))))
-        row = bank.layers["layer.0"][40 + held].view(torch.uint8).cpu()  # the engine holds the bank on its device
+        row = bank.layers["layer.0"][40 + held].view(torch.uint8).cpu()  # compared on the host
         assert torch.equal(got[0].reshape(-1).cpu(), row), \
             f"token {t} on rank {r} (local {loc})"
 
