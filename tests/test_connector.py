@@ -1080,3 +1080,43 @@ def test_verify_reads_every_replayed_state_page_back(tmp_path, monkeypatch):
     h.add("a", list(range(200, 230)) + [5])
     with pytest.raises(RuntimeError, match=r"verify found 0 of \d+ elements and 1 of 1 state pages mismatched"):
         h.step()
+
+
+def test_vllms_v2_runner_drives_the_fill_through_its_connector_helper(tmp_path):
+    """vLLM's V2 model runner (the GPU default) calls connectors through
+    ``v1/worker/gpu/kv_connector.ActiveKVConnector``: ``pre_forward`` binds
+    the metadata and, for kvfill's synchronous loads, calls ``start_load_kv``
+    before the forward with the runner's extra keyword arguments;
+    ``post_forward`` collects the step's output.  Driven here over the
+    harness's caches (its worker already registered them, as the helper's
+    constructor does), the request's slots are filled and verified and the
+    step's stats reach the output."""
+    from types import SimpleNamespace
+
+    from vllm.distributed.kv_transfer import kv_transfer_state
+    from vllm.distributed.kv_transfer.kv_connector.utils import copy_kv_blocks
+    from vllm.v1.worker.gpu.kv_connector import ActiveKVConnector
+
+    h = make_harness(tmp_path, [(LAYERS, FullAttentionSpec(**ATT))], extra={**FILL, "verify": "raise"})
+    h.worker.set_host_xfer_buffer_ops(copy_kv_blocks)  # what the helper's constructor calls after registering
+    helper = ActiveKVConnector.__new__(ActiveKVConnector)
+    helper.vllm_config, helper.kv_connector = h.config, h.worker
+    helper._pending_load_kwargs, helper._disabled = None, False
+    saved = kv_transfer_state._KV_CONNECTOR_AGENT
+    kv_transfer_state._KV_CONNECTOR_AGENT = h.worker
+    try:
+        h.add("a", list(range(1, 41)))
+        out = h.scheduler.schedule()
+        assert out.has_sync_kv_loads
+        req_ids = list(out.num_scheduled_tokens)
+        batch = SimpleNamespace(idx_mapping=torch.arange(len(req_ids), device="cpu"), req_ids=req_ids,
+                                num_tokens=sum(out.num_scheduled_tokens.values()))
+        helper.pre_forward(out, batch, attn_metadata={})  # verify: raise reads every filled slot back
+        helper.finish_forward()
+        output = helper.post_forward(set())
+    finally:
+        kv_transfer_state._KV_CONNECTOR_AGENT = saved
+    assert h.worker.worker.last_stats.slots == 39 * len(LAYERS)
+    assert not output.invalid_block_ids
+    assert output.kv_connector_stats is not None and output.kv_connector_stats.data["requests"] == 1
+    assert (h.raw != h.poison).any()
