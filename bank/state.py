@@ -77,7 +77,7 @@ class StateTensor:
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape)) * torch.empty((), dtype=self.dtype).element_size()
+        return self.local_nbytes(0, 1)
 
     def ranges(self, tp_rank: int, tp_size: int, where: str = "state") -> list[tuple[int, int]]:
         """The index ranges along ``dim`` of the full tensor that TP rank

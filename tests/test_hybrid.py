@@ -11,6 +11,8 @@ import torch
 pytestmark = [pytest.mark.cpu_only, pytest.mark.usefixtures("leaves_nothing")]
 vllm = pytest.importorskip("vllm")
 
+from kvfill.connector.states import state_bytes_per_sequence  # noqa: E402  (imports vLLM)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STATE_LAYERS = [f"model.layers.{i}.linear_attn" for i in range(3)]
 
@@ -92,8 +94,3 @@ def state_dtypes(config) -> tuple[torch.dtype, torch.dtype]:
     return MambaStateDtypeCalculator.gated_delta_net_state_dtype(
         config.model_config.dtype, cache.mamba_cache_dtype, cache.mamba_ssm_cache_dtype)
 
-
-def state_bytes_per_sequence(config) -> int:
-    from kvfill.connector.states import state_bytes_per_sequence
-
-    return state_bytes_per_sequence(config)
