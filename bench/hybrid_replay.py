@@ -141,7 +141,7 @@ def main(argv=None) -> int:
     flags = ["--mamba-ssm-cache-dtype", a.ssm_dtype] if a.ssm_dtype != "auto" else []
     rec = run_child([sys.executable, "-m", "kvfill.record", "--model", a.model, "--prompts", a.prompts_file,
                      "--out", a.bank, "--dtype", "bfloat16", "--max-model-len", str(a.max_model_len),
-                     "--tensor-parallel-size", str(a.record_tp), *flags], "recording", timeout=900,
+                     "--tensor-parallel-size", str(a.record_tp), "--enforce-eager", *flags], "recording", timeout=900,
                     env=child_env(a.record_tp))
     print(next(line for line in rec.stdout.splitlines() if line.startswith("wrote")), flush=True)
     runs = [r for r in RUNS if r in a.runs]

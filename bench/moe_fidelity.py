@@ -166,7 +166,8 @@ def main(argv=None) -> int:
     env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", VLLM_ENABLE_V1_MULTIPROCESSING="0")
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     record_cmd = [sys.executable, "-m", "kvfill.record", "--model", a.model, "--prompts", record_file, "--out", bank,
-                  "--positions", str(a.prompt_len), "--dtype", a.dtype, "--max-model-len", str(max_model_len(a))]
+                  "--positions", str(a.prompt_len), "--dtype", a.dtype, "--max-model-len", str(max_model_len(a)),
+                  "--enforce-eager"]
     print(f"recording {a.record} prompts ...", flush=True)
     rec = run_child(record_cmd, "recording", timeout=a.timeout, env=env)
     print(next(line for line in rec.stdout.splitlines() if line.startswith("wrote")), flush=True)

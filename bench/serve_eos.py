@@ -170,7 +170,7 @@ def main(argv=None) -> int:
     bank = os.path.join(a.log_dir, "bank.safetensors")
     if "replay" in a.runs:
         rec = C.run_child([sys.executable, "-m", "kvfill.record", "--model", a.model, "--prompts", jsonl, "--out",
-                           bank, "--dtype", "float32", "--max-model-len", str(a.max_model_len)], "recording",
+                           bank, "--dtype", "float32", "--max-model-len", str(a.max_model_len), "--enforce-eager"], "recording",
                           timeout=1800)
         log(next(line for line in rec.stdout.splitlines() if line.startswith("wrote")))
     results = {}

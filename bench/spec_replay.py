@@ -264,7 +264,7 @@ def main(argv=None) -> int:
     rec = run_child([sys.executable, "-m", "kvfill.record", "--model", a.model, "--prompts", a.prompts_file,
                      "--out", a.bank, "--dtype", a.dtype, "--max-model-len", str(a.max_model_len),
                      "--tokenizer", a.tokenizer, "--speculative-config", spec, "--tensor-parallel-size",
-                     str(a.record_tp)], "recording", timeout=900, env=child_env(a.record_tp))
+                     str(a.record_tp), "--enforce-eager"], "recording", timeout=900, env=child_env(a.record_tp))
     print(next(line for line in rec.stdout.splitlines() if line.startswith("wrote")), flush=True)
     runs = [r for r in RUNS if r == "prefill" or r in a.runs]
     cmd = [sys.executable, os.path.abspath(__file__), "--bank", a.bank, "--prompts-file", a.prompts_file, "--model",

@@ -5,7 +5,8 @@ that differs from the run's own settings, and recorded values that are not
 finite.
 
 Provenance and values do not refuse the bank - a bank recorded with another
-``max_model_len`` still replays real KV, only not bit for bit - but the
+``max_model_len`` or compilation mode (``compilation_of``) still replays
+real KV, only not bit for bit - but the
 replayed bits depend on them (the README's replay section), so a mismatch is
 said at startup.
 """
@@ -59,7 +60,8 @@ def load_bank(path: str, part: BankPart, vllm_config: "VllmConfig", device: torc
     logger.info("KVFillConnector: replaying %s", bank.describe())
     model = vllm_config.model_config
     for line in provenance_mismatches(bank.metadata, model=str(model.model), max_model_len=model.max_model_len,
-                                      kv_cache_dtype=vllm_config.cache_config.cache_dtype):
+                                      kv_cache_dtype=vllm_config.cache_config.cache_dtype,
+                                      compilation=compilation_of(vllm_config)):
         logger.warning("KVFillConnector: %s", line)
     line = nonfinite_warning(bank.source, count_nonfinite(bank))
     if line:
@@ -84,17 +86,40 @@ def check_drafter_layers(bank: Bank, part: BankPart, vllm_config: "VllmConfig") 
 
 
 def provenance_mismatches(meta: Mapping[str, str], *, model: str, max_model_len: int,
-                          kv_cache_dtype: str) -> list[str]:
-    """One line per recorded setting that differs from the serving run's."""
+                          kv_cache_dtype: str, compilation: str | None = None) -> list[str]:
+    """One line per recorded setting that differs from the serving run's
+    (``compilation``: ``compilation_of`` the serving engine; a bank that
+    does not record it is not compared)."""
     serving = {"model": str(model), "max_model_len": str(max_model_len), "kv_cache_dtype": str(kv_cache_dtype)}
+    if compilation is not None:
+        serving["compilation"] = compilation
     out = []
     for key, value in serving.items():
         recorded = meta.get(key)
         if recorded is None or recorded == "auto" or recorded == value:
             continue
         out.append(f"the bank was recorded with {key}={recorded!r}, this run has {key}={value!r}: replayed rows "
-                   f"are real KV but not bit-identical to this run's prefill")
+                   f"are real KV but not bit-identical to this run's prefill{_HINTS.get(key, '')}")
     return out
+
+
+# What to do about a mismatch where the flag's name is not the key's.
+_HINTS = {"compilation": " (eager and compiled kernels round differently; kvfill-record runs as vLLM's defaults "
+                         "compile, and eager with --enforce-eager: record with this run's compilation flags)"}
+
+
+def compilation_of(vllm_config: "VllmConfig") -> str:
+    """The engine's compilation as it decides the numerics of a forward
+    pass: vLLM's compilation mode, its backend when compiled, and which
+    custom ops run (vLLM's resolved ``custom_ops``: ``all`` eager,
+    ``none`` under Inductor unless asked).  The recorder writes it into a
+    bank's provenance; the serving engine compares its own."""
+    from vllm.config import CompilationMode
+
+    cc = vllm_config.compilation_config
+    mode = CompilationMode(int(cc.mode)).name
+    backend = "" if mode == "NONE" else f" backend={cc.backend or 'default'}"
+    return f"mode={mode}{backend} custom_ops={','.join(cc.custom_ops) or 'default'}"
 
 
 def nonfinite_warning(source: str, counts: Mapping[str, int]) -> str | None:

@@ -32,9 +32,10 @@ USAGE = "kvfill-record --model MODEL --prompts FILE --out BANK [kvfill options] 
 NAMED = ("dtype", "kv_cache_dtype", "block_size", "tokenizer", "max_model_len")
 
 # The recorder's own LLM settings (engine_config.engine_kwargs) against a user's value:
-# - enforce_eager=True: honoured (llm_kwargs overrides it).  Eager or compiled,
-#   the rows are read after the whole forward (wait_for_save); a compiled
-#   serving run's numerics are recorded with --no-enforce-eager.
+# - enforce_eager: not set; vLLM's default (compiled, as `vllm serve` runs) or
+#   the user's flag.  Eager or compiled, the rows are read after the whole
+#   forward (wait_for_save); the mode is in the bank's provenance
+#   (``compilation``), and a serving run in another mode says so at start.
 # - max_num_batched_tokens, max_num_seqs: honoured; they batch the prompts,
 #   they do not change which rows are read.  vLLM needs max_num_batched_tokens
 #   >= max_model_len without chunked prefill (checked below when both given;

@@ -24,9 +24,12 @@ _CPU_PP_EAGER = ("vLLM CPU's pipeline parallelism fails in eager mode (a later s
 def engine_kwargs(model, token_ids, record_dir, dtype, kv_cache_dtype, block_size, max_model_len, llm_kwargs,
                   tokenizer, cpu: bool = False) -> dict:
     """``LLM(**kwargs)`` of the recording: the recorder's settings, the
-    user's engine flags (``llm_kwargs``) over them.  Eager unless the user
-    says otherwise - but compiled for pipeline parallelism on vLLM CPU
-    (``cpu``), which fails eager (``_CPU_PP_EAGER``)."""
+    user's engine flags (``llm_kwargs``) over them.  Compiled or eager as
+    vLLM's defaults and the user's flags say, as ``vllm serve`` would run:
+    eager and compiled kernels round differently, so a bank holds the
+    serving run's bits only when recorded in its mode (``--enforce-eager``
+    records eager) - except that pipeline parallelism on vLLM CPU (``cpu``)
+    fails eager (``_CPU_PP_EAGER``), so asking for it is refused."""
     cpu_pp = cpu and int(llm_kwargs.get("pipeline_parallel_size") or 1) > 1
     if cpu_pp and llm_kwargs.get("enforce_eager"):
         raise RecordError(f"--enforce-eager with --pipeline-parallel-size {llm_kwargs['pipeline_parallel_size']}: "
@@ -37,7 +40,6 @@ def engine_kwargs(model, token_ids, record_dir, dtype, kv_cache_dtype, block_siz
         # template warm-up fails and logs a traceback as a warning (several
         # times) that reads as a failure; token ids go in either way.
         tokenizer=tokenizer,
-        enforce_eager=not cpu_pp,
         dtype=dtype,
         kv_cache_dtype=kv_cache_dtype,
         max_model_len=max_model_len,

@@ -25,8 +25,9 @@ def run_vllm(model, token_ids, record_dir, dtype, kv_cache_dtype, block_size, ma
              tokenizer=None, check_config=None) -> dict[str, str]:
     """Real prefill of every prompt (its recorded tokens, one output token)
     with the record role on, each prompt's positions recorded whole;
-    returns the run's provenance: the vLLM version, and the max_model_len and
-    cache block size vLLM ran with (its own block size when not given).
+    returns the run's provenance: the vLLM version, and the max_model_len,
+    cache block size (its own when not given) and compilation
+    (``bank_checks.compilation_of``) vLLM ran with.
 
     ``max_model_len``: the user's (the serving run's gives its bits exactly:
     vLLM CPU's attention rounds differently with it, so the KV of positions
@@ -41,6 +42,7 @@ def run_vllm(model, token_ids, record_dir, dtype, kv_cache_dtype, block_size, ma
     from vllm.inputs import TokensPrompt
     from vllm.platforms import current_platform
 
+    from kvfill.connector.bank_checks import compilation_of
     from kvfill.connector.recorder import rpc_end_node
 
     kw = engine_kwargs(model, token_ids, record_dir, dtype, kv_cache_dtype, block_size, max_model_len, llm_kwargs,
@@ -66,6 +68,7 @@ def run_vllm(model, token_ids, record_dir, dtype, kv_cache_dtype, block_size, ma
     return {"block_size": str(config.cache_config.block_size),
             "max_model_len": str(config.model_config.max_model_len),
             "vllm_version": getattr(vllm, "__version__", "unknown"),
+            "compilation": compilation_of(config),
             "state_tail": str(tail),
             "fetched_bytes": str(fetched)}
 

@@ -308,6 +308,18 @@ def test_provenance_that_differs_from_the_serving_run_is_named():
     assert lines == ["the bank was recorded with max_model_len='4096', this run has max_model_len='8192': "
                      "replayed rows are real KV but not bit-identical to this run's prefill"]
     assert provenance_mismatches(meta, model="out/m", max_model_len=4096, kv_cache_dtype="auto") == []
+    # the compilation is compared where the bank records it (older banks do not)
+    assert provenance_mismatches(meta, model="out/m", max_model_len=4096, kv_cache_dtype="auto",
+                                 compilation="mode=NONE custom_ops=all") == []
+    meta["compilation"] = "mode=NONE custom_ops=all"
+    assert provenance_mismatches(meta, model="out/m", max_model_len=4096, kv_cache_dtype="auto",
+                                 compilation="mode=NONE custom_ops=all") == []
+    [line] = provenance_mismatches(meta, model="out/m", max_model_len=4096, kv_cache_dtype="auto",
+                                   compilation="mode=DYNAMO_TRACE_ONCE backend=inductor custom_ops=none")
+    assert line.startswith("the bank was recorded with compilation='mode=NONE custom_ops=all', this run has "
+                           "compilation='mode=DYNAMO_TRACE_ONCE backend=inductor custom_ops=none': replayed rows are "
+                           "real KV but not bit-identical to this run's prefill (eager and compiled kernels round")
+    assert "--enforce-eager" in line
     assert "3 recorded values are NaN or infinite in 2 layers" in nonfinite_warning("b.st", {"x": 2, "y": 1})
     assert nonfinite_warning("b.st", {}) is None
 

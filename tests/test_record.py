@@ -225,14 +225,17 @@ def test_the_recorder_keeps_each_prompt_whole_with_a_max_model_len_above_its_bat
 
     model = make_tokenizer(make_model(os.path.join(ROOT, "out", "tiny-llama")))
     prompts = write_prompts(tmp_path / "p.txt", [range(3, 43), range(100, 125)])
-    bank = record(model, prompts, str(tmp_path / "b.safetensors"), max_model_len=3000)
+    eager = {"enforce_eager": True}  # the runs compared with are eager; compiling would only take longer
+    bank = record(model, prompts, str(tmp_path / "b.safetensors"), max_model_len=3000, llm_kwargs=eager)
     assert (bank.num_sequences, bank.lengths) == (2, (40, 25))
     assert [len(t) for t in bank.sequence_tokens] == [40, 25] and bank.sequence_tokens[1][0] == 100
     assert set(bank.kv.values()) == {(8, 128, 128)}
-    capped = record(model, prompts, str(tmp_path / "c.safetensors"), positions=30, max_model_len=3000)
+    capped = record(model, prompts, str(tmp_path / "c.safetensors"), positions=30, max_model_len=3000,
+                    llm_kwargs=eager)
     assert capped.lengths == (30, 25)
     assert bank.metadata["max_model_len"] == "3000" and bank.bytes_per_token == 4 * 2 * 8 * 128 * 2
     assert bank.metadata["block_size"] == "128"  # vLLM CPU's default, read back from the engine (not "auto")
+    assert bank.metadata["compilation"].startswith("mode=NONE custom_ops=")  # as the engine resolved --enforce-eager
     out, err = capfd.readouterr()
     assert "Traceback" not in out + err and "Chat template warmup failed" not in out + err
 
@@ -354,7 +357,7 @@ def test_a_recording_over_two_nodes_on_loopback_writes_the_one_node_bank_and_ref
     def two_nodes(name, node1_extra=()):
         port = str(_free_port())
         flags = ["--model", model, "--prompts", str(prompts), "--dtype", "float32", "--tensor-parallel-size", "2",
-                 "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", port]
+                 "--enforce-eager", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", port]
         env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "1", "PYTHONPATH": os.path.dirname(ROOT)}
         node1 = subprocess.Popen([sys.executable, "-m", "kvfill.record", *flags, "--out", str(tmp_path / "n1"),
                                   "--node-rank", "1", *node1_extra], env=env, stdout=subprocess.PIPE,

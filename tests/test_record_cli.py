@@ -185,8 +185,8 @@ def test_kvfills_own_flags_are_parsed(base, calls):
 
 
 def test_a_flag_given_at_vllms_default_still_overrides_the_recorders_setting(base, calls):
-    """--no-enforce-eager is EngineArgs' default, but the recorder runs eager
-    unless told: given, it reaches LLM (a compiled serving run's numerics)."""
+    """--no-enforce-eager is EngineArgs' default; given, it still reaches LLM
+    (a config file's or an alias's value cannot then override it)."""
     rc, call = run(base + ["--no-enforce-eager"], calls)
     assert rc == 0 and call["llm_kwargs"] == {"enforce_eager": False}
 

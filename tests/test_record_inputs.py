@@ -257,7 +257,7 @@ def test_the_recorder_handles_sigterm_only_while_it_runs(model, prompts, out_dir
 
 
 # ------------------------------------------------------------------ provenance
-def test_the_bank_names_the_max_model_len_and_block_size_vllm_ran_with(model, prompts, out_dir, monkeypatch):
+def test_the_bank_names_the_max_model_len_block_size_and_compilation_vllm_ran_with(model, prompts, out_dir, monkeypatch):
     """Not "auto": the values the engine resolved, read back from it (here a
     stand-in of vLLM's LLM; test_record.py checks the real one)."""
     vllm = pytest.importorskip("vllm")
@@ -267,7 +267,8 @@ def test_the_bank_names_the_max_model_len_and_block_size_vllm_ran_with(model, pr
             self.kw = kw
             self.llm_engine = SimpleNamespace(vllm_config=SimpleNamespace(
                 cache_config=SimpleNamespace(block_size=128),
-                model_config=SimpleNamespace(max_model_len=kw["max_model_len"])))
+                model_config=SimpleNamespace(max_model_len=kw["max_model_len"]),
+                compilation_config=SimpleNamespace(mode=2, backend="inductor", custom_ops=["none"])))
 
         def generate(self, prompts, params, use_tqdm):
             extra = self.kw["kv_transfer_config"]["kv_connector_extra_config"]
@@ -280,6 +281,65 @@ def test_the_bank_names_the_max_model_len_and_block_size_vllm_ran_with(model, pr
     monkeypatch.setattr(vllm, "LLM", EngineStandIn)
     bank = recorder.record(model, prompts, str(out_dir / "b.safetensors"), log=lambda msg: None)
     assert (bank.metadata["max_model_len"], bank.metadata["block_size"]) == ("56", "128")  # the longest prompt + 16
+    assert bank.metadata["compilation"] == "mode=DYNAMO_TRACE_ONCE backend=inductor custom_ops=none"
+
+
+def test_the_compilation_in_a_banks_provenance_is_vllms_resolved_mode_backend_and_custom_ops(model, tmp_path):
+    """Read from vLLM's engine config as the recorder and the serving engine
+    build it: eager and vLLM's default (compiled) name different numerics."""
+    from kvfill.connector.bank_checks import compilation_of
+    from kvfill.record.engine_config import check_engine_config, engine_kwargs
+
+    def config(flags):
+        return check_engine_config(engine_kwargs(model, [[1, 2]], str(tmp_path), "float32", "auto", None, 64, flags,
+                                                 model, cpu=True), [])
+
+    eager, compiled = compilation_of(config({"enforce_eager": True})), compilation_of(config({}))
+    assert eager.startswith("mode=NONE custom_ops=") and "backend" not in eager
+    cc = config({}).compilation_config
+    assert compiled == f"mode={type(cc.mode)(cc.mode).name} backend={cc.backend} custom_ops={','.join(cc.custom_ops)}"
+    assert int(cc.mode) != 0 and compiled != eager
+
+
+def test_a_serving_engine_in_another_compilation_mode_than_the_recordings_says_so_when_it_loads_the_bank(
+        model, tmp_path):
+    """The bank's provenance against the serving engine's own config
+    (``load_bank``): recorded eager, served compiled - one warning naming
+    both; served eager - none."""
+    import logging
+
+    from kvfill.bank import BankPart
+    from kvfill.connector.bank_checks import compilation_of, load_bank
+    from kvfill.record.engine_config import check_engine_config, engine_kwargs
+
+    def config(flags):
+        return check_engine_config(engine_kwargs(model, [[1, 2]], str(tmp_path), "float32", "auto", None, 64, flags,
+                                                 model, cpu=True), [])
+
+    eager = config({"enforce_eager": True})
+    path = tmp_path / "b.safetensors"
+    Bank({LAYER: torch.zeros(4, 32, device="cpu")}, sequence_lengths=[4],
+         metadata={"compilation": compilation_of(eager)}).save(path)
+    said = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    log = logging.getLogger("vllm.kvfill.connector")
+    log.addHandler(handler)
+    try:
+        for served in (eager, config({})):
+            said.clear()
+            load_bank(str(path), BankPart(0, 1, frozenset([LAYER])), served, torch.device("cpu"))
+            lines = [line for line in said if "compilation=" in line]
+            if served is eager:
+                assert lines == [], said
+            else:
+                assert lines == [f"KVFillConnector: the bank was recorded with compilation={compilation_of(eager)!r}"
+                                  f", this run has compilation={compilation_of(served)!r}: replayed rows are real KV "
+                                  f"but not bit-identical to this run's prefill (eager and compiled kernels round "
+                                  f"differently; kvfill-record runs as vLLM's defaults compile, and eager with "
+                                  f"--enforce-eager: record with this run's compilation flags)"], said
+    finally:
+        log.removeHandler(handler)
 
 
 # ------------------------------------------------------------------ estimate
@@ -462,16 +522,19 @@ def test_ctrl_c_to_the_process_group_is_interrupted_nothing_written_and_exit_130
     assert not os.path.exists(work) and os.listdir(out_dir) == []
 
 
-def test_pipeline_parallelism_on_vllm_cpu_is_recorded_compiled_and_eager_is_refused():
-    """vLLM CPU's PP fails in eager mode whatever the prompts (a later stage
-    never gets its intermediate tensors); the recorder runs it compiled, and
-    an explicit --enforce-eager is refused before vLLM starts."""
+def test_the_recorder_compiles_as_vllm_serve_does_and_eager_pipeline_parallelism_is_refused_on_cpu():
+    """The recording runs in vLLM's default compilation mode unless told
+    (eager and compiled kernels round differently); vLLM CPU's PP fails in
+    eager mode whatever the prompts (a later stage never gets its
+    intermediate tensors), so an explicit --enforce-eager is refused there
+    before vLLM starts."""
     from kvfill.record.engine_config import engine_kwargs
 
     args = ("m", [[1, 2]], "/w", "auto", "auto", None, 64)
-    assert engine_kwargs(*args, {"pipeline_parallel_size": 2}, "m", cpu=True)["enforce_eager"] is False
-    assert engine_kwargs(*args, {"pipeline_parallel_size": 2}, "m", cpu=False)["enforce_eager"] is True
-    assert engine_kwargs(*args, {"tensor_parallel_size": 2}, "m", cpu=True)["enforce_eager"] is True
+    for parallel in ({"pipeline_parallel_size": 2}, {"tensor_parallel_size": 2}, {}):
+        for cpu in (True, False):  # vLLM's default: compiled, as vllm serve runs
+            assert "enforce_eager" not in engine_kwargs(*args, parallel, "m", cpu=cpu)
+    assert engine_kwargs(*args, {"enforce_eager": True}, "m", cpu=True)["enforce_eager"] is True
     with pytest.raises(RecordError, match=r"--enforce-eager with --pipeline-parallel-size 2: vLLM CPU's pipeline "
                                           r"parallelism fails in eager mode"):
         engine_kwargs(*args, {"pipeline_parallel_size": 2, "enforce_eager": True}, "m", cpu=True)
