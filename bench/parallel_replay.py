@@ -45,8 +45,8 @@ from kvfill.bench.replay_e2e import (
 def engine_kwargs(config: str) -> dict:
     """vLLM's arguments for ``tpN`` / ``ppN``."""
     kind, size = config[:2], int(config[2:])
-    if kind == "tp":
-        return {"tensor_parallel_size": size}
+    if kind == "tp":  # recorded and replayed eager, as every run here
+        return {"tensor_parallel_size": size, "enforce_eager": True}
     return {"pipeline_parallel_size": size, "enforce_eager": size == 1}  # vLLM CPU's PP needs its compile warm-up
 
 

@@ -207,8 +207,9 @@ class FillEngine:
         return self._registry.row_formats()
 
     def value_dtypes(self) -> dict[str, torch.dtype]:
-        """Layer -> the float dtype its bytes encode (layers that hold values)."""
-        return {t.layer: t.vdtype for t in self._registry.tensors if t.vdtype is not None}
+        """Layer -> the float dtype its bytes encode (layers that hold values;
+        a packed row of parts: its storage dtype, each part encodes its own)."""
+        return {t.layer: t.row_vdtype for t in self._registry.tensors if t.vdtype is not None}
 
     # ------------------------------------------------------------ verify
     def verify(self, plan: FillPlan | Mapping[str, GroupFill], *, max_report: int = 8) -> VerifyReport:

@@ -36,6 +36,19 @@ class RowParts(tuple):
     of tensors is recurrent state: no slot dim.)"""
 
 
+def _parts_of(enc, caches, where: str) -> tuple[V.PartValues, ...] | None:
+    """A layer's per-part encodings (None: one encoding for all its tensors),
+    checked against its tensors: one per tensor of its ``RowParts``."""
+    if not isinstance(enc, (tuple, list)):
+        return None
+    if not isinstance(caches, RowParts) or len(caches) != len(enc) or not all(
+            isinstance(p, V.PartValues) for p in enc):
+        raise ValueError(f"{where}: per-part encodings {enc!r} need a RowParts of as many tensors, one "
+                         f"values.PartValues each; got {type(caches).__name__} of "
+                         f"{len(caches) if isinstance(caches, (list, tuple)) else 1}")
+    return tuple(enc)
+
+
 def _size(nbytes: int) -> str:
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if nbytes >= scale:
@@ -56,7 +69,10 @@ class CacheGroup:
     block_dim / slot_dim: as in ``layout_of``; lists of state tensors have no
         slot dim whatever ``slot_dim`` says.
     encoding: ``auto`` / ``native`` / ``fp8_e4m3`` / ``fp8_e5m2`` / ``packed``
-        for every tensor of the group, or a mapping layer name -> encoding.
+        for every tensor of the group, or a mapping layer name -> encoding,
+        or -> a tuple of ``values.PartValues``, one per tensor of the
+        layer's ``RowParts``: a packed row whose parts encode values each
+        their own way (``packed_rows.py``: DeepSeek's fp8 rows with scales).
     mode: None (the engine's: ``replay`` with a bank, else normal if std > 0,
         else constant) or ``zero`` (circular buffers, int metadata, recurrent
         state under replay).
@@ -106,6 +122,13 @@ class LayerTensor:
     elem_offset: int          # element index of this tensor's row 0 within the layer's row
     bank: torch.Tensor | None = None  # replay: the layer's bank rows [T, layer row] as bits, on the device
     elem_dims: tuple[int, ...] = ()  # the logical element dims (size > 1, not merged): what its row order means
+    part: V.PartValues | None = None  # a part of a packed row: how its bytes encode values
+
+    @property
+    def row_vdtype(self) -> torch.dtype | None:
+        """What a bank row of its layer holds: the values' dtype, or for a
+        packed row of parts its raw storage (each part encodes its own)."""
+        return self.tensor.dtype if self.part is not None and self.vdtype is not None else self.vdtype
 
 
 @dataclass
@@ -121,6 +144,7 @@ class LaunchClass:
     sequences: np.ndarray | None = None  # replay: the bank's int64 [S, 2] (first row, length)
     tensors: list[LayerTensor] = field(default_factory=list)
     table: torch.Tensor | None = None  # value bits on the device (values.value_table); None: replay
+    part: V.PartValues | None = None  # a part of a packed row (its own value table; not in replay)
 
 
 class Registry:
@@ -175,19 +199,29 @@ class Registry:
             enc = g.encoding.get(lname, V.ENC_AUTO) if isinstance(g.encoding, Mapping) else g.encoding
             is_list = isinstance(caches, (list, tuple))
             state = is_list and not isinstance(caches, RowParts)
+            parts = _parts_of(enc, caches, f"group {gname!r} layer {lname!r}")
             elem_offset = 0
             for sub, t in enumerate(list(caches) if is_list else [caches]):
                 where = f"group {gname!r} layer {lname!r}" + (f" tensor {sub}" if is_list else "")
+                part = parts[sub] if parts else None
                 try:
                     layout = layout_of(t, block_dim=g.block_dim, slot_dim=None if state else g.slot_dim,
                                        num_blocks=g.num_blocks)
-                    vdtype = V.value_dtype(t.dtype, enc)
+                    if part is not None:
+                        ratio = part.storage_ratio(t.dtype)
+                        if layout.row_size % ratio:
+                            raise ValueError(f"a row of {layout.row_size} elements is no whole number of "
+                                             f"{part.vdtype} values")
+                    vdtype = part.vdtype if part is not None else V.value_dtype(t.dtype, enc)
                 except (ValueError, TypeError) as exc:
                     raise type(exc)(f"{where}: {exc}") from None
                 mode = V.ZERO if vdtype is None else (g.mode or self.default_mode)
+                if part is not None and mode in (V.CONSTANT, V.NORMAL):
+                    mode = V.NORMAL  # its table is read as the normal mode's (values.part_host_table)
                 out.append(LayerTensor(gname, lname, sub if is_list else None, t, layout, vdtype, mode,
                                        V.layer_key(self.values.seed, lid), elem_offset,
-                                       elem_dims=_logical_elem_dims(t, g.block_dim, None if state else g.slot_dim)))
+                                       elem_dims=_logical_elem_dims(t, g.block_dim, None if state else g.slot_dim),
+                                       part=part))
                 elem_offset += layout.row_size
         return out, next_id
 
@@ -215,7 +249,7 @@ class Registry:
         need = {}  # layer -> (its stored rows, the format that orders them for its caches, or None)
         for t in self.tensors:
             if t.mode == V.REPLAY and t.layer not in need:
-                need[t.layer] = bank.check_rows(t.layer, t.tensor.dtype, formats[t.layer], t.vdtype)
+                need[t.layer] = bank.check_rows(t.layer, t.tensor.dtype, formats[t.layer], t.row_vdtype)
         # What is uploaded (a host bank for GPU caches); rows already there are used in place.
         nbytes = sum(r.numel() * r.element_size() for r, _ in need.values() if r.device != self.device)
         free = free_bytes(self.device) if nbytes else None
@@ -269,10 +303,11 @@ class Registry:
         classes: dict[tuple, LaunchClass] = {}
         for t in self.tensors:
             bank_row = t.bank.shape[1] if t.bank is not None else 0
-            k = (t.group, t.layout, t.vdtype, t.mode, bank_row)
+            part = t.part if t.mode in (V.CONSTANT, V.NORMAL) else None  # its own value table
+            k = (t.group, t.layout, t.vdtype, t.mode, bank_row, part)
             if k not in classes:
                 classes[k] = LaunchClass(t.group, t.layout, t.vdtype, t.mode, bank_row,
-                                         self.bank_table if t.mode == V.REPLAY else None)
+                                         self.bank_table if t.mode == V.REPLAY else None, part=part)
             classes[k].tensors.append(t)
         # One value table per (mode, dtype, item size), long enough for the
         # widest row that reads it.
@@ -280,14 +315,15 @@ class Registry:
         for c in classes.values():
             if c.mode == V.REPLAY:  # rows come from each tensor's bank rows
                 continue
-            k = (c.mode, c.vdtype, c.layout.itemsize)
+            k = (c.mode, c.vdtype, c.layout.itemsize, c.part)
             max_row[k] = max(max_row.get(k, 1), c.layout.row_size)
         v = self.values
         tables = {
-            k: V.value_table(k[0], v.mean, v.std, k[1], k[2], self.device, max_row=row) for k, row in max_row.items()
+            k: V.value_table(k[0], v.mean, v.std, k[1], k[2], self.device, max_row=row, part=k[3])
+            for k, row in max_row.items()
         }
         for c in classes.values():
-            c.table = tables.get((c.mode, c.vdtype, c.layout.itemsize))
+            c.table = tables.get((c.mode, c.vdtype, c.layout.itemsize, c.part))
         return tuple(classes.values())
 
     def group(self, name: str) -> RegisteredGroup:

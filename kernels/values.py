@@ -118,6 +118,69 @@ class ValueSpec:
         return NORMAL if self.std > 0.0 else CONSTANT
 
 
+@dataclass(frozen=True)
+class PartValues:
+    """How one part of a packed token row encodes values - the rows vLLM's
+    DeepSeek formats write (``packed_rows.py``): fp8 values divided by a
+    per-token power-of-two scale, the scale itself as float32 bytes, a bf16
+    part as bytes.
+
+    ``vdtype``: the float dtype of the part's values; a uint8 tensor holds
+    them as their little-endian bytes when ``vdtype`` is wider.  ``scale``:
+    a fill's value ``v`` is stored as ``v / scale`` (a power of two: exact),
+    so the part decodes, times its scale, to the fill's values.
+    ``constant``: the part holds this value whatever the fill's mean and std
+    (the scale a part of values is divided by); zero and replay fills write
+    zeros and recorded bytes as for any tensor."""
+
+    vdtype: torch.dtype
+    scale: float = 1.0
+    constant: float | None = None
+
+    def __post_init__(self):
+        if self.vdtype not in FLOAT_DTYPES:
+            raise ValueError(f"PartValues.vdtype must be one of {[str(d) for d in FLOAT_DTYPES]}, got {self.vdtype}")
+        for name in ("scale", "constant"):
+            v = getattr(self, name)
+            if v is not None and (not math.isfinite(v) or (name == "scale" and v <= 0)):
+                raise ValueError(f"PartValues.{name} must be a finite number{' > 0' if name == 'scale' else ''}, "
+                                 f"got {v!r}")
+
+    def storage_ratio(self, dtype: torch.dtype) -> int:
+        """Storage elements per value in a tensor of ``dtype`` (1: the value
+        dtype itself or fp8 in bytes; 2 or 4: a wider float's bytes)."""
+        width = torch.empty((), dtype=self.vdtype, device="cpu").element_size()
+        if dtype == self.vdtype or (dtype in (torch.uint8, torch.int8) and width == 1):
+            return 1
+        if dtype == torch.uint8:
+            return width
+        raise ValueError(f"a part of {self.vdtype} values needs a {self.vdtype} or uint8 tensor, got {dtype}")
+
+
+def part_host_table(mode: str, mean: float, std: float, part: PartValues, itemsize: int) -> torch.Tensor:
+    """The storage bits a part of a packed row draws from, read as the normal
+    mode's table (``table[start(t) + e]``) whatever the fill's mode: a
+    ``POOL_SIZE``-entry table of the part's values (``part.constant``, else
+    the fill's ``mean + std * z``, divided by ``part.scale``) as storage
+    elements; a value wider than the storage takes ``storage_ratio``
+    consecutive entries, and since every row start is a multiple of
+    ``ROW_ALIGN`` element ``e`` of a row reads byte ``e % ratio`` of a
+    value.  ``mode``: the fill's (zero: one zero entry)."""
+    if mode == ZERO:
+        return torch.zeros(1, dtype=BITS_DTYPE[itemsize], device="cpu")
+    width = torch.empty((), dtype=part.vdtype, device="cpu").element_size()
+    ratio = width // itemsize
+    if ratio < 1 or width % itemsize or ROW_ALIGN % ratio:
+        raise ValueError(f"a part of {part.vdtype} values cannot be stored in {itemsize}-byte elements")
+    n = POOL_SIZE // ratio
+    if part.constant is not None or std == 0.0:
+        values = np.full(n, part.constant if part.constant is not None else mean)
+    else:
+        values = mean + std * standard_normal_pool()[:n]
+    bits = encode(values / part.scale, part.vdtype)
+    return bits.view(BITS_DTYPE[itemsize])
+
+
 def value_dtype(dtype: torch.dtype, encoding: str = ENC_AUTO) -> torch.dtype | None:
     """The float dtype whose values a cache of ``dtype`` holds; None: zero-filled.
 
@@ -236,8 +299,10 @@ def value_table(
     itemsize: int,
     device: torch.device,
     max_row: int = 1,
+    part: PartValues | None = None,
 ) -> torch.Tensor:
-    """Storage bits a fill draws from.
+    """Storage bits a fill draws from (``part``: a part of a packed row, whose
+    table is read as the normal mode's whatever the mode: ``part_host_table``).
 
     normal: the pool followed by its first ``max_row - 1`` entries again, so a
     row of up to ``max_row`` elements reads ``table[start : start + row]``
@@ -246,14 +311,17 @@ def value_table(
     not depend on the fill.
     """
     if mode == ZERO or vdtype is None:
-        mode, mean, std, vdtype = ZERO, 0.0, 0.0, None
-    if mode != NORMAL:
+        mode, mean, std, vdtype, part = ZERO, 0.0, 0.0, None, None
+    if mode != NORMAL and part is None:
         max_row = 1
-    key = (mode, float(mean), float(std), vdtype, itemsize, torch.device(device), max_row)
+    key = (mode, float(mean), float(std), vdtype, itemsize, torch.device(device), max_row, part)
     table = _DEVICE_TABLES.get(key)
     if table is None:
-        table = host_table(mode, float(mean), float(std), vdtype, itemsize)
-        if mode == NORMAL and max_row > 1:
+        if part is not None:
+            table = part_host_table(mode, float(mean), float(std), part, itemsize)
+        else:
+            table = host_table(mode, float(mean), float(std), vdtype, itemsize)
+        if (mode == NORMAL or part is not None) and max_row > 1:
             reps = -(-(POOL_SIZE + max_row - 1) // POOL_SIZE)
             table = table.repeat(reps)[: POOL_SIZE + max_row - 1]
         table = table.to(device)

@@ -77,6 +77,6 @@ def read_plan(registry: Registry, plan: Mapping[str, GroupFill]) -> dict[str, to
 
 
 def _decode(bits: torch.Tensor, vdtype: torch.dtype | None) -> float:
-    if vdtype is None:
-        return float(bits.item())
+    if vdtype is None or bits.element_size() != torch.empty((), dtype=vdtype, device="cpu").element_size():
+        return float(bits.item())  # raw: zero-filled, or a byte of a wider value (a packed row's part)
     return float(bits.reshape(1).view(vdtype).float().item())

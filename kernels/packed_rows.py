@@ -1,0 +1,114 @@
+"""Token rows packed of parts that each encode values their own way: the
+caches of DeepSeek's sparse attention as vLLM's writers lay them out, seen as
+``RowParts`` views the engine fills, records and replays like any row.
+
+* **Indexer K cache** (DeepSeek-V3.2 / GLM-5: vLLM's ``DeepseekV32IndexerCache``,
+  written by ``_fp8_quant_and_cache_write``): vLLM registers a byte container
+  ``[kernel blocks, (1,) P, D + 4]`` uint8 (P = 64 tokens, D = 128), but a
+  page is *not* token-major: its first ``P * D`` bytes are the P tokens' fp8
+  e4m3 keys one after another, then P float32 scales (token t's at byte
+  ``P * D + 4 t``).  ``indexer_parts`` returns the two views a token's row
+  is made of: its D value bytes and its 4 scale bytes - so a fill of some
+  tokens of a page writes exactly those tokens' bytes, and a bank row is a
+  token's values and scale.
+* **fp8_ds_mla** latent rows (656 B, token-major): 512 fp8 e4m3 values (4
+  tiles of 128), 4 float32 scales (one per tile), 64 bf16 RoPE values.
+  ``ds_mla_parts`` returns the three views.
+
+Both readers decode ``fp8 value * scale``, with the scale a power of two
+(vLLM's writers: ``2^ceil(log2(max(amax, 1e-4) / 448))``).  A synthetic fill
+(``indexer_values`` / ``ds_mla_values``) therefore stores ``v / s`` in fp8
+and ``s`` as the scale, one power of two chosen as vLLM's writer would for
+keys of the fill's spread: the rows decode to the fill's values (to fp8's
+precision), their scores spread as keys do - not the all-ties of zeros.
+Replay moves the recorded bytes whatever they encode.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import values as V
+from .registry import RowParts
+
+FP8_MAX = 448.0  # float8_e4m3fn's largest finite value: what vLLM's writers scale keys to
+SCALE_BYTES = 4  # a float32 scale
+DS_MLA_TILES, DS_MLA_TILE = 4, 128
+DS_MLA_ROPE = 64  # bf16 values
+DS_MLA_ROW = DS_MLA_TILES * DS_MLA_TILE + DS_MLA_TILES * SCALE_BYTES + DS_MLA_ROPE * 2  # 656 B
+
+
+def _pages(cache: torch.Tensor, what: str) -> tuple[int, int, int, int]:
+    """(kernel blocks, tokens per page, bytes per token, page stride) of a
+    vLLM cache ``[blocks, (1,) P, W]`` of uint8 whose pages are contiguous."""
+    if not isinstance(cache, torch.Tensor) or cache.dtype != torch.uint8:
+        raise ValueError(f"{what}: expected a uint8 cache tensor, got "
+                         f"{getattr(cache, 'dtype', type(cache).__name__)}")
+    shape = list(cache.shape)
+    if cache.dim() == 4 and shape[1] == 1:
+        shape, strides = [shape[0], shape[2], shape[3]], [cache.stride(0), cache.stride(2), cache.stride(3)]
+    elif cache.dim() == 3:
+        strides = list(cache.stride())
+    else:
+        raise ValueError(f"{what}: expected a cache of shape [blocks, (1,) tokens, bytes], got {tuple(cache.shape)}")
+    blocks, tokens, width = shape
+    if strides[2] != 1 or strides[1] != width or (blocks > 1 and strides[0] < tokens * width):
+        raise ValueError(f"{what}: expected pages of {tokens} x {width} contiguous bytes, got shape "
+                         f"{tuple(cache.shape)} strides {tuple(cache.stride())}")
+    return blocks, tokens, width, strides[0]
+
+
+def _view(cache: torch.Tensor, blocks: int, tokens: int, width: int, stride: int, token_stride: int,
+          offset: int) -> torch.Tensor:
+    return cache.as_strided((blocks, tokens, width), (stride, token_stride, 1), cache.storage_offset() + offset)
+
+
+def indexer_parts(cache: torch.Tensor) -> RowParts:
+    """The indexer page's token rows: ``RowParts`` of its values view
+    ``[blocks, P, D]`` (token t at ``t * D``) and its scales' bytes
+    ``[blocks, P, 4]`` (token t at ``P * D + 4 t``), sharing ``cache``'s
+    memory.  A ValueError names a cache of another shape or stride."""
+    blocks, tokens, width, stride = _pages(cache, "indexer cache")
+    dim = width - SCALE_BYTES
+    if dim < 1:
+        raise ValueError(f"indexer cache: {width} bytes per token leave no room for {SCALE_BYTES} scale bytes")
+    return RowParts((_view(cache, blocks, tokens, dim, stride, dim, 0),
+                     _view(cache, blocks, tokens, SCALE_BYTES, stride, SCALE_BYTES, tokens * dim)))
+
+
+def ds_mla_parts(cache: torch.Tensor) -> RowParts:
+    """An ``fp8_ds_mla`` cache's token rows: ``RowParts`` of its fp8 values
+    ``[blocks, P, 512]``, its 4 scales' bytes ``[blocks, P, 16]`` and its
+    RoPE part's bytes ``[blocks, P, 128]``, sharing ``cache``'s memory."""
+    blocks, tokens, width, stride = _pages(cache, "fp8_ds_mla cache")
+    if width != DS_MLA_ROW:
+        raise ValueError(f"fp8_ds_mla cache: expected {DS_MLA_ROW} bytes per token (512 fp8 values, 4 float32 "
+                         f"scales, 64 bf16 RoPE values), got {width}")
+    nope, scales = DS_MLA_TILES * DS_MLA_TILE, DS_MLA_TILES * SCALE_BYTES
+    return RowParts((_view(cache, blocks, tokens, nope, stride, width, 0),
+                     _view(cache, blocks, tokens, scales, stride, width, nope),
+                     _view(cache, blocks, tokens, DS_MLA_ROPE * 2, stride, width, nope + scales)))
+
+
+def power_of_two_scale(mean: float, std: float) -> float:
+    """The scale vLLM's writers pick for keys of ``mean + std * z`` (their
+    absolute maximum taken as ``|mean| + 4 std``): ``2^ceil(log2(max(amax,
+    1e-4) / 448))``."""
+    amax = max(abs(mean) + 4.0 * std, 1e-4)
+    return math.ldexp(1.0, math.ceil(math.log2(amax / FP8_MAX)))
+
+
+def indexer_values(spec: V.ValueSpec) -> tuple[V.PartValues, V.PartValues]:
+    """The parts' encodings of a synthetic indexer row (``indexer_parts``):
+    fp8 keys ``v / s`` and the scale ``s`` (``power_of_two_scale``)."""
+    s = power_of_two_scale(spec.mean, spec.std)
+    return V.PartValues(torch.float8_e4m3fn, scale=s), V.PartValues(torch.float32, constant=s)
+
+
+def ds_mla_values(spec: V.ValueSpec) -> tuple[V.PartValues, V.PartValues, V.PartValues]:
+    """The parts' encodings of a synthetic ``fp8_ds_mla`` row (``ds_mla_parts``):
+    fp8 values ``v / s``, each tile's scale ``s``, and bf16 RoPE values."""
+    s = power_of_two_scale(spec.mean, spec.std)
+    return (V.PartValues(torch.float8_e4m3fn, scale=s), V.PartValues(torch.float32, constant=s),
+            V.PartValues(torch.bfloat16))
