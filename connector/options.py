@@ -48,6 +48,7 @@ class FillOptions:
     record_dir: str | None = None      # record role (kvfill.record): save prompt KV rows here, fill nothing
     record_positions: int = 0          # record role: cap on the positions [0, N) saved per prompt (0: whole)
     record_engine: str | None = None   # record role: digest of the recording's engine flags, equal on every node
+    zero_packed: bool = False          # DeepSeek's indexer and fp8_ds_mla rows get zeros, as the in-tree connector
     values: ValueSpec = field(init=False, repr=False, compare=False)
     bank_index: BankIndex | None = field(init=False, repr=False, compare=False)
 
@@ -60,7 +61,7 @@ class FillOptions:
         object.__setattr__(self, "values", values)
         object.__setattr__(self, "fill_mean", values.mean)
         object.__setattr__(self, "fill_std", values.std)
-        for key in ("startup_fill", "refill_on_preemption"):
+        for key in ("startup_fill", "refill_on_preemption", "zero_packed"):
             if not isinstance(getattr(self, key), bool):
                 raise OptionError(key, getattr(self, key), "true or false")
         try:

@@ -31,6 +31,7 @@ from kvfill.kernels.state_pages import StatePages, StateWrite
 from .bank_loading import load_rank_bank, replay_states
 from .metadata import KVFillBankHandshake, KVFillConnectorMetadata, KVFillRecordHandshake, KVFillStats, rank_where
 from .options import FillOptions
+from .packed import check_packed_rows, packed_encodings, packed_row_kind, packed_views, zeroed_line
 from .planner import GroupKind, Planner
 from .ranks import current_dcp_rank, current_pp_rank, current_tp_rank
 from .recorder import Recorder
@@ -70,6 +71,12 @@ class KVFillWorker:
         self.cpu_views = CpuAttentionViews(specs, cache_dtype)  # warns once of a CPU layout it does not know
         self.encodings = {name: layer_encoding(spec, cache_dtype) for name, spec in specs.items()}
         self.kv_geometry = {name: layer_kv_geometry(spec) for name, spec in specs.items()}
+        # DeepSeek's sparse-attention rows (packed.py): per-token views, values their readers decode
+        # (zero_packed: their tokens' bytes get zeros, as the in-tree connector writes)
+        self.packed = {name: kind for name, spec in specs.items() if (kind := packed_row_kind(spec)) is not None}
+        for name, kind in self.packed.items():
+            self.encodings[name] = "packed" if options.zero_packed else packed_encodings(kind, options.values)
+            self.kv_geometry[name] = None  # a packed row keeps its own order
         # Raw backing buffers laid out by the layer itself (HiSparse): no block dim to address.
         self.unaddressable = {name for name, spec in specs.items() if not getattr(spec, "has_layer_views", True)}
         self.engine: FillEngine | None = None
@@ -95,7 +102,10 @@ class KVFillWorker:
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         groups = cache_groups(kv_caches, self.planner.groups, self.kv_cache_config, unaddressable=self.unaddressable,
                               encodings=self.encodings, kv_geometry=self.kv_geometry, mode=self._group_mode,
-                              parts=self.cpu_views.parts if self.on_cpu else None)
+                              parts=self._views)
+        line = zeroed_line({n: s for n, s in self.specs.items() if n not in self.packed}, self.encodings)
+        if line:
+            logger.warning(line)
         state_caches = {n: kv_caches[n] for n in sorted(self.state_layers)
                         if isinstance(kv_caches.get(n), torch.Tensor) and n not in self.unaddressable}
         if self.unaddressable:
@@ -128,6 +138,13 @@ class KVFillWorker:
         """A group's fill mode (``registration.group_mode``)."""
         return group_mode(geo, self.options)
 
+    def _views(self, name: str, cache: Any) -> Any:
+        """A layer's cache as the engine takes it: a packed row's per-token
+        views, vLLM CPU's K and V views, or the cache as registered."""
+        if name in self.packed:
+            return packed_views(self.packed[name], cache)
+        return self.cpu_views.parts(name, cache) if self.on_cpu else cache
+
     def _load_bank(self, groups: dict[str, CacheGroup], state_caches: dict[str, torch.Tensor],
                    node: str) -> tuple[Bank, dict[str, CacheGroup]]:
         """Replaying: this rank's part of the bank and its state layers'
@@ -136,6 +153,8 @@ class KVFillWorker:
         try:
             bank = load_rank_bank(self.options.bank, groups, state_caches, self.vllm_config, tp_rank=self.tp_rank,
                                   tp_size=self.tp_size, max_model_len=self.max_model_len)
+            if not self.options.zero_packed:
+                check_packed_rows(bank, bank.part, self.packed)
             state_pages, state_groups, groups = replay_states(bank, state_caches, groups, self.specs,
                                                               self.planner.groups,
                                                               self.kv_cache_config.kv_cache_groups)

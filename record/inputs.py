@@ -51,8 +51,9 @@ _UNBANKED_LAYER_TYPES = frozenset({"linear_attention", "mamba", "conv", "moe", "
 def estimate(model: str, sequences: int, positions: int, dtype: str = "auto", kv_cache_dtype: str = "auto",
              trust_remote_code: bool = False) -> Estimate:
     """Bank size from the model's config.json: ``positions`` (recorded in
-    all) x attention layers x K+V row bytes (MLA: the latent + rope row).  An
-    estimate: the bank written is checked too."""
+    all) x attention layers x K+V row bytes (MLA: the latent + rope row, or
+    ``fp8_ds_mla``'s 656-B row; sparse attention: + the indexer's key and
+    scale).  An estimate: the bank written is checked too."""
     from transformers import AutoConfig
 
     cfg = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
@@ -66,13 +67,17 @@ def estimate(model: str, sequences: int, positions: int, dtype: str = "auto", kv
     else:
         name = dtype if dtype != "auto" else str(getattr(text, "dtype", None) or getattr(text, "torch_dtype", "bfloat16"))
         itemsize = _DTYPE_BYTES.get(name.removeprefix("torch."), 2)
-    if getattr(text, "kv_lora_rank", None):  # MLA
-        row = text.kv_lora_rank + text.qk_rope_head_dim
+    if kv_cache_dtype == "fp8_ds_mla":  # packed latent rows: fp8 values, a float32 scale per 128, bf16 RoPE part
+        nbytes = text.kv_lora_rank + text.kv_lora_rank // 128 * 4 + text.qk_rope_head_dim * 2
+    elif getattr(text, "kv_lora_rank", None):  # MLA
+        nbytes = (text.kv_lora_rank + text.qk_rope_head_dim) * itemsize
     else:
         heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        row = 2 * heads * head_dim
-    return Estimate(sequences, positions, layers * row * itemsize, layers)
+        nbytes = 2 * heads * head_dim * itemsize
+    if getattr(text, "index_topk", None):  # DeepSeek-V3.2 / GLM-5 sparse attention: the indexer's fp8 keys + scale
+        nbytes += int(getattr(text, "index_head_dim", 128)) + 4
+    return Estimate(sequences, positions, layers * nbytes, layers)
 
 
 def with_drafter(est: Estimate, model: str, spec: dict, dtype: str = "auto", kv_cache_dtype: str = "auto",

@@ -40,6 +40,7 @@ def test_options_are_frozen():
         ("seed", 1.5, "an int >= 0"),
         ("startup_fill", "yes", "true or false"),
         ("refill_on_preemption", 1, "true or false"),
+        ("zero_packed", "yes", "true or false"),
         ("granularity", "page", "'token' or 'block'"),
         ("backend", "cuda", "one of ['auto', 'triton', 'torch']"),
         ("verify", "warn", "false, true, 'log' or 'raise'"),
@@ -58,7 +59,7 @@ def test_an_unknown_key_lists_the_valid_ones():
     with pytest.raises(ValueError, match=r"unknown kv_connector_extra_config key\(s\) \['fill_sdt'\]; "
                                          r"valid keys: \['backend', 'bank', 'fill_mean', 'fill_mode', 'fill_std', "
                                          r"'granularity', 'page_image_mib', 'record_dir', 'record_engine', 'record_positions', 'refill_on_preemption', "
-                                         r"'seed', 'startup_fill', 'verify'\]"):
+                                         r"'seed', 'startup_fill', 'verify', 'zero_packed'\]"):
         FillOptions.from_extra_config({"fill_sdt": 0.1})
 
 

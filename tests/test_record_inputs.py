@@ -368,6 +368,21 @@ def test_the_estimate_counts_sliding_and_full_attention_layers(tmp_path):
     assert estimate(model, 1, 10).layers == 6
 
 
+@pytest.mark.parametrize("kv_cache_dtype, row", [("auto", 576 * 2), ("fp8_ds_mla", 512 + 4 * 4 + 64 * 2)])
+def test_the_estimate_of_a_sparse_attention_model_counts_its_latent_rows_as_stored_and_the_indexers(
+        tmp_path, kv_cache_dtype, row):
+    """DeepSeek-V3.2 / GLM-5 (``index_topk``): per layer the MLA latent row as
+    the cache stores it (bf16, or fp8_ds_mla's 656 B) and the indexer's 128
+    fp8 key bytes + 4 scale bytes, all of which the recorder records."""
+    model = write_config(tmp_path / "dsa", {
+        "model_type": "deepseek_v3", "num_hidden_layers": 3, "hidden_size": 64, "num_attention_heads": 4,
+        "num_key_value_heads": 4, "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 64,
+        "v_head_dim": 64, "q_lora_rank": 32, "index_topk": 512, "index_head_dim": 128, "index_n_heads": 4,
+        "vocab_size": 1024, "dtype": "bfloat16"})
+    est = estimate(model, 1, 10, kv_cache_dtype=kv_cache_dtype)
+    assert (est.layers, est.bytes_per_token) == (3, 3 * (row + 132))
+
+
 # ------------------------------------------------------------------ JSONL prompts
 def test_a_jsonl_prompts_file_holds_prompts_with_line_breaks(tmp_path):
     """vLLM's custom dataset format: the same file drives the recorder and

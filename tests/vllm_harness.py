@@ -29,7 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import get_hash_fn_by_name
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config, get_request_block_hasher, init_none_hash
 
 try:  # vLLM 0.32
     from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups
@@ -149,12 +149,14 @@ def make_harness(tmp_path, groups: list[tuple[list[str], object]], *, num_blocks
     config.cache_config.kv_cache_layout = layout  # what the engine core's resolution records
     kv_groups = [KVCacheGroupSpec(names, spec) for names, spec in groups]
     kv_cache_config = get_kv_cache_config_from_groups(config, kv_groups, available_memory=1 << 40)
-    specs = {n: spec for names, spec in groups for n in names}
+    specs = {n: getattr(spec, "kv_cache_specs", {}).get(n, spec) for names, spec in groups for n in names}  # per layer
     config.cache_config.num_gpu_blocks = kv_cache_config.num_blocks  # as the engine core records it
     size = max(t.size for t in kv_cache_config.kv_cache_tensors)
     raw = poisoned_buffer(size, poison_seed)
     views = _views(raw, kv_cache_config, specs, layout)
-    scheduler = Scheduler(config, kv_cache_config, StructuredOutputManager(config),
+    # the engine core's scheduler config: a uniform-type group as one of its layers' specs (vLLM's own helper)
+    scheduler = Scheduler(config, generate_scheduler_kv_cache_config([kv_cache_config]),
+                          StructuredOutputManager(config),
                           block_size=math.lcm(*(s.block_size for _, s in groups)))
     worker = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kv_cache_config)
     worker.register_kv_caches(views)

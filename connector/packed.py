@@ -1,0 +1,105 @@
+"""vLLM's packed caches, filled as their readers expect, and the caches kvfill
+still leaves zeroed, named at start.
+
+* ``packed_row_kind``: which layers hold DeepSeek's sparse-attention rows -
+  the DeepSeek-V3.2 / GLM-5 indexer K cache (an ``MLAAttentionSpec`` of cache
+  role ``INDEXER``, uint8, 128 fp8 key bytes + a 4-byte scale per token, not
+  compressed) and ``fp8_ds_mla`` latent rows (656 B) - registered as the
+  per-token views of ``kernels/packed_rows.py`` (``packed_views``) with
+  synthetic values that decode to keys (``packed_encodings``), recorded and
+  replayed byte for byte.  ``zero_packed`` (an option) keeps zeros for them,
+  as the in-tree DecodeBenchConnector writes.
+* ``zeroed_line``: one warning naming the attention layers a fill leaves
+  zero (packed formats kvfill does not know: nvfp4, DeepSeek-V4's compressed
+  caches, ...) and what that does to a benchmark.
+* ``check_packed_rows``: replaying, a bank without rows for a packed layer
+  this engine fills is refused, naming the layers and the way out.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Mapping
+
+from kvfill.bank import Bank, BankError, BankPart
+from kvfill.kernels import RowParts
+from kvfill.kernels import values as V
+from kvfill.kernels.packed_rows import (
+    DS_MLA_ROW,
+    SCALE_BYTES,
+    ds_mla_parts,
+    ds_mla_values,
+    indexer_parts,
+    indexer_values,
+)
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_cache_interface import KVCacheSpec
+
+INDEXER = "indexer"
+FP8_DS_MLA = "fp8_ds_mla"
+INDEXER_KEY_DIM = 128  # DeepSeek-V3.2 / GLM-5: index_head_dim, one fp8 scale per 128 keys
+
+
+def packed_row_kind(spec: "KVCacheSpec") -> str | None:
+    """``INDEXER``, ``FP8_DS_MLA`` or None (not a packed row kvfill knows)."""
+    import torch
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    if not isinstance(spec, MLAAttentionSpec) or getattr(spec, "tokens_per_state", 1) != 1:
+        return None  # compressed caches (DeepSeek-V4, GLM-5-Next's kpool) hold states of several tokens
+    role = getattr(getattr(spec, "cache_role", None), "value", getattr(spec, "cache_role", None))
+    if str(role).lower() == "indexer" and spec.dtype == torch.uint8 \
+            and spec.head_size == INDEXER_KEY_DIM + SCALE_BYTES:
+        return INDEXER
+    if getattr(spec, "cache_dtype_str", None) == "fp8_ds_mla" and spec.dtype == torch.uint8 \
+            and getattr(spec, "state_content_bytes", None) == DS_MLA_ROW:
+        return FP8_DS_MLA
+    return None
+
+
+def packed_views(kind: str, cache: Any) -> RowParts:
+    """A packed layer's cache as the per-token views the engine fills."""
+    return indexer_parts(cache) if kind == INDEXER else ds_mla_parts(cache)
+
+
+def packed_encodings(kind: str, values: V.ValueSpec) -> tuple[V.PartValues, ...]:
+    """How each view of a packed layer encodes a synthetic fill of ``values``."""
+    return indexer_values(values) if kind == INDEXER else ds_mla_values(values)
+
+
+def zeroed_line(specs: Mapping[str, "KVCacheSpec"], encodings: Mapping[str, Any]) -> str | None:
+    """One line naming the attention layers whose caches a fill leaves zero
+    (their bytes encode values kvfill does not know how to write), None if
+    none: the benchmark then decodes over keys whose scores all tie."""
+    from vllm.v1.kv_cache_interface import AttentionSpec
+
+    zeroed = sorted(n for n, s in specs.items() if isinstance(s, AttentionSpec) and encodings.get(n) == V.ENC_PACKED)
+    if not zeroed:
+        return None
+    kinds = sorted({_describe(specs[n]) for n in zeroed})
+    return (f"KVFillConnector: {len(zeroed)} attention cache layer(s) are left zero - {', '.join(kinds)}, a format "
+            f"kvfill does not fill as its reader expects (e.g. {', '.join(zeroed[:2])}); a decode over them reads "
+            f"zero keys (every score ties, e.g. a sparse indexer's top-k), so its step time may not be a real "
+            f"prompt's")
+
+
+def _describe(spec: "KVCacheSpec") -> str:
+    what = getattr(spec, "cache_dtype_str", None) or str(getattr(spec, "dtype", "?")).removeprefix("torch.")
+    role = getattr(getattr(spec, "cache_role", None), "value", None)
+    extra = f", {role}" if role and str(role).lower() != "sparse" else ""
+    per = getattr(spec, "tokens_per_state", 1)
+    extra += f", {per} tokens per state" if per != 1 else ""
+    return f"{type(spec).__name__} ({what}{extra})"
+
+
+def check_packed_rows(bank: Bank, part: BankPart, packed: Mapping[str, str]) -> None:
+    """Replaying: BankError when the bank has no rows for a packed layer this
+    rank fills (recorded before kvfill recorded them, or zero-filled then)."""
+    missing = sorted(n for n in packed if n in (part.layers or ()) and n not in bank.layers)
+    if not missing:
+        return
+    kinds = sorted({packed[n] for n in missing})
+    raise BankError(f"{bank.source}: has no rows for {len(missing)} sparse-attention cache layer(s) of this engine "
+                    f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}: {', '.join(kinds)}), which "
+                    f"its decode reads. Record the bank again with this kvfill (kvfill-record records them), or set "
+                    f"kv_connector_extra_config zero_packed: true to give them zeros as the in-tree connector does "
+                    f"(every indexer score then ties)")

@@ -1,0 +1,189 @@
+"""The connector on a DeepSeek-V3.2 / GLM-5 (DSA) KV cache group as vLLM
+builds it: per layer the MLA latent (bf16, or ``fp8_ds_mla`` rows) and the
+indexer K cache in one group, vLLM's own spec classes, its scheduler and its
+cache views over a poisoned buffer (``vllm_harness.py``; no model runs: vLLM
+CPU refuses sparse attention).  The pages a prompt's prefill writes are
+written by a port of vLLM's writers (``dsa_writers.py``); the recorder saves
+every cache; replay restores every byte of them into a request's own blocks;
+a bank without the indexer's rows is refused naming the way out; a synthetic
+fill gives the indexer keys, not zeros."""
+import pytest
+import torch
+from dsa_writers import pack_ds_mla, write_indexer
+from vllm_harness import make_harness
+
+from kvfill.connector.packed import FP8_DS_MLA, INDEXER, packed_row_kind
+
+pytestmark = pytest.mark.needs_vllm
+
+BS = 64
+LAYERS = 2
+PROMPT = list(range(100, 100 + 150))  # 150 tokens: a partial third block
+
+
+def attn(i):
+    return f"model.layers.{i}.self_attn.attn"
+
+
+def indexer(i):
+    return f"model.layers.{i}.self_attn.indexer.k_cache"
+
+
+def dsa_group(mla_dtype: str):
+    """The group's spec as DeepseekV32 registers it (``deepseek_v2.py``,
+    ``mla_attention.py``): MLA latent + indexer per layer, one uniform-type group."""
+    from vllm.v1.kv_cache_interface import (
+        MLAAttentionSpec, SparseCacheRole, UniformTypeKVCacheSpecs, get_kv_quant_mode)
+
+    if mla_dtype == "fp8_ds_mla":
+        mla = MLAAttentionSpec(block_size=BS, num_kv_heads=1, max_tp_shards=1, head_size=576, dtype=torch.uint8,
+                               cache_dtype_str="fp8_ds_mla", kv_quant_mode=get_kv_quant_mode("fp8_ds_mla"),
+                               state_content_bytes=656, is_index_group_leader=True)
+    else:
+        mla = MLAAttentionSpec(block_size=BS, num_kv_heads=1, max_tp_shards=1, head_size=576, dtype=torch.bfloat16,
+                               cache_dtype_str="auto", is_index_group_leader=True)
+    idx = MLAAttentionSpec(block_size=BS, num_kv_heads=1, max_tp_shards=1, head_size=132, dtype=torch.uint8,
+                           cache_role=SparseCacheRole.INDEXER)
+    specs = {}
+    for i in range(LAYERS):
+        specs[attn(i)], specs[indexer(i)] = mla, idx
+    return [(list(specs), UniformTypeKVCacheSpecs(block_size=BS, kv_cache_specs=specs))], mla, idx
+
+
+def prefill_pages(h, blocks, seed=0):
+    """What a prefill of PROMPT writes into ``blocks`` (the request's block
+    table), layer by layer, with vLLM's writers: returns the layers' rows."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    slots = [blocks[t // BS] * BS + t % BS for t in range(len(PROMPT))]
+    for i in range(LAYERS):
+        write_indexer(h.views[indexer(i)], torch.randn(len(PROMPT), 128, generator=g, device="cpu") * 3, slots)
+        cache = h.views[attn(i)].reshape(h.views[attn(i)].shape[0], BS, -1)
+        if cache.dtype == torch.uint8:
+            rows = pack_ds_mla(torch.randn(len(PROMPT), 512, generator=g, device="cpu"),
+                               torch.randn(len(PROMPT), 64, generator=g, device="cpu"))
+        else:
+            rows = torch.randn(len(PROMPT), 576, generator=g, device="cpu").to(torch.bfloat16)
+        for t, s in enumerate(slots):
+            cache[s // BS, s % BS] = rows[t]
+
+
+def token_bytes(h, buffer, name, blocks, n):
+    """The bytes of positions [0, n) of a layer under ``buffer``: an indexer
+    token's 128 key bytes and its 4 scale bytes; an MLA token's row."""
+    view = h.views_over(buffer)[name]
+    out = []
+    for t in range(n):
+        b, o = blocks[t // BS], t % BS
+        if name.endswith("k_cache"):
+            page = view.reshape(view.shape[0], -1)[b]
+            out.append(torch.cat([page[o * 128:(o + 1) * 128], page[BS * 128 + 4 * o:BS * 128 + 4 * o + 4]]))
+        else:
+            out.append(view.reshape(view.shape[0], BS, -1)[b, o].reshape(-1).view(torch.uint8))
+    return torch.stack(out)
+
+
+def record(tmp_path, mla_dtype):
+    """The harness in the record role: one prompt prefilled (its pages
+    written as vLLM would), saved at wait_for_save, assembled into a bank."""
+    from kvfill.kernels import Bank
+    from kvfill.record.assemble import assemble
+
+    groups, _, _ = dsa_group(mla_dtype)
+    h = make_harness(tmp_path / "rec", groups, block_size=BS, cache_dtype=mla_dtype, prefix_caching=False,
+                     extra={"record_dir": str(tmp_path / "work")})
+    h.add("p", PROMPT, max_tokens=1)
+    out = h.scheduler.schedule()
+    h.worker.bind_connector_metadata(out.kv_connector_metadata)
+    h.worker.start_load_kv(None)
+    blocks = h.block_table("p")[0]
+    prefill_pages(h, blocks)
+    h.worker.wait_for_save()
+    h.worker.clear_connector_metadata()
+    folder = h.worker.worker.recorder.folder
+    bank = assemble(folder, [PROMPT], {"model": "dsa"}, str(tmp_path / "bank.safetensors"))
+    bank.save(tmp_path / "bank.safetensors")
+    h.worker.worker.recorder.drop()
+    return h, blocks, Bank.load(tmp_path / "bank.safetensors")
+
+
+@pytest.mark.parametrize("mla_dtype", ["auto", "fp8_ds_mla"])
+def test_a_dsa_group_is_recorded_whole_and_replayed_byte_for_byte_into_a_requests_own_blocks(tmp_path, mla_dtype):
+    rec, rec_blocks, bank = record(tmp_path, mla_dtype)
+    assert sorted(bank.layers) == sorted([attn(i) for i in range(LAYERS)] + [indexer(i) for i in range(LAYERS)])
+    for i in range(LAYERS):  # a token's row: its key bytes and scale bytes; the MLA latent row as written
+        assert torch.equal(bank.layers[indexer(i)], token_bytes(rec, rec.raw, indexer(i), rec_blocks, len(PROMPT)))
+        assert torch.equal(bank.layers[attn(i)].view(torch.uint8).reshape(len(PROMPT), -1),
+                           token_bytes(rec, rec.raw, attn(i), rec_blocks, len(PROMPT)))
+    groups, _, _ = dsa_group(mla_dtype)
+    h = make_harness(tmp_path / "rep", groups, block_size=BS, cache_dtype=mla_dtype, poison_seed=8,
+                     extra={"fill_mode": "replay", "bank": str(tmp_path / "bank.safetensors"), "verify": "raise"})
+    h.add("a", PROMPT + [5])
+    h.step()  # verify: raise - every written row read back
+    blocks = h.block_table("a")[0]
+    for name in bank.layers:  # what replay must write: the recorded tokens' bytes, at this request's slots
+        got = token_bytes(h, h.raw, name, blocks, len(PROMPT))
+        assert torch.equal(got, token_bytes(rec, rec.raw, name, rec_blocks, len(PROMPT))), name
+    # every other byte keeps its poison: put the poison back where the tokens are and compare all
+    restored = h.raw.clone()
+    for name in bank.layers:
+        _put_tokens(h, restored, name, blocks, len(PROMPT), token_bytes(h, h.poison, name, blocks, len(PROMPT)))
+    assert torch.equal(restored, h.poison)
+
+
+def _put_tokens(h, buffer, name, blocks, n, rows):
+    view = h.views_over(buffer)[name]
+    for t in range(n):
+        b, o = blocks[t // BS], t % BS
+        if name.endswith("k_cache"):
+            page = view.reshape(view.shape[0], -1)[b]
+            page[o * 128:(o + 1) * 128] = rows[t, :128]
+            page[BS * 128 + 4 * o:BS * 128 + 4 * o + 4] = rows[t, 128:]
+        else:
+            view.reshape(view.shape[0], BS, -1)[b, o] = rows[t].view(view.dtype)
+
+
+def test_a_bank_without_the_indexers_rows_is_refused_unless_zeros_are_accepted(tmp_path):
+    from kvfill.kernels import Bank
+
+    groups, _, _ = dsa_group("auto")
+    g = torch.Generator(device="cpu").manual_seed(1)
+    Bank({attn(i): torch.randn(len(PROMPT), 576, generator=g, device="cpu").to(torch.bfloat16)
+          for i in range(LAYERS)}, sequence_lengths=[len(PROMPT)], sequence_tokens=[PROMPT],
+         kv={attn(i): (1, 576, 0) for i in range(LAYERS)}).save(tmp_path / "old.safetensors")
+    extra = {"fill_mode": "replay", "bank": str(tmp_path / "old.safetensors")}
+    with pytest.raises(Exception, match=r"has no rows for 2 sparse-attention cache layer\(s\) of this engine "
+                                        r"\(model.layers.0.self_attn.indexer.k_cache, .*: indexer\), which its decode "
+                                        r"reads. Record the bank again .* zero_packed: true"):
+        make_harness(tmp_path / "a", groups, block_size=BS, extra=extra)
+    h = make_harness(tmp_path / "b", groups, block_size=BS, extra={**extra, "zero_packed": True})
+    h.add("a", PROMPT + [5])
+    h.step()
+    blocks = h.block_table("a")[0]
+    for i in range(LAYERS):  # the in-tree connector's zeros, in the filled tokens' bytes only
+        assert torch.all(token_bytes(h, h.raw, indexer(i), blocks, len(PROMPT)) == 0)
+    restored = h.raw.clone()
+    for name in [attn(i) for i in range(LAYERS)] + [indexer(i) for i in range(LAYERS)]:
+        _put_tokens(h, restored, name, blocks, len(PROMPT), token_bytes(h, h.poison, name, blocks, len(PROMPT)))
+    assert torch.equal(restored, h.poison)
+
+
+def test_a_synthetic_fill_gives_the_indexer_scaled_keys_and_the_ds_mla_rows_valid_values(tmp_path):
+    from kvfill.kernels.packed_rows import power_of_two_scale
+
+    groups, mla, idx = dsa_group("fp8_ds_mla")
+    assert (packed_row_kind(mla), packed_row_kind(idx)) == (FP8_DS_MLA, INDEXER)
+    h = make_harness(tmp_path, groups, block_size=BS, cache_dtype="fp8_ds_mla",
+                     extra={"fill_std": 0.1, "fill_mean": 0.0, "verify": "raise"})
+    h.add("a", PROMPT + [5])
+    h.step()
+    blocks = h.block_table("a")[0]
+    rows = token_bytes(h, h.raw, indexer(1), blocks, len(PROMPT))
+    scale = rows[:, 128:].contiguous().view(torch.float32).reshape(-1)
+    assert torch.all(scale == power_of_two_scale(0.0, 0.1))
+    keys = rows[:, :128].contiguous().view(torch.float8_e4m3fn).float() * scale[:, None]
+    assert torch.isfinite(keys).all() and abs(keys.std().item() - 0.1) < 0.01
+    latent = token_bytes(h, h.raw, attn(0), blocks, len(PROMPT))
+    tile_scales = latent[:, 512:528].contiguous().view(torch.float32)
+    assert torch.all(tile_scales == power_of_two_scale(0.0, 0.1))
+    rope = latent[:, 528:].contiguous().view(torch.bfloat16).float()
+    assert torch.isfinite(rope).all() and (rope != 0).float().mean() > 0.99
