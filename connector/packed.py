@@ -48,12 +48,18 @@ def packed_row_kind(spec: "KVCacheSpec") -> str | None:
         return None  # compressed caches (DeepSeek-V4, GLM-5-Next's kpool) hold states of several tokens
     role = getattr(getattr(spec, "cache_role", None), "value", getattr(spec, "cache_role", None))
     if str(role).lower() == "indexer" and spec.dtype == torch.uint8 \
-            and spec.head_size == INDEXER_KEY_DIM + SCALE_BYTES:
-        return INDEXER
+            and spec.head_size == INDEXER_KEY_DIM + SCALE_BYTES and not _rocm():
+        return INDEXER  # (ROCm's AITER indexer may shuffle its pages: not this layout, left zero and named)
     if getattr(spec, "cache_dtype_str", None) == "fp8_ds_mla" and spec.dtype == torch.uint8 \
             and getattr(spec, "state_content_bytes", None) == DS_MLA_ROW:
         return FP8_DS_MLA
     return None
+
+
+def _rocm() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_rocm()
 
 
 def packed_views(kind: str, cache: Any) -> RowParts:
@@ -80,6 +86,27 @@ def zeroed_line(specs: Mapping[str, "KVCacheSpec"], encodings: Mapping[str, Any]
             f"kvfill does not fill as its reader expects (e.g. {', '.join(zeroed[:2])}); a decode over them reads "
             f"zero keys (every score ties, e.g. a sparse indexer's top-k), so its step time may not be a real "
             f"prompt's")
+
+
+def compressed_in_mixed_groups(kv_cache_groups, specs: Mapping[str, "KVCacheSpec"]) -> dict[str, int]:
+    """Layers holding one state per several tokens (``tokens_per_state`` > 1:
+    DeepSeek-V4's compressed caches, GLM-5-Next's kpool indexer) in a KV
+    cache group with layers of another ratio: their pages hold another
+    number of slots than the group's block table says, so the engine cannot
+    fill them with the others; layer -> its ratio (left out, named at start)."""
+    out = {}
+    for g in kv_cache_groups:
+        ratios = {n: getattr(specs.get(n), "tokens_per_state", 1) for n in g.layer_names if n in specs}
+        if len(set(ratios.values())) > 1:
+            out.update({n: r for n, r in ratios.items() if r != 1})
+    return out
+
+
+def left_out_line(left: Mapping[str, int]) -> str:
+    return (f"KVFillConnector: {len(left)} cache layer(s) hold one state per several tokens in a KV cache group "
+            f"with per-token layers (e.g. {', '.join(sorted(left)[:2])}: {sorted(set(left.values()))} tokens per "
+            f"state); kvfill does not fill them: they keep what vLLM allocated (zeros), and a decode reading "
+            f"them sees no prompt there")
 
 
 def _describe(spec: "KVCacheSpec") -> str:

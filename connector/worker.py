@@ -31,7 +31,10 @@ from kvfill.kernels.state_pages import StatePages, StateWrite
 from .bank_loading import load_rank_bank, replay_states
 from .metadata import KVFillBankHandshake, KVFillConnectorMetadata, KVFillRecordHandshake, KVFillStats, rank_where
 from .options import FillOptions
-from .packed import check_packed_rows, packed_encodings, packed_row_kind, packed_views, zeroed_line
+from .packed import (
+    check_packed_rows, compressed_in_mixed_groups, left_out_line, packed_encodings, packed_row_kind, packed_views,
+    zeroed_line,
+)
 from .planner import GroupKind, Planner
 from .ranks import current_dcp_rank, current_pp_rank, current_tp_rank
 from .recorder import Recorder
@@ -79,6 +82,8 @@ class KVFillWorker:
             self.kv_geometry[name] = None  # a packed row keeps its own order
         # Raw backing buffers laid out by the layer itself (HiSparse): no block dim to address.
         self.unaddressable = {name for name, spec in specs.items() if not getattr(spec, "has_layer_views", True)}
+        # compressed layers sharing a group with per-token ones: not fillable together, left out and named
+        self.left_out = compressed_in_mixed_groups(kv_cache_config.kv_cache_groups, specs)
         self.engine: FillEngine | None = None
         self.stats = KVFillStats()
         self.last_stats = None  # FillStats of the latest fill
@@ -100,7 +105,10 @@ class KVFillWorker:
 
     # ------------------------------------------------------------ registration (registration.py)
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        groups = cache_groups(kv_caches, self.planner.groups, self.kv_cache_config, unaddressable=self.unaddressable,
+        if self.left_out:
+            logger.warning(left_out_line(self.left_out))
+        groups = cache_groups(kv_caches, self.planner.groups, self.kv_cache_config,
+                              unaddressable=self.unaddressable | set(self.left_out),
                               encodings=self.encodings, kv_geometry=self.kv_geometry, mode=self._group_mode,
                               parts=self._views)
         line = zeroed_line({n: s for n, s in self.specs.items() if n not in self.packed}, self.encodings)

@@ -187,3 +187,39 @@ def test_a_synthetic_fill_gives_the_indexer_scaled_keys_and_the_ds_mla_rows_vali
     assert torch.all(tile_scales == power_of_two_scale(0.0, 0.1))
     rope = latent[:, 528:].contiguous().view(torch.bfloat16).float()
     assert torch.isfinite(rope).all() and (rope != 0).float().mean() > 0.99
+
+
+def test_a_compressed_indexer_in_the_latents_group_is_left_out_and_named_not_a_crash(tmp_path, caplog):
+    """GLM-5-Next's kpool indexer (one state per 4 tokens) shares the MLA
+    latent's group: its pages hold other slots than the block table says.
+    The connector starts, fills the latents, leaves the compressed pages as
+    they are and names them."""
+    import dataclasses
+    import logging
+
+    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
+
+    _, mla, idx = dsa_group("auto")
+    kpool = dataclasses.replace(idx, tokens_per_state=4)
+    specs = {}
+    for i in range(LAYERS):
+        specs[attn(i)], specs[indexer(i)] = mla, kpool
+    said = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("vllm.kvfill.connector").addHandler(handler)
+    try:
+        h = make_harness(tmp_path, [(list(specs), UniformTypeKVCacheSpecs(block_size=BS, kv_cache_specs=specs))],
+                         block_size=BS, extra={"fill_std": 0.1, "verify": "raise"})
+    finally:
+        logging.getLogger("vllm.kvfill.connector").removeHandler(handler)
+    assert any("2 cache layer(s) hold one state per several tokens" in line and indexer(0) in line
+               and "[4] tokens per state" in line for line in said), said
+    h.add("a", PROMPT + [5])
+    h.step()  # verify: raise - the latents' rows read back
+    blocks = h.block_table("a")[0]
+    assert not torch.equal(token_bytes(h, h.raw, attn(0), blocks, len(PROMPT)),
+                           token_bytes(h, h.poison, attn(0), blocks, len(PROMPT)))
+    for i in range(LAYERS):  # the compressed pages: untouched
+        view, poison = h.views[indexer(i)], h.views_over(h.poison)[indexer(i)]
+        assert torch.equal(view, poison)
