@@ -20,13 +20,15 @@ GPU view ``[B, H, N, 2 x head]`` is, std-*), TP rank 1's part of a canonical
 bank of twice the heads, permuted into the cache's element order at staging.
 CUDA graphs: a captured ``fill_blocks`` and a captured replay fill
 (``FillEngine.fill_device_entries``), each replayed with new entries after its
-engine's last reference was dropped.
+engine's last reference was dropped.  Packed rows (``gpu_check_packed.py``):
+DeepSeek's indexer pages and fp8_ds_mla rows, synthetic and replayed, byte
+for byte against the torch backend.
 
 ``--budget-s``: sections that would start past it are skipped and named in the
 summary (``gpu-check-summary.txt``, printed last) and the JSON, so the report
 is complete whatever the time.  The order makes a short lease reach what only
 a GPU can run: every layout and mode in the first dtype, then the CUDA-graph,
-device-guard and speed sections, then the other dtypes.
+packed-row, device-guard and speed sections, then the other dtypes.
 """
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ import torch
 
 from kvfill.bench import common as C  # noqa: E402
 from kvfill.bench import fill_bench  # noqa: E402
+from kvfill.bench.gpu_check_packed import check_packed_rows
 from kvfill.bench.gpu_check_sections import (
     MODES, check_device_guard, check_graph_capture, check_replay_capture, correctness, isolated,
 )
@@ -99,6 +102,9 @@ def main(argv=None):
     replay_failed = failed_checks("CUDA graph capture of a replay fill", check_replay_capture)
     replay_graph_ok = None if replay_failed is None else not replay_failed
     log(f"CUDA graph capture of a replay fill: {'n/a' if replay_graph_ok is None else replay_graph_ok}")
+    packed_failed = failed_checks("packed rows (DeepSeek indexer, fp8_ds_mla)", check_packed_rows)
+    packed_ok = None if packed_failed is None else not packed_failed
+    log(f"packed rows byte-exact: {'n/a' if packed_ok is None else packed_ok}")
     guard_ok = None
     if budget.spend("device guard"):
         guard_ok, error = attempt("device guard", check_device_guard, device, log)
@@ -153,6 +159,7 @@ def main(argv=None):
         "correctness": {"cases": len(rows), "failures": failures, "graph_capture": graph_ok,
                         "graph_capture_failed": graph_failed, "replay_graph_capture": replay_graph_ok,
                         "replay_graph_capture_failed": replay_failed, "device_guard": guard_ok,
+                        "packed_rows": packed_ok, "packed_rows_failed": packed_failed,
                         "unverified_perf_rows": len(unverified), "rows": rows},
         "perf": perf,
         "replay_over_normal_bandwidth": replay_ratio,
@@ -164,7 +171,7 @@ def main(argv=None):
         "correctness: " + ", ".join(f"{m} {sum(r['bad_bytes'] == 0 for r in rs)}/{len(rs)}"
                                     for m, rs in by_mode.items()) + " cases byte-exact",
         f"CUDA graph capture ok: fill_blocks {_word(graph_ok)}, replay {_word(replay_graph_ok)}"
-        f"; device guard ok: {_word(guard_ok, 'n/a (one GPU)')}",
+        f"; device guard ok: {_word(guard_ok, 'n/a (one GPU)')}; packed rows byte-exact: {_word(packed_ok)}",
         f"perf rows verified: {sum(r['impl'] == 'kvfill' for r in perf) - len(unverified)}/"
         f"{sum(r['impl'] == 'kvfill' for r in perf)}; replay / normal bandwidth (goal >= 0.9): {replay_ratio}",
     ]
@@ -174,6 +181,7 @@ def main(argv=None):
         summary.append(f"ERRORS ({len(errors)}; each case went on to the next):")
         summary += [f"  {e}" for e in errors[:12]]
     summary += [f"CUDA graph: {n}" for n in (graph_failed or []) + (replay_failed or [])]
+    summary += list(packed_failed or [])
     if budget.skipped:
         summary.append(f"SKIPPED for the budget ({a.budget_s:g} s): {len(budget.skipped)} sections: "
                        + "; ".join(budget.skipped))
@@ -184,7 +192,7 @@ def main(argv=None):
     print("\n" + text)
     # Every failed check counts: a fast row whose bytes are wrong is a failure, not a figure.
     perf_errors = sum(e.startswith("perf ") for e in errors)
-    return (failures + (graph_ok is False) + (replay_graph_ok is False) + (guard_ok is False)
+    return (failures + (graph_ok is False) + (replay_graph_ok is False) + (guard_ok is False) + (packed_ok is False)
             + len(unverified) + perf_errors)
 
 

@@ -13,7 +13,7 @@ def test_gpu_check_smoke_run_is_byte_exact(tmp_path, capsys):
     assert failures == 0
     out = capsys.readouterr().out
     assert "correctness: constant 130/130, normal 130/130, replay 130/130 cases byte-exact" in out
-    assert "perf rows verified: 5/5" in out
+    assert "perf rows verified: 5/5" in out and "packed rows byte-exact: True" in out
     assert "replay / normal bandwidth (goal >= 0.9): {'1MiB L2 R16': " in out
     import json
 
@@ -37,7 +37,8 @@ def test_gpu_check_replay_rows_fail_when_the_kernel_replays_nothing(tmp_path, mo
     # u8-packed holds no values (zero mode, never replayed): its two cases still match.
     assert "correctness: constant 20/20, normal 20/20, replay 2/20 cases byte-exact" in out
     assert "MISMATCH std-LBHNC fp32 replay" in out
-    assert failures == 18
+    assert "packed rows byte-exact: False" in out
+    assert failures == 18 + 1  # the 18 cases and the packed-row section (its replays)
 
 
 def test_a_gpu_check_case_that_raises_is_its_own_error_and_the_check_goes_on(tmp_path, monkeypatch, capsys):
@@ -90,7 +91,7 @@ def test_gpu_check_names_what_its_budget_skipped(tmp_path, capsys):
     import json
 
     skipped = json.loads((tmp_path / "gpu_check.json").read_text())["skipped_for_budget"]
-    assert len(skipped) == 13 * 3 + 3 + 3 + 2 + 13 * 3
+    assert len(skipped) == 13 * 3 + 4 + 3 + 2 + 13 * 3
     # the order a short lease meets them: one dtype of every layout, the GPU-only sections, the other dtypes
     assert skipped.index("CUDA graph capture of fill_blocks") == 13 * 3
     assert skipped.index("perf launch-bound normal") < skipped.index("correctness std-LBHNC constant (other dtypes)")
@@ -102,7 +103,7 @@ def test_gpu_check_fails_when_a_perf_row_is_not_verified(tmp_path, monkeypatch, 
 
     monkeypatch.setattr(FillEngine, "verify", lambda self, plan, **kw: VerifyReport(False, 1, 1, ()))
     monkeypatch.setattr(sections.LZ, "CASES", sections.LZ.CASES[:1])  # the perf rows are what is checked here
-    assert gpu_check.main(["--smoke", "--out", str(tmp_path), "--device", "cpu"]) == 5
+    assert gpu_check.main(["--smoke", "--out", str(tmp_path), "--device", "cpu"]) == 5 + 1  # + the packed rows' section (its verify)
     out = capsys.readouterr().out
     assert out.count("UNVERIFIED perf row") == 5 and "perf rows verified: 0/5" in out
 
