@@ -9,7 +9,7 @@ a bank without the indexer's rows is refused naming the way out; a synthetic
 fill gives the indexer keys, not zeros."""
 import pytest
 import torch
-from dsa_writers import pack_ds_mla, write_indexer
+from kvfill.bench.dsa_writers import pack_ds_mla, write_indexer
 from vllm_harness import make_harness
 
 from kvfill.connector.packed import FP8_DS_MLA, INDEXER, packed_row_kind

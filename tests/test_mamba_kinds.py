@@ -222,6 +222,7 @@ def test_mamba2_with_fewer_groups_than_ranks_replays_at_its_own_tp_and_no_other(
     assert [tuple(p.shape[1:]) for p in pages[0]] == [tuple(s) for s in kind.shapes(2)]
     layout = state_layout(kind.spec(2), 2, dim_first=False)
     merged, _ = merge_states("l", [(r, 2, layout, pages[r], f"TP rank {r}") for r in range(2)], "test")
+    assert _same_bytes(merged[0][..., :x_dim], x) and _same_bytes(merged[1], ssm)
     for r in range(2):
         for st, m, want in zip(layout, merged, pages[r]):
             assert _same_bytes(st.take(m, r, 2), want), r

@@ -8,7 +8,7 @@ CPU's own indexer reader scores the replayed pages bit for bit as the real
 ones.  Synthetic fills write rows that decode to the fill's values."""
 import pytest
 import torch
-from dsa_writers import indexer_row, pack_ds_mla, pages, unpack_ds_mla, write_indexer
+from kvfill.bench.dsa_writers import indexer_row, pack_ds_mla, pages, unpack_ds_mla, write_indexer
 from oracle import dcp_position, poisoned_buffer
 
 from kvfill.kernels import Bank, CacheGroup, DcpGeometry, FillEngine, GroupFill

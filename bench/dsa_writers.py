@@ -1,6 +1,7 @@
 """Torch ports of vLLM 0.32's writers of DeepSeek's sparse-attention caches:
-the independent reference the packed-row tests compare kvfill with.  Nothing
-here uses kvfill's code.
+the independent reference the packed-row tests (tests/test_packed_rows.py,
+tests/test_dsa_connector.py) and bench/indexer_scores.py compare kvfill
+with.  Nothing here uses kvfill's code.
 
 * ``write_indexer``: ``_fp8_quant_and_cache_write``
   (``vllm/models/deepseek_v32/common/kernels.py``): per token the key's
@@ -32,17 +33,18 @@ def pages(cache: torch.Tensor) -> torch.Tensor:
     return cache.as_strided((blocks, tokens * width), (cache.stride(0), 1), cache.storage_offset())
 
 
-def write_indexer(cache: torch.Tensor, k: torch.Tensor, kernel_slots: list[int]) -> None:
+def write_indexer(cache: torch.Tensor, k: torch.Tensor, kernel_slots) -> None:
     """Token i's key ``k[i]`` into kernel slot ``kernel_slots[i]`` (kernel
     block ``slot // P``, offset ``slot % P``), as vLLM's writer lays it out."""
     tokens, width = cache.shape[-2], cache.shape[-1]
     dim = width - 4
     page = pages(cache)
     q, scale = quant_indexer(k)
-    for i, slot in enumerate(kernel_slots):
-        b, o = divmod(slot, tokens)
-        page[b, o * dim:(o + 1) * dim] = q[i].view(torch.uint8)
-        page[b, tokens * dim + 4 * o:tokens * dim + 4 * o + 4] = scale[i:i + 1].view(torch.uint8)
+    slots = torch.as_tensor(list(kernel_slots), dtype=torch.int64, device=cache.device)
+    block, offset = (slots // tokens)[:, None], (slots % tokens)[:, None]
+    arange = lambda n: torch.arange(n, device=cache.device)  # noqa: E731
+    page[block, offset * dim + arange(dim)] = q.view(torch.uint8)
+    page[block, tokens * dim + offset * 4 + arange(4)] = scale.contiguous().view(torch.uint8).view(-1, 4)
 
 
 def indexer_row(k: torch.Tensor) -> torch.Tensor:
