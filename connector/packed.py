@@ -109,6 +109,23 @@ def left_out_line(left: Mapping[str, int]) -> str:
             f"them sees no prompt there")
 
 
+def unrecordable_line(specs: Mapping[str, "KVCacheSpec"], encodings: Mapping[str, Any],
+                      left_out: Mapping[str, int]) -> str | None:
+    """Record role: one line naming the attention layers a recording cannot
+    hold (zero-filled formats, compressed layers), None if it can hold all."""
+    from vllm.v1.kv_cache_interface import AttentionSpec
+
+    bad = sorted(n for n, s in specs.items() if isinstance(s, AttentionSpec) and (
+        encodings.get(n) == V.ENC_PACKED or n in left_out or getattr(s, "tokens_per_state", 1) != 1))
+    if not bad:
+        return None
+    kinds = sorted({_describe(specs[n]) for n in bad})
+    return (f"KVFillConnector: cannot record {len(bad)} cache layer(s) of this engine ({', '.join(bad[:2])}"
+            f"{', ...' if len(bad) > 2 else ''}: {', '.join(kinds)}): kvfill reads and writes their bytes only in "
+            f"formats it knows (docs/engine.md's coverage table); record with a --kv-cache-dtype it covers "
+            f"(auto, fp8, fp8_ds_mla)")
+
+
 def _describe(spec: "KVCacheSpec") -> str:
     what = getattr(spec, "cache_dtype_str", None) or str(getattr(spec, "dtype", "?")).removeprefix("torch.")
     role = getattr(getattr(spec, "cache_role", None), "value", None)

@@ -33,7 +33,7 @@ from .metadata import KVFillBankHandshake, KVFillConnectorMetadata, KVFillRecord
 from .options import FillOptions
 from .packed import (
     check_packed_rows, compressed_in_mixed_groups, left_out_line, packed_encodings, packed_row_kind, packed_views,
-    zeroed_line,
+    unrecordable_line, zeroed_line,
 )
 from .planner import GroupKind, Planner
 from .ranks import current_dcp_rank, current_pp_rank, current_tp_rank
@@ -105,6 +105,10 @@ class KVFillWorker:
 
     # ------------------------------------------------------------ registration (registration.py)
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        if self.options.recording:
+            line = unrecordable_line(self.specs, self.encodings, self.left_out)
+            if line:
+                raise ValueError(line)
         if self.left_out:
             logger.warning(left_out_line(self.left_out))
         groups = cache_groups(kv_caches, self.planner.groups, self.kv_cache_config,

@@ -223,3 +223,22 @@ def test_a_compressed_indexer_in_the_latents_group_is_left_out_and_named_not_a_c
     for i in range(LAYERS):  # the compressed pages: untouched
         view, poison = h.views[indexer(i)], h.views_over(h.poison)[indexer(i)]
         assert torch.equal(view, poison)
+
+
+def test_a_recording_of_a_cache_kvfill_cannot_hold_is_one_line_before_a_prompt_runs(tmp_path):
+    """A compressed indexer (GLM-5-Next's kpool) in the record role: refused
+    at registration, naming the layers, their kind and the way out - not
+    'blocks freed before the read' after the prefill."""
+    import dataclasses
+
+    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
+
+    _, mla, idx = dsa_group("auto")
+    specs = {}
+    for i in range(LAYERS):
+        specs[attn(i)], specs[indexer(i)] = mla, dataclasses.replace(idx, tokens_per_state=4)
+    with pytest.raises(ValueError, match=r"KVFillConnector: cannot record 2 cache layer\(s\) of this engine "
+                                         r"\(model.layers.0.self_attn.indexer.k_cache, .*MLAAttentionSpec "
+                                         r"\(uint8, indexer, 4 tokens per state\).*--kv-cache-dtype it covers"):
+        make_harness(tmp_path, [(list(specs), UniformTypeKVCacheSpecs(block_size=BS, kv_cache_specs=specs))],
+                     block_size=BS, extra={"record_dir": str(tmp_path / "work")})
