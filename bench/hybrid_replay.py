@@ -77,7 +77,7 @@ def run_one(a, run: str) -> dict:
         kw["kv_transfer_config"] = kt
     params = SamplingParams(max_tokens=a.output_len, temperature=0.0, logprobs=1, ignore_eos=True, detokenize=False)
     prefix_caching = a.prefix_caching and run != "prefill_split"  # the split reference: as without it
-    common = dict(model=a.model, dtype="bfloat16", enforce_eager=True, max_model_len=a.max_model_len,
+    common = dict(model=a.model, dtype=a.dtype, enforce_eager=True, max_model_len=a.max_model_len,
                   enable_prefix_caching=prefix_caching, disable_log_stats=not prefix_caching, seed=0,
                   tensor_parallel_size=a.tp, **ssm_kwargs(a))
     if run == "prefill_split":  # per prompt: its first N - 1 tokens in one step, the last in the next
@@ -110,6 +110,8 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-lens", type=int, nargs="+", default=[150, 230, 310], metavar="N")
     p.add_argument("--output-len", type=int, default=10)
     p.add_argument("--ssm-dtype", default="auto", help="vLLM's --mamba-ssm-cache-dtype (auto: the model's)")
+    p.add_argument("--dtype", default="bfloat16", help="the model's dtype (vLLM CPU runs gated delta-net in bf16 "
+                                                       "only; short_conv runs float32 too)")
     p.add_argument("--runs", nargs="+", choices=RUNS, default=list(RUNS),
                    help="prefill (the reference) or, where vLLM's own prefill fails, prefill_split")
     p.add_argument("--prefix-caching", action="store_true",
@@ -140,7 +142,7 @@ def main(argv=None) -> int:
     lengths = [len(t) for t in prompt_ids(a.model, a.prompts_file)]
     flags = ["--mamba-ssm-cache-dtype", a.ssm_dtype] if a.ssm_dtype != "auto" else []
     rec = run_child([sys.executable, "-m", "kvfill.record", "--model", a.model, "--prompts", a.prompts_file,
-                     "--out", a.bank, "--dtype", "bfloat16", "--max-model-len", str(a.max_model_len),
+                     "--out", a.bank, "--dtype", a.dtype, "--max-model-len", str(a.max_model_len),
                      "--tensor-parallel-size", str(a.record_tp), "--enforce-eager", *flags], "recording", timeout=900,
                     env=child_env(a.record_tp))
     print(next(line for line in rec.stdout.splitlines() if line.startswith("wrote")), flush=True)
@@ -149,7 +151,7 @@ def main(argv=None) -> int:
         p.error("--runs needs a reference: prefill or prefill_split")
     cmd = [sys.executable, os.path.abspath(__file__), "--bank", a.bank, "--prompts-file", a.prompts_file, "--model",
            a.model, "--output-len", str(a.output_len), "--max-model-len", str(a.max_model_len),
-           "--ssm-dtype", a.ssm_dtype, "--shared-prefix", str(a.shared_prefix),
+           "--ssm-dtype", a.ssm_dtype, "--dtype", a.dtype, "--shared-prefix", str(a.shared_prefix),
            *(["--prefix-caching"] if a.prefix_caching else [])]
     print(f"running {', '.join(runs)} at TP {a.tp} ...", flush=True)
     results = child_result([*cmd, "--tp", str(a.tp), "--only", ",".join(runs)], "the runs", timeout=1800,
@@ -168,7 +170,7 @@ def main(argv=None) -> int:
           f"{ {r: results[r].get('prefix_cache_hit_tokens') for r in runs if r != 'prefill_split'} }"
           if a.prefix_caching else "")
     print(f"\n{len(lengths)} prompts of {lengths} tokens, {a.output_len} greedy tokens; {os.path.basename(a.model)} "
-          f"(bf16, recurrent state {a.ssm_dtype}), TP {a.tp}; bank recorded at TP {a.record_tp}{pc}")
+          f"({a.dtype}, recurrent state {a.ssm_dtype}), TP {a.tp}; bank recorded at TP {a.record_tp}{pc}")
     print(f"reference: {ref}" + (" (vLLM's own prefill not run)" if ref != "prefill" else ""))
     print(table(rows, ["run", "tokens_equal_to_prefill", "prompts_identical", "max_abs_logprob_diff"]))
     by = {r["run"]: r for r in rows}

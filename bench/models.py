@@ -56,7 +56,7 @@ def make_model(path: str, hybrid: bool = False, init_std: float | None = None) -
     return path
 
 
-HYBRID_KINDS = ("gdn", "mamba2")
+HYBRID_KINDS = ("gdn", "mamba2", "short_conv")
 
 
 def make_hybrid_model(path: str, kind: str = "gdn") -> str:
@@ -70,7 +70,11 @@ def make_hybrid_model(path: str, kind: str = "gdn") -> str:
     * ``mamba2``: a Granite-4-H (``GraniteMoeHybridForCausalLM``): layers 0, 1
       and 3 Mamba-2 (8 heads of 64, 2 groups, state 64, conv kernel 4), layer 2
       attention (8 heads, 2 KV heads of 32, RoPE), every MLP a mixture of 4
-      experts, top 2, with a shared MLP.
+      experts, top 2, with a shared MLP;
+    * ``short_conv``: an LFM2 (``Lfm2ForCausalLM``, vLLM's ``SHORT_CONV``
+      kind): layers 0, 1 and 3 gated short convolutions (conv_L_cache 3, as
+      the real LFM2: vLLM CPU's bf16 conv of width 4 fails on AVX-512 BF16),
+      layer 2 full attention (8 heads, 2 KV heads of 32).
 
     Heads divisible by 2, so each records and replays at tensor parallel
     size 2.  ``initializer_range`` 0.1: peaked next-token distributions, so
@@ -95,6 +99,20 @@ def make_hybrid_model(path: str, kind: str = "gdn") -> str:
             initializer_range=0.1, bos_token_id=1, eos_token_id=2, pad_token_id=0,
         )
         model = Qwen3NextForCausalLM(cfg)
+    elif kind == "short_conv":
+        from transformers import Lfm2Config, Lfm2ForCausalLM
+
+        types = ["conv", "conv", "full_attention", "conv"]
+        cfg = Lfm2Config(
+            vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+            num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=8192, conv_L_cache=3,
+            conv_bias=False, block_auto_adjust_ff_dim=False, layer_types=types,
+            full_attn_idxs=[i for i, t in enumerate(types) if t == "full_attention"],
+            # vLLM reads conv_dim and block_dim (real LFM2 configs carry them); transformers uses hidden_size
+            conv_dim=256, conv_dim_out=256, block_dim=256, block_ff_dim=512,
+            initializer_range=0.1, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        )
+        model = Lfm2ForCausalLM(cfg)
     else:
         from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
 
