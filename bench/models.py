@@ -74,7 +74,8 @@ def make_hybrid_model(path: str, kind: str = "gdn") -> str:
     * ``short_conv``: an LFM2 (``Lfm2ForCausalLM``, vLLM's ``SHORT_CONV``
       kind): layers 0, 1 and 3 gated short convolutions (conv_L_cache 3, as
       the real LFM2: vLLM CPU's bf16 conv of width 4 fails on AVX-512 BF16),
-      layer 2 full attention (8 heads, 2 KV heads of 32).
+      layer 2 full attention (8 heads, 2 KV heads of 32); ``initializer_range``
+      0.25 (0.1 leaves its next-token distributions near-uniform).
 
     Heads divisible by 2, so each records and replays at tensor parallel
     size 2.  ``initializer_range`` 0.1: peaked next-token distributions, so
@@ -110,7 +111,7 @@ def make_hybrid_model(path: str, kind: str = "gdn") -> str:
             full_attn_idxs=[i for i, t in enumerate(types) if t == "full_attention"],
             # vLLM reads conv_dim and block_dim (real LFM2 configs carry them); transformers uses hidden_size
             conv_dim=256, conv_dim_out=256, block_dim=256, block_ff_dim=512,
-            initializer_range=0.1, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+            initializer_range=0.25, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0,
         )
         model = Lfm2ForCausalLM(cfg)
     else:

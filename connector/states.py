@@ -100,7 +100,10 @@ def state_bytes_per_sequence(vllm_config) -> int:
     shapes = model_cls.get_mamba_state_shape_from_config(whole)
     dtypes = model_cls.get_mamba_state_dtype_from_config(whole)
     per_layer = sum(math.prod(s) * torch.empty((), dtype=d).element_size() for s, d in zip(shapes, dtypes))
-    layers = max(model_config.get_num_layers_by_block_type(parallel, kind) for kind in ("mamba", "linear_attention"))
+    # the state layers' block type as the model's config names it (Jamba, Granite: mamba; Qwen3-Next:
+    # linear_attention; LFM2's short convolutions: conv)
+    layers = max(model_config.get_num_layers_by_block_type(parallel, kind)
+                 for kind in ("mamba", "linear_attention", "conv"))
     return layers * per_layer
 
 
