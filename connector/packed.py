@@ -6,8 +6,9 @@ still leaves zeroed, named at start.
   role ``INDEXER``, uint8, 128 fp8 key bytes + a 4-byte scale per token, not
   compressed) and ``fp8_ds_mla`` latent rows (656 B) - registered as the
   per-token views of ``kernels/packed_rows.py`` (``packed_views``) with
-  synthetic values that decode to keys (``packed_encodings``), recorded and
-  replayed byte for byte.  ``zero_packed`` (an option) keeps zeros for them,
+  synthetic values that decode to keys (``packed_encoding``), recorded and
+  replayed byte for byte; ``nvfp4_ds_mla`` rows (352 B) recorded and
+  replayed byte for byte, zero in a synthetic fill (named at start).  ``zero_packed`` (an option) keeps zeros for them,
   as the in-tree DecodeBenchConnector writes.
 * ``zeroed_line``: one warning naming the attention layers a fill leaves
   zero (packed formats kvfill does not know: nvfp4, DeepSeek-V4's compressed
@@ -19,6 +20,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Mapping
 
+import torch
+
 from kvfill.bank import Bank, BankError, BankPart
 from kvfill.kernels import RowParts
 from kvfill.kernels import values as V
@@ -29,6 +32,7 @@ from kvfill.kernels.packed_rows import (
     ds_mla_values,
     indexer_parts,
     indexer_values,
+    token_rows,
 )
 
 if TYPE_CHECKING:
@@ -36,12 +40,13 @@ if TYPE_CHECKING:
 
 INDEXER = "indexer"
 FP8_DS_MLA = "fp8_ds_mla"
+NVFP4_DS_MLA = "nvfp4_ds_mla"
+NVFP4_DS_MLA_ROW = 352  # vLLM 0.32: 256 B of e2m1 values, 64 B of e4m3 RoPE values, 32 permuted e4m3 scales
 INDEXER_KEY_DIM = 128  # DeepSeek-V3.2 / GLM-5: index_head_dim, one fp8 scale per 128 keys
 
 
 def packed_row_kind(spec: "KVCacheSpec") -> str | None:
-    """``INDEXER``, ``FP8_DS_MLA`` or None (not a packed row kvfill knows)."""
-    import torch
+    """``INDEXER``, ``FP8_DS_MLA``, ``NVFP4_DS_MLA`` or None (not a packed row kvfill knows)."""
     from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
     if not isinstance(spec, MLAAttentionSpec) or getattr(spec, "tokens_per_state", 1) != 1:
@@ -53,6 +58,9 @@ def packed_row_kind(spec: "KVCacheSpec") -> str | None:
     if getattr(spec, "cache_dtype_str", None) == "fp8_ds_mla" and spec.dtype == torch.uint8 \
             and getattr(spec, "state_content_bytes", None) == DS_MLA_ROW:
         return FP8_DS_MLA
+    if getattr(spec, "cache_dtype_str", None) == "nvfp4_ds_mla" and spec.dtype == torch.uint8 \
+            and getattr(spec, "state_content_bytes", None) == NVFP4_DS_MLA_ROW:
+        return NVFP4_DS_MLA
     return None
 
 
@@ -64,12 +72,22 @@ def _rocm() -> bool:
 
 def packed_views(kind: str, cache: Any) -> RowParts:
     """A packed layer's cache as the per-token views the engine fills."""
-    return indexer_parts(cache) if kind == INDEXER else ds_mla_parts(cache)
+    if kind == INDEXER:
+        return indexer_parts(cache)
+    return ds_mla_parts(cache) if kind == FP8_DS_MLA else token_rows(cache, NVFP4_DS_MLA_ROW, "nvfp4_ds_mla cache")
 
 
-def packed_encodings(kind: str, values: V.ValueSpec) -> tuple[V.PartValues, ...]:
-    """How each view of a packed layer encodes a synthetic fill of ``values``."""
-    return indexer_values(values) if kind == INDEXER else ds_mla_values(values)
+def packed_encoding(kind: str, values: V.ValueSpec, *, zero: bool, moves_bytes: bool) -> Any:
+    """How each view of a packed layer encodes what is written: zeros when
+    asked (``zero``, or a synthetic fill of ``nvfp4_ds_mla``, whose values
+    kvfill does not make: named at start); else the parts' encodings of a
+    synthetic fill of ``values`` - for ``nvfp4_ds_mla``, recorded or replayed
+    (``moves_bytes``), a part whose bytes are moved as they are."""
+    if zero or (kind == NVFP4_DS_MLA and not moves_bytes):
+        return V.ENC_PACKED
+    if kind == INDEXER:
+        return indexer_values(values)
+    return ds_mla_values(values) if kind == FP8_DS_MLA else (V.PartValues(torch.float8_e4m3fn),)
 
 
 def zeroed_line(specs: Mapping[str, "KVCacheSpec"], encodings: Mapping[str, Any]) -> str | None:

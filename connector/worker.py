@@ -32,7 +32,7 @@ from .bank_loading import load_rank_bank, replay_states
 from .metadata import KVFillBankHandshake, KVFillConnectorMetadata, KVFillRecordHandshake, KVFillStats, rank_where
 from .options import FillOptions
 from .packed import (
-    check_packed_rows, compressed_in_mixed_groups, left_out_line, packed_encodings, packed_row_kind, packed_views,
+    check_packed_rows, compressed_in_mixed_groups, left_out_line, packed_encoding, packed_row_kind, packed_views,
     unrecordable_line, zeroed_line,
 )
 from .planner import GroupKind, Planner
@@ -78,7 +78,8 @@ class KVFillWorker:
         # (zero_packed: their tokens' bytes get zeros, as the in-tree connector writes)
         self.packed = {name: kind for name, spec in specs.items() if (kind := packed_row_kind(spec)) is not None}
         for name, kind in self.packed.items():
-            self.encodings[name] = "packed" if options.zero_packed else packed_encodings(kind, options.values)
+            self.encodings[name] = packed_encoding(kind, options.values, zero=options.zero_packed,
+                                                   moves_bytes=options.replay or options.recording)
             self.kv_geometry[name] = None  # a packed row keeps its own order
         # Raw backing buffers laid out by the layer itself (HiSparse): no block dim to address.
         self.unaddressable = {name for name, spec in specs.items() if not getattr(spec, "has_layer_views", True)}
@@ -115,7 +116,8 @@ class KVFillWorker:
                               unaddressable=self.unaddressable | set(self.left_out),
                               encodings=self.encodings, kv_geometry=self.kv_geometry, mode=self._group_mode,
                               parts=self._views)
-        line = zeroed_line({n: s for n, s in self.specs.items() if n not in self.packed}, self.encodings)
+        asked = self.packed if self.options.zero_packed else {}  # zeros the user asked for are not named
+        line = zeroed_line({n: s for n, s in self.specs.items() if n not in asked}, self.encodings)
         if line:
             logger.warning(line)
         state_caches = {n: kv_caches[n] for n in sorted(self.state_layers)

@@ -14,6 +14,9 @@ caches of DeepSeek's sparse attention as vLLM's writers lay them out, seen as
 * **fp8_ds_mla** latent rows (656 B, token-major): 512 fp8 e4m3 values (4
   tiles of 128), 4 float32 scales (one per tile), 64 bf16 RoPE values.
   ``ds_mla_parts`` returns the three views.
+* **nvfp4_ds_mla** rows (352 B, token-major; fp4 values with permuted fp8
+  scales): ``token_rows``, one view whose bytes a recording and a replay
+  move; no synthetic values are made for them.
 
 Both readers decode ``fp8 value * scale``, with the scale a power of two
 (vLLM's writers: ``2^ceil(log2(max(amax, 1e-4) / 448))``).  A synthetic fill
@@ -89,6 +92,16 @@ def ds_mla_parts(cache: torch.Tensor) -> RowParts:
     return RowParts((_view(cache, blocks, tokens, nope, stride, width, 0),
                      _view(cache, blocks, tokens, scales, stride, width, nope),
                      _view(cache, blocks, tokens, DS_MLA_ROPE * 2, stride, width, nope + scales)))
+
+
+def token_rows(cache: torch.Tensor, width: int, what: str) -> RowParts:
+    """A token-major uint8 cache of ``width``-byte rows as one view
+    ``[blocks, P, width]``: rows whose bytes are moved, not made (recorded
+    and replayed; ``nvfp4_ds_mla``)."""
+    blocks, tokens, got, stride = _pages(cache, what)
+    if got != width:
+        raise ValueError(f"{what}: expected {width} bytes per token, got {got}")
+    return RowParts((_view(cache, blocks, tokens, width, stride, width, 0),))
 
 
 def power_of_two_scale(mean: float, std: float) -> float:

@@ -35,10 +35,11 @@ def dsa_group(mla_dtype: str):
     from vllm.v1.kv_cache_interface import (
         MLAAttentionSpec, SparseCacheRole, UniformTypeKVCacheSpecs, get_kv_quant_mode)
 
-    if mla_dtype == "fp8_ds_mla":
+    if mla_dtype.endswith("_ds_mla"):
         mla = MLAAttentionSpec(block_size=BS, num_kv_heads=1, max_tp_shards=1, head_size=576, dtype=torch.uint8,
-                               cache_dtype_str="fp8_ds_mla", kv_quant_mode=get_kv_quant_mode("fp8_ds_mla"),
-                               state_content_bytes=656, is_index_group_leader=True)
+                               cache_dtype_str=mla_dtype, kv_quant_mode=get_kv_quant_mode(mla_dtype),
+                               state_content_bytes={"fp8_ds_mla": 656, "nvfp4_ds_mla": 352}[mla_dtype],
+                               is_index_group_leader=True)
     else:
         mla = MLAAttentionSpec(block_size=BS, num_kv_heads=1, max_tp_shards=1, head_size=576, dtype=torch.bfloat16,
                                cache_dtype_str="auto", is_index_group_leader=True)
@@ -58,7 +59,9 @@ def prefill_pages(h, blocks, seed=0):
     for i in range(LAYERS):
         write_indexer(h.views[indexer(i)], torch.randn(len(PROMPT), 128, generator=g, device="cpu") * 3, slots)
         cache = h.views[attn(i)].reshape(h.views[attn(i)].shape[0], BS, -1)
-        if cache.dtype == torch.uint8:
+        if cache.dtype == torch.uint8 and cache.shape[-1] == 352:  # nvfp4_ds_mla: any bytes (moved, not read)
+            rows = torch.randint(0, 256, (len(PROMPT), 352), generator=g, dtype=torch.uint8, device="cpu")
+        elif cache.dtype == torch.uint8:
             rows = pack_ds_mla(torch.randn(len(PROMPT), 512, generator=g, device="cpu"),
                                torch.randn(len(PROMPT), 64, generator=g, device="cpu"))
         else:
@@ -106,7 +109,7 @@ def record(tmp_path, mla_dtype):
     return h, blocks, Bank.load(tmp_path / "bank.safetensors")
 
 
-@pytest.mark.parametrize("mla_dtype", ["auto", "fp8_ds_mla"])
+@pytest.mark.parametrize("mla_dtype", ["auto", "fp8_ds_mla", "nvfp4_ds_mla"])
 def test_a_dsa_group_is_recorded_whole_and_replayed_byte_for_byte_into_a_requests_own_blocks(tmp_path, mla_dtype):
     rec, rec_blocks, bank = record(tmp_path, mla_dtype)
     assert sorted(bank.layers) == sorted([attn(i) for i in range(LAYERS)] + [indexer(i) for i in range(LAYERS)])
@@ -242,3 +245,27 @@ def test_a_recording_of_a_cache_kvfill_cannot_hold_is_one_line_before_a_prompt_r
                                          r"\(uint8, indexer, 4 tokens per state\).*--kv-cache-dtype it covers"):
         make_harness(tmp_path, [(list(specs), UniformTypeKVCacheSpecs(block_size=BS, kv_cache_specs=specs))],
                      block_size=BS, extra={"record_dir": str(tmp_path / "work")})
+
+
+def test_a_synthetic_fill_names_the_nvfp4_latents_it_leaves_zero(tmp_path):
+    """nvfp4_ds_mla rows are moved as bytes (recorded, replayed: above); a
+    synthetic fill makes no fp4 rows: their tokens' bytes get zeros, named
+    in one warning at start, while the indexer gets keys."""
+    import logging
+
+    groups, _, _ = dsa_group("nvfp4_ds_mla")
+    said = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("vllm.kvfill.connector").addHandler(handler)
+    try:
+        h = make_harness(tmp_path, groups, block_size=BS, cache_dtype="nvfp4_ds_mla", extra={"fill_std": 0.1})
+    finally:
+        logging.getLogger("vllm.kvfill.connector").removeHandler(handler)
+    assert any("2 attention cache layer(s) are left zero - MLAAttentionSpec (nvfp4_ds_mla)" in line
+               and attn(0) in line for line in said), said
+    h.add("a", PROMPT + [5])
+    h.step()
+    blocks = h.block_table("a")[0]
+    assert torch.all(token_bytes(h, h.raw, attn(0), blocks, len(PROMPT)) == 0)
+    assert not torch.all(token_bytes(h, h.raw, indexer(0), blocks, len(PROMPT)) == 0)
