@@ -102,7 +102,7 @@ def main(argv=None):
     replay_failed = failed_checks("CUDA graph capture of a replay fill", check_replay_capture)
     replay_graph_ok = None if replay_failed is None else not replay_failed
     log(f"CUDA graph capture of a replay fill: {'n/a' if replay_graph_ok is None else replay_graph_ok}")
-    packed_failed = failed_checks("packed rows (DeepSeek indexer, fp8_ds_mla)", check_packed_rows)
+    packed_failed = failed_checks("packed rows (DeepSeek indexer, fp8_ds_mla, nvfp4_ds_mla)", check_packed_rows)
     packed_ok = None if packed_failed is None else not packed_failed
     log(f"packed rows byte-exact: {'n/a' if packed_ok is None else packed_ok}")
     guard_ok = None

@@ -1,5 +1,5 @@
 """The GPU check's packed-row section (bench/gpu_check.py): DeepSeek's
-indexer K pages and ``fp8_ds_mla`` rows (``kvfill/kernels/packed_rows.py``)
+indexer K pages, ``fp8_ds_mla`` and ``nvfp4_ds_mla`` rows (``kvfill/kernels/packed_rows.py``)
 filled by the Triton kernels on the device - synthetic keys with their
 power-of-two scales, and replayed bytes - compared byte for byte with the
 torch backend's fill of a host copy of the same poisoned buffer: a partial
@@ -12,7 +12,16 @@ import torch
 
 from kvfill.kernels import Bank, CacheGroup, FillEngine, GroupFill
 from kvfill.kernels import values as V
-from kvfill.kernels.packed_rows import DS_MLA_ROW, ds_mla_parts, ds_mla_values, indexer_parts, indexer_values
+from kvfill.kernels.packed_rows import (
+    DS_MLA_ROW, NVFP4_DS_MLA_ROW, ds_mla_parts, ds_mla_values, indexer_parts, indexer_values, nvfp4_ds_mla_parts,
+    nvfp4_ds_mla_values,
+)
+
+KINDS = {  # kind -> (bytes per token, its views, its synthetic encodings)
+    "indexer": (132, indexer_parts, indexer_values),
+    "fp8_ds_mla": (DS_MLA_ROW, ds_mla_parts, ds_mla_values),
+    "nvfp4_ds_mla": (NVFP4_DS_MLA_ROW, nvfp4_ds_mla_parts, nvfp4_ds_mla_values),
+}
 
 P, BLOCK, NUM_BLOCKS, PAD, N = 64, 128, 4, 40, 150
 # (block, slot_start, slot_end, local_base): positions [0, 128) and [138, 150) - a gap, a partial block
@@ -28,16 +37,16 @@ def _cache(width: int, device) -> torch.Tensor:
 
 def _fill(kind: str, mode: str, device, backend: str) -> torch.Tensor:
     """The whole buffer after one fill of ENTRIES on ``device`` by ``backend``."""
-    width = 132 if kind == "indexer" else DS_MLA_ROW
+    width, views, encodings = KINDS[kind]
     cache = _cache(width, device)
-    parts = indexer_parts(cache) if kind == "indexer" else ds_mla_parts(cache)
+    parts = views(cache)
     spec = V.ValueSpec(mean=0.0, std=0.1, seed=3)
     bank = None
     if mode == "replay":
         g = torch.Generator(device="cpu").manual_seed(5)
         bank = Bank({"l": torch.randint(0, 256, (N, width), dtype=torch.uint8, generator=g, device="cpu")},
                     sequence_lengths=[N])
-    enc = (indexer_values if kind == "indexer" else ds_mla_values)(spec)
+    enc = encodings(spec)
     eng = FillEngine({"g": CacheGroup({"l": parts}, num_blocks=NUM_BLOCKS, encoding={"l": enc})}, values=spec,
                      bank=bank, backend=backend)
     eng.fill({"g": ENTRIES})
@@ -49,7 +58,7 @@ def _fill(kind: str, mode: str, device, backend: str) -> torch.Tensor:
 def check_packed_rows(device, log) -> list[str]:
     """One line per (kind, mode) whose device bytes differ from the torch backend's (empty: byte-exact)."""
     failed = []
-    for kind in ("indexer", "fp8_ds_mla"):
+    for kind in KINDS:
         for mode in ("normal", "replay"):
             got = _fill(kind, mode, torch.device(device), "triton")
             want = _fill(kind, mode, torch.device("cpu"), "torch")

@@ -7,8 +7,7 @@ still leaves zeroed, named at start.
   compressed) and ``fp8_ds_mla`` latent rows (656 B) - registered as the
   per-token views of ``kernels/packed_rows.py`` (``packed_views``) with
   synthetic values that decode to keys (``packed_encoding``), recorded and
-  replayed byte for byte; ``nvfp4_ds_mla`` rows (352 B) recorded and
-  replayed byte for byte, zero in a synthetic fill (named at start).  ``zero_packed`` (an option) keeps zeros for them,
+  replayed byte for byte; ``nvfp4_ds_mla`` rows (352 B) likewise.  ``zero_packed`` (an option) keeps zeros for them,
   as the in-tree DecodeBenchConnector writes.
 * ``zeroed_line``: one warning naming the attention layers a fill leaves
   zero (packed formats kvfill does not know: nvfp4, DeepSeek-V4's compressed
@@ -27,12 +26,14 @@ from kvfill.kernels import RowParts
 from kvfill.kernels import values as V
 from kvfill.kernels.packed_rows import (
     DS_MLA_ROW,
+    NVFP4_DS_MLA_ROW,
     SCALE_BYTES,
     ds_mla_parts,
     ds_mla_values,
     indexer_parts,
     indexer_values,
-    token_rows,
+    nvfp4_ds_mla_parts,
+    nvfp4_ds_mla_values,
 )
 
 if TYPE_CHECKING:
@@ -41,7 +42,6 @@ if TYPE_CHECKING:
 INDEXER = "indexer"
 FP8_DS_MLA = "fp8_ds_mla"
 NVFP4_DS_MLA = "nvfp4_ds_mla"
-NVFP4_DS_MLA_ROW = 352  # vLLM 0.32: 256 B of e2m1 values, 64 B of e4m3 RoPE values, 32 permuted e4m3 scales
 INDEXER_KEY_DIM = 128  # DeepSeek-V3.2 / GLM-5: index_head_dim, one fp8 scale per 128 keys
 
 
@@ -74,20 +74,18 @@ def packed_views(kind: str, cache: Any) -> RowParts:
     """A packed layer's cache as the per-token views the engine fills."""
     if kind == INDEXER:
         return indexer_parts(cache)
-    return ds_mla_parts(cache) if kind == FP8_DS_MLA else token_rows(cache, NVFP4_DS_MLA_ROW, "nvfp4_ds_mla cache")
+    return ds_mla_parts(cache) if kind == FP8_DS_MLA else nvfp4_ds_mla_parts(cache)
 
 
-def packed_encoding(kind: str, values: V.ValueSpec, *, zero: bool, moves_bytes: bool) -> Any:
+def packed_encoding(kind: str, values: V.ValueSpec, *, zero: bool) -> Any:
     """How each view of a packed layer encodes what is written: zeros when
-    asked (``zero``, or a synthetic fill of ``nvfp4_ds_mla``, whose values
-    kvfill does not make: named at start); else the parts' encodings of a
-    synthetic fill of ``values`` - for ``nvfp4_ds_mla``, recorded or replayed
-    (``moves_bytes``), a part whose bytes are moved as they are."""
-    if zero or (kind == NVFP4_DS_MLA and not moves_bytes):
+    asked (``zero``), else the parts' encodings of a synthetic fill of
+    ``values`` (a replay moves the recorded bytes whatever they encode)."""
+    if zero:
         return V.ENC_PACKED
     if kind == INDEXER:
         return indexer_values(values)
-    return ds_mla_values(values) if kind == FP8_DS_MLA else (V.PartValues(torch.float8_e4m3fn),)
+    return ds_mla_values(values) if kind == FP8_DS_MLA else nvfp4_ds_mla_values(values)
 
 
 def zeroed_line(specs: Mapping[str, "KVCacheSpec"], encodings: Mapping[str, Any]) -> str | None:

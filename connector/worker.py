@@ -78,8 +78,7 @@ class KVFillWorker:
         # (zero_packed: their tokens' bytes get zeros, as the in-tree connector writes)
         self.packed = {name: kind for name, spec in specs.items() if (kind := packed_row_kind(spec)) is not None}
         for name, kind in self.packed.items():
-            self.encodings[name] = packed_encoding(kind, options.values, zero=options.zero_packed,
-                                                   moves_bytes=options.replay or options.recording)
+            self.encodings[name] = packed_encoding(kind, options.values, zero=options.zero_packed)
             self.kv_geometry[name] = None  # a packed row keeps its own order
         # Raw backing buffers laid out by the layer itself (HiSparse): no block dim to address.
         self.unaddressable = {name for name, spec in specs.items() if not getattr(spec, "has_layer_views", True)}

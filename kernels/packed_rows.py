@@ -14,9 +14,12 @@ caches of DeepSeek's sparse attention as vLLM's writers lay them out, seen as
 * **fp8_ds_mla** latent rows (656 B, token-major): 512 fp8 e4m3 values (4
   tiles of 128), 4 float32 scales (one per tile), 64 bf16 RoPE values.
   ``ds_mla_parts`` returns the three views.
-* **nvfp4_ds_mla** rows (352 B, token-major; fp4 values with permuted fp8
-  scales): ``token_rows``, one view whose bytes a recording and a replay
-  move; no synthetic values are made for them.
+* **nvfp4_ds_mla** rows (352 B, token-major): 512 e2m1 values two a byte
+  (the even one in the low nibble), 64 e4m3 RoPE values, 32 e4m3 scales (one
+  per 16 values, stored permuted - all equal in a synthetic fill, so the
+  permutation does not matter).  ``nvfp4_ds_mla_parts`` returns the three
+  views; ``nvfp4_ds_mla_values`` fp4 values ``v / s`` with ``s`` vLLM's
+  rule for such values (``e4m3(max(amax / 6, 2^-9))``).
 
 Both readers decode ``fp8 value * scale``, with the scale a power of two
 (vLLM's writers: ``2^ceil(log2(max(amax, 1e-4) / 448))``).  A synthetic fill
@@ -40,6 +43,7 @@ SCALE_BYTES = 4  # a float32 scale
 DS_MLA_TILES, DS_MLA_TILE = 4, 128
 DS_MLA_ROPE = 64  # bf16 values
 DS_MLA_ROW = DS_MLA_TILES * DS_MLA_TILE + DS_MLA_TILES * SCALE_BYTES + DS_MLA_ROPE * 2  # 656 B
+NVFP4_DS_MLA_ROW = 512 // 2 + DS_MLA_ROPE + 512 // 16  # 352 B
 
 
 def _pages(cache: torch.Tensor, what: str) -> tuple[int, int, int, int]:
@@ -94,14 +98,17 @@ def ds_mla_parts(cache: torch.Tensor) -> RowParts:
                      _view(cache, blocks, tokens, DS_MLA_ROPE * 2, stride, width, nope + scales)))
 
 
-def token_rows(cache: torch.Tensor, width: int, what: str) -> RowParts:
-    """A token-major uint8 cache of ``width``-byte rows as one view
-    ``[blocks, P, width]``: rows whose bytes are moved, not made (recorded
-    and replayed; ``nvfp4_ds_mla``)."""
-    blocks, tokens, got, stride = _pages(cache, what)
-    if got != width:
-        raise ValueError(f"{what}: expected {width} bytes per token, got {got}")
-    return RowParts((_view(cache, blocks, tokens, width, stride, width, 0),))
+def nvfp4_ds_mla_parts(cache: torch.Tensor) -> RowParts:
+    """An ``nvfp4_ds_mla`` cache's token rows: ``RowParts`` of its fp4 values'
+    bytes ``[blocks, P, 256]``, its RoPE part ``[blocks, P, 64]`` and its
+    scales ``[blocks, P, 32]``, sharing ``cache``'s memory."""
+    blocks, tokens, width, stride = _pages(cache, "nvfp4_ds_mla cache")
+    if width != NVFP4_DS_MLA_ROW:
+        raise ValueError(f"nvfp4_ds_mla cache: expected {NVFP4_DS_MLA_ROW} bytes per token (512 e2m1 values, 64 e4m3 "
+                         f"RoPE values, 32 e4m3 scales), got {width}")
+    return RowParts((_view(cache, blocks, tokens, 256, stride, width, 0),
+                     _view(cache, blocks, tokens, DS_MLA_ROPE, stride, width, 256),
+                     _view(cache, blocks, tokens, 32, stride, width, 256 + DS_MLA_ROPE)))
 
 
 def power_of_two_scale(mean: float, std: float) -> float:
@@ -125,3 +132,14 @@ def ds_mla_values(spec: V.ValueSpec) -> tuple[V.PartValues, V.PartValues, V.Part
     s = power_of_two_scale(spec.mean, spec.std)
     return (V.PartValues(torch.float8_e4m3fn, scale=s), V.PartValues(torch.float32, constant=s),
             V.PartValues(torch.bfloat16))
+
+
+def nvfp4_ds_mla_values(spec: V.ValueSpec) -> tuple[V.PartValues, V.PartValues, V.PartValues]:
+    """The parts' encodings of a synthetic ``nvfp4_ds_mla`` row
+    (``nvfp4_ds_mla_parts``): e2m1 values ``v / s``, e4m3 RoPE values, and
+    the e4m3 scale ``s`` of vLLM's writer for values of the fill's spread
+    (``max(amax / 6, 2^-9)`` rounded to e4m3, amax = ``|mean| + 4 std``)."""
+    amax = abs(spec.mean) + 4.0 * spec.std
+    s = float(torch.tensor(max(amax / 6.0, 2.0 ** -9), dtype=torch.float32, device="cpu").to(torch.float8_e4m3fn))
+    return (V.PartValues(torch.float4_e2m1fn_x2, scale=s), V.PartValues(torch.float8_e4m3fn),
+            V.PartValues(torch.float8_e4m3fn, constant=s))

@@ -217,7 +217,7 @@ class Registry:
                     raise type(exc)(f"{where}: {exc}") from None
                 mode = V.ZERO if vdtype is None else (g.mode or self.default_mode)
                 if part is not None and mode in (V.CONSTANT, V.NORMAL):
-                    mode = V.NORMAL  # its table is read as the normal mode's (values.part_host_table)
+                    mode = V.NORMAL  # its table is read as the normal mode's (part_values.part_host_table)
                 out.append(LayerTensor(gname, lname, sub if is_list else None, t, layout, vdtype, mode,
                                        V.layer_key(self.values.seed, lid), elem_offset,
                                        elem_dims=_logical_elem_dims(t, g.block_dim, None if state else g.slot_dim),

@@ -118,6 +118,9 @@ class ValueSpec:
         return NORMAL if self.std > 0.0 else CONSTANT
 
 
+PART_DTYPES = FLOAT_DTYPES + (torch.float4_e2m1fn_x2,)  # float4: e2m1 pairs (part_values.py)
+
+
 @dataclass(frozen=True)
 class PartValues:
     """How one part of a packed token row encodes values - the rows vLLM's
@@ -138,8 +141,8 @@ class PartValues:
     constant: float | None = None
 
     def __post_init__(self):
-        if self.vdtype not in FLOAT_DTYPES:
-            raise ValueError(f"PartValues.vdtype must be one of {[str(d) for d in FLOAT_DTYPES]}, got {self.vdtype}")
+        if self.vdtype not in PART_DTYPES:
+            raise ValueError(f"PartValues.vdtype must be one of {[str(d) for d in PART_DTYPES]}, got {self.vdtype}")
         for name in ("scale", "constant"):
             v = getattr(self, name)
             if v is not None and (not math.isfinite(v) or (name == "scale" and v <= 0)):
@@ -155,30 +158,6 @@ class PartValues:
         if dtype == torch.uint8:
             return width
         raise ValueError(f"a part of {self.vdtype} values needs a {self.vdtype} or uint8 tensor, got {dtype}")
-
-
-def part_host_table(mode: str, mean: float, std: float, part: PartValues, itemsize: int) -> torch.Tensor:
-    """The storage bits a part of a packed row draws from, read as the normal
-    mode's table (``table[start(t) + e]``) whatever the fill's mode: a
-    ``POOL_SIZE``-entry table of the part's values (``part.constant``, else
-    the fill's ``mean + std * z``, divided by ``part.scale``) as storage
-    elements; a value wider than the storage takes ``storage_ratio``
-    consecutive entries, and since every row start is a multiple of
-    ``ROW_ALIGN`` element ``e`` of a row reads byte ``e % ratio`` of a
-    value.  ``mode``: the fill's (zero: one zero entry)."""
-    if mode == ZERO:
-        return torch.zeros(1, dtype=BITS_DTYPE[itemsize], device="cpu")
-    width = torch.empty((), dtype=part.vdtype, device="cpu").element_size()
-    ratio = width // itemsize
-    if ratio < 1 or width % itemsize or ROW_ALIGN % ratio:
-        raise ValueError(f"a part of {part.vdtype} values cannot be stored in {itemsize}-byte elements")
-    n = POOL_SIZE // ratio
-    if part.constant is not None or std == 0.0:
-        values = np.full(n, part.constant if part.constant is not None else mean)
-    else:
-        values = mean + std * standard_normal_pool()[:n]
-    bits = encode(values / part.scale, part.vdtype)
-    return bits.view(BITS_DTYPE[itemsize])
 
 
 def value_dtype(dtype: torch.dtype, encoding: str = ENC_AUTO) -> torch.dtype | None:
@@ -302,7 +281,7 @@ def value_table(
     part: PartValues | None = None,
 ) -> torch.Tensor:
     """Storage bits a fill draws from (``part``: a part of a packed row, whose
-    table is read as the normal mode's whatever the mode: ``part_host_table``).
+    table is read as the normal mode's whatever the mode: ``part_values.part_host_table``).
 
     normal: the pool followed by its first ``max_row - 1`` entries again, so a
     row of up to ``max_row`` elements reads ``table[start : start + row]``
@@ -318,6 +297,8 @@ def value_table(
     table = _DEVICE_TABLES.get(key)
     if table is None:
         if part is not None:
+            from .part_values import part_host_table
+
             table = part_host_table(mode, float(mean), float(std), part, itemsize)
         else:
             table = host_table(mode, float(mean), float(std), vdtype, itemsize)

@@ -247,3 +247,15 @@ def test_packed_row_views_refuse_a_cache_of_another_shape():
         indexer_parts(torch.zeros(2, 1, P, 132, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match=r"indexer cache: expected pages of 64 x 132 contiguous bytes"):
         indexer_parts(torch.zeros(2, 132, P, dtype=torch.uint8).transpose(1, 2))
+
+
+def test_e2m1_pairs_round_to_the_nearest_fp4_value_ties_to_even_codes_the_even_value_low():
+    """The nvfp4 encoding a synthetic nvfp4_ds_mla row is made of (part_values.encode_e2m1_pairs)."""
+    import numpy as np
+
+    from kvfill.kernels.part_values import encode_e2m1_pairs
+
+    got = encode_e2m1_pairs(np.array([0.0, 0.5, -1.0, 6.0, 7.0, -0.25, 0.75, 2.5, 5.0, -0.1]))
+    # (0, 0.5) -> codes 0, 1; (-1, 6) -> 2|8, 7; (7 -> 6, -0.25 -> 0 tie to even); (0.75 -> 1.0, 2.5 -> 2.0): ties
+    # to the even code; (5.0 -> 4.0, -0.1 -> +0)
+    assert got.tolist() == [0 | 1 << 4, 10 | 7 << 4, 7 | 0 << 4, 2 | 4 << 4, 6 | 0 << 4]

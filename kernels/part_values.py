@@ -1,0 +1,57 @@
+"""The value tables of a packed row's parts (``values.PartValues``): what
+``values.value_table`` draws from for a part whose bytes encode values their
+own way - fp8 divided by a scale, a float's bytes in a uint8 tensor, e2m1
+(fp4) pairs - read as the normal mode's table.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from . import values as V
+
+# e2m1 (fp4) magnitudes, codes 0-7; code | 8 is the negative.  Two values per
+# byte in float4_e2m1fn_x2, the even element in the low nibble (NVIDIA's nvfp4).
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def encode_e2m1_pairs(values: np.ndarray) -> torch.Tensor:
+    """float64 values (an even count) -> uint8 bytes of e2m1 pairs: each value
+    rounded to the nearest e2m1 magnitude (ties to the even code), clamped
+    to 6, its sign kept; value 2i in the low nibble of byte i."""
+    v = np.asarray(values, dtype=np.float64)
+    mags = np.array(E2M1)
+    a = np.minimum(np.abs(v), mags[-1])
+    dist = np.abs(a[:, None] - mags[None, :])
+    best = dist.min(axis=1, keepdims=True)
+    ties = dist == best
+    codes = np.where(ties.sum(axis=1) > 1, np.argmax(ties & (np.arange(8) % 2 == 0), axis=1), np.argmin(dist, axis=1))
+    codes = codes | np.where((v < 0) & (codes > 0), 8, 0)
+    pairs = codes.reshape(-1, 2).astype(np.uint8)
+    return torch.from_numpy((pairs[:, 0] | (pairs[:, 1] << 4)).astype(np.uint8))
+
+
+def part_host_table(mode: str, mean: float, std: float, part: V.PartValues, itemsize: int) -> torch.Tensor:
+    """The storage bits a part of a packed row draws from, read as the normal
+    mode's table (``table[start(t) + e]``) whatever the fill's mode: a
+    ``V.POOL_SIZE``-entry table of the part's values (``part.constant``, else
+    the fill's ``mean + std * z``, divided by ``part.scale``) as storage
+    elements; a value wider than the storage takes ``storage_ratio``
+    consecutive entries, and since every row start is a multiple of
+    ``V.ROW_ALIGN`` element ``e`` of a row reads byte ``e % ratio`` of a
+    value.  ``mode``: the fill's (zero: one zero entry)."""
+    if mode == V.ZERO:
+        return torch.zeros(1, dtype=V.BITS_DTYPE[itemsize], device="cpu")
+    width = torch.empty((), dtype=part.vdtype, device="cpu").element_size()
+    ratio = width // itemsize
+    if ratio < 1 or width % itemsize or V.ROW_ALIGN % ratio:
+        raise ValueError(f"a part of {part.vdtype} values cannot be stored in {itemsize}-byte elements")
+    n = V.POOL_SIZE // ratio * (2 if part.vdtype == torch.float4_e2m1fn_x2 else 1)  # fp4: two values a byte
+    if part.constant is not None or std == 0.0:
+        values = np.full(n, part.constant if part.constant is not None else mean)
+    else:
+        values = mean + std * V.standard_normal_pool()[:n]
+    if part.vdtype == torch.float4_e2m1fn_x2:
+        return encode_e2m1_pairs(values / part.scale)
+    bits = V.encode(values / part.scale, part.vdtype)
+    return bits.view(V.BITS_DTYPE[itemsize])
