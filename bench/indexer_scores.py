@@ -42,8 +42,9 @@ def fill(kind: str, requests: int, length: int, rows: torch.Tensor) -> torch.Ten
     cache = torch.zeros(blocks, 1, P, D + 4, dtype=torch.uint8)
     table = torch.arange(blocks).view(requests, length // P)
     if kind == "writer":
-        g = torch.Generator().manual_seed(1)
-        write_indexer(cache, torch.randn(requests * length, D, generator=g), range(requests * length))
+        g = torch.Generator(device="cpu").manual_seed(1)
+        keys = torch.randn(requests * length, D, generator=g, device="cpu")
+        write_indexer(cache, keys, range(requests * length))
         return cache
     spec = V.ValueSpec(mean=0.0 if kind == "normal" else 0.015, std=0.1 if kind == "normal" else 0.0, seed=2)
     enc = "packed" if kind == "zeros" else {"l": indexer_values(spec)}
@@ -59,10 +60,10 @@ def fill(kind: str, requests: int, length: int, rows: torch.Tensor) -> torch.Ten
 def measure(cache, requests, length, repeat) -> dict:
     from vllm import _custom_ops as ops
 
-    g = torch.Generator().manual_seed(3)
-    q8, qs = quant_indexer(torch.randn(requests * HEADS, D, generator=g))
+    g = torch.Generator(device="cpu").manual_seed(3)
+    q8, qs = quant_indexer(torch.randn(requests * HEADS, D, generator=g, device="cpu"))
     q8 = q8.view(requests, HEADS, D)
-    w = torch.randn(requests, HEADS, generator=g) * qs.view(requests, HEADS) * D ** -0.5 * HEADS ** -0.5
+    w = torch.randn(requests, HEADS, generator=g, device="cpu") * qs.view(requests, HEADS) * D ** -0.5 * HEADS ** -0.5
     lens = torch.full((requests,), length, dtype=torch.int32)
     table = torch.arange(requests * length // P, dtype=torch.int32).view(requests, -1)
     kv = pages(cache)

@@ -80,6 +80,9 @@ class FillOptions:
             raise OptionError("record_positions", self.record_positions, "0 (unset) without record_dir")
         if self.record_engine is not None and (self.record_dir is None or not isinstance(self.record_engine, str)):
             raise OptionError("record_engine", self.record_engine, "a digest string, with record_dir")
+        if self.record_dir is not None and self.zero_packed:
+            raise OptionError("zero_packed", self.zero_packed, "false with record_dir (a recording reads every cache; "
+                                                               "zeros are a fill's choice)")
         if self.record_dir is not None:
             if not isinstance(self.record_dir, str) or not self.record_dir:
                 raise OptionError("record_dir", self.record_dir, "a directory path")

@@ -136,10 +136,13 @@ def unrecordable_line(specs: Mapping[str, "KVCacheSpec"], encodings: Mapping[str
     if not bad:
         return None
     kinds = sorted({_describe(specs[n]) for n in bad})
+    compressed = any(n in left_out or getattr(specs[n], "tokens_per_state", 1) != 1 for n in bad)
+    way = ("kvfill does not record caches that hold one state per several tokens (DeepSeek-V4, GLM-5-Next's "
+           "kpool): such a model cannot be recorded yet" if compressed else
+           "record with a --kv-cache-dtype it covers (auto, fp8, fp8_ds_mla, nvfp4_ds_mla)")
     return (f"KVFillConnector: cannot record {len(bad)} cache layer(s) of this engine ({', '.join(bad[:2])}"
             f"{', ...' if len(bad) > 2 else ''}: {', '.join(kinds)}): kvfill reads and writes their bytes only in "
-            f"formats it knows (docs/engine.md's coverage table); record with a --kv-cache-dtype it covers "
-            f"(auto, fp8, fp8_ds_mla)")
+            f"formats it knows (docs/engine.md's coverage table); {way}")
 
 
 def _describe(spec: "KVCacheSpec") -> str:

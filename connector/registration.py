@@ -109,19 +109,25 @@ class CpuAttentionViews:
 
 
 def layer_ids(kv_caches: dict[str, Any]) -> dict[str, int]:
-    """Layer index for the value function: the number in the layer name
-    (``model.layers.7.self_attn.attn`` -> 7), registration order otherwise."""
+    """Layer id for the value function, from the number in the layer name
+    (``model.layers.7.self_attn.attn`` -> 7), so every pipeline stage numbers
+    its layers as the model does; caches sharing a layer's number (a DSA
+    layer's latent and indexer) are ``number * m + j``, j their rank by name
+    among the m at most of one number; registration order where a name has
+    no number."""
     from vllm.model_executor.models.utils import extract_layer_index
 
-    out = {}
-    for i, name in enumerate(kv_caches):
+    index = {}
+    for name in kv_caches:
         try:
-            out[name] = extract_layer_index(name)
+            index[name] = extract_layer_index(name)
         except (AssertionError, ValueError):
-            out[name] = i
-    if len(set(out.values())) != len(out):  # names without unique indices
-        out = {name: i for i, name in enumerate(kv_caches)}
-    return out
+            return {name: i for i, name in enumerate(kv_caches)}
+    by_index: dict[int, list[str]] = {}
+    for name in sorted(index):
+        by_index.setdefault(index[name], []).append(name)
+    m = max((len(v) for v in by_index.values()), default=1)
+    return {name: i * m + j for i, names in by_index.items() for j, name in enumerate(names)}
 
 
 def cache_device(groups: dict[str, CacheGroup]) -> torch.device:

@@ -123,13 +123,18 @@ def indexer_values(spec: V.ValueSpec) -> tuple[V.PartValues, V.PartValues]:
     """The parts' encodings of a synthetic indexer row (``indexer_parts``):
     fp8 keys ``v / s`` and the scale ``s`` (``power_of_two_scale``)."""
     s = power_of_two_scale(spec.mean, spec.std)
-    return V.PartValues(torch.float8_e4m3fn, scale=s), V.PartValues(torch.float32, constant=s)
+    # keys a top-k scores: a larger table, so few positions share a key (values.PARTS_POOL_BITS)
+    return (V.PartValues(torch.float8_e4m3fn, scale=s, pool_bits=V.PARTS_POOL_BITS),
+            V.PartValues(torch.float32, constant=s))
 
 
 def ds_mla_values(spec: V.ValueSpec) -> tuple[V.PartValues, V.PartValues, V.PartValues]:
     """The parts' encodings of a synthetic ``fp8_ds_mla`` row (``ds_mla_parts``):
-    fp8 values ``v / s``, each tile's scale ``s``, and bf16 RoPE values."""
-    s = power_of_two_scale(spec.mean, spec.std)
+    fp8 values ``v / s``, each tile's scale ``s`` - vLLM's fused writer's rule,
+    ``2^ceil(log2(max(amax / 448, 1e-4)))`` (its floor on the scale, not on
+    amax as the indexer's) - and bf16 RoPE values."""
+    amax = abs(spec.mean) + 4.0 * spec.std
+    s = math.ldexp(1.0, math.ceil(math.log2(max(amax / FP8_MAX, 1e-4))))
     return (V.PartValues(torch.float8_e4m3fn, scale=s), V.PartValues(torch.float32, constant=s),
             V.PartValues(torch.bfloat16))
 

@@ -34,7 +34,7 @@ def encode_e2m1_pairs(values: np.ndarray) -> torch.Tensor:
 def part_host_table(mode: str, mean: float, std: float, part: V.PartValues, itemsize: int) -> torch.Tensor:
     """The storage bits a part of a packed row draws from, read as the normal
     mode's table (``table[start(t) + e]``) whatever the fill's mode: a
-    ``V.POOL_SIZE``-entry table of the part's values (``part.constant``, else
+    ``2**part.pool_bits``-entry table of the part's values (``part.constant``, else
     the fill's ``mean + std * z``, divided by ``part.scale``) as storage
     elements; a value wider than the storage takes ``storage_ratio``
     consecutive entries, and since every row start is a multiple of
@@ -46,11 +46,12 @@ def part_host_table(mode: str, mean: float, std: float, part: V.PartValues, item
     ratio = width // itemsize
     if ratio < 1 or width % itemsize or V.ROW_ALIGN % ratio:
         raise ValueError(f"a part of {part.vdtype} values cannot be stored in {itemsize}-byte elements")
-    n = V.POOL_SIZE // ratio * (2 if part.vdtype == torch.float4_e2m1fn_x2 else 1)  # fp4: two values a byte
+    fp4 = part.vdtype == torch.float4_e2m1fn_x2  # two values a byte
+    n = (1 << part.pool_bits) // ratio * (2 if fp4 else 1)
     if part.constant is not None or std == 0.0:
         values = np.full(n, part.constant if part.constant is not None else mean)
-    else:
-        values = mean + std * V.standard_normal_pool()[:n]
+    else:  # fp4: a pool twice the table's entries, one value each (no pair repeats)
+        values = mean + std * V.standard_normal_pool(part.pool_bits + (1 if fp4 else 0))[:n]
     if part.vdtype == torch.float4_e2m1fn_x2:
         return encode_e2m1_pairs(values / part.scale)
     bits = V.encode(values / part.scale, part.vdtype)

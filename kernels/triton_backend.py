@@ -107,7 +107,8 @@ class TritonBackend(FillBackend):
         c = cl.cls
         triton_fill.launch_fill(entries, self.layer_table[cl.layer_rows], cl.ref, cl.layer_align, cl.table, c.layout,
                                 c.mode, self.registry.groups[c.group].dcp, cl.bank_row, cl.bank_align,
-                                self.registry.bank_sequences if c.mode == V.REPLAY else None)
+                                self.registry.bank_sequences if c.mode == V.REPLAY else None,
+                                c.part.pool_bits if c.part is not None else V.POOL_BITS)
 
     def fill(self, plan: Mapping[str, GroupFill]) -> int:
         # One upload of the whole plan: int32 [n, 4] ([n, 5] with replay

@@ -163,7 +163,7 @@ def tile_shape(layout: Layout) -> tuple[int, int]:
 
 
 def kernel_constexprs(layout: Layout, mode: str, layer_align: int, entry_cols: int = 4, bank_row: int = 0,
-                      bank_align: int = 1) -> dict[str, int]:
+                      bank_align: int = 1, pool_bits: int = V.POOL_BITS) -> dict[str, int]:
     """The compile-time arguments of ``scatter_fill_kernel`` for one launch class."""
     sizes, strides = layout.padded_elem_dims()
     tile_slots, tile_elems = tile_shape(layout)
@@ -181,7 +181,7 @@ def kernel_constexprs(layout: Layout, mode: str, layer_align: int, entry_cols: i
         **{f"ELEM_SIZE{i}": d for i, d in enumerate(sizes)},
         **{f"ELEM_STRIDE{i}": st for i, st in enumerate(strides)},
         ROW_ELEMS=layout.row_size,
-        POOL_MASK=V.POOL_MASK,
+        POOL_MASK=(1 << pool_bits) - 1,
         ROW_ALIGN=V.ROW_ALIGN,
         TILE_SLOTS=tile_slots,
         TILE_ELEMS=tile_elems,
@@ -200,6 +200,7 @@ def launch_fill(
     bank_row: int = 0,
     bank_align: int = 1,
     sequences: torch.Tensor | None = None,
+    pool_bits: int = V.POOL_BITS,
 ) -> None:
     """One launch: every entry of ``entries`` x every layer row of ``layer_table``.
 
@@ -211,7 +212,8 @@ def launch_fill(
     replaying, the reference bank rows, same dtype as ``ref``;
     ``bank_row``: elements per bank row; ``bank_align``: a power of two
     dividing every bank offset and the row; ``sequences``: replaying, the
-    bank's int64 ``[S, 2]`` (first row, length) on the device.
+    bank's int64 ``[S, 2]`` (first row, length) on the device; ``pool_bits``:
+    the value table's size, ``2**pool_bits`` (a packed row part's may be larger).
     """
     n, num_layers = entries.shape[0], layer_table.shape[0]
     if n == 0 or num_layers == 0:
@@ -222,5 +224,5 @@ def launch_fill(
     scatter_fill_kernel[(n, num_layers)](
         entries, layer_table, ref, table,
         dcp.world_size, dcp.rank, dcp.interleave, layout.num_blocks, sequences, num_sequences,
-        **kernel_constexprs(layout, mode, layer_align, entries.shape[1], bank_row, bank_align),
+        **kernel_constexprs(layout, mode, layer_align, entries.shape[1], bank_row, bank_align, pool_bits),
     )

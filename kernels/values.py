@@ -119,6 +119,10 @@ class ValueSpec:
 
 
 PART_DTYPES = FLOAT_DTYPES + (torch.float4_e2m1fn_x2,)  # float4: e2m1 pairs (part_values.py)
+# A part whose rows must rarely repeat (an indexer's keys, which a top-k
+# scores): 2**22 table entries, 2**18 row starts - two of L positions share a
+# row with probability about L**2 / 2**19, not L**2 / 2**15.
+PARTS_POOL_BITS = 22
 
 
 @dataclass(frozen=True)
@@ -139,8 +143,11 @@ class PartValues:
     vdtype: torch.dtype
     scale: float = 1.0
     constant: float | None = None
+    pool_bits: int = POOL_BITS  # its table's entries: 2**pool_bits (more distinct rows: PARTS_POOL_BITS)
 
     def __post_init__(self):
+        if not POOL_BITS <= self.pool_bits <= PARTS_POOL_BITS:
+            raise ValueError(f"PartValues.pool_bits must be in [{POOL_BITS}, {PARTS_POOL_BITS}], got {self.pool_bits}")
         if self.vdtype not in PART_DTYPES:
             raise ValueError(f"PartValues.vdtype must be one of {[str(d) for d in PART_DTYPES]}, got {self.vdtype}")
         for name in ("scale", "constant"):
@@ -219,17 +226,19 @@ def layer_key(seed: int, layer: int) -> int:
     return lowbias32(k + ((layer * 0x9E3779B9) & MASK32))
 
 
-def row_offsets(key: int, positions: np.ndarray, elem_offset: int = 0) -> np.ndarray:
-    """Table index of element 0 of each token row: ``start(t)`` above."""
+def row_offsets(key: int, positions: np.ndarray, elem_offset: int = 0, pool_bits: int = POOL_BITS) -> np.ndarray:
+    """Table index of element 0 of each token row: ``start(t)`` above (in a
+    table of ``2**pool_bits`` entries: a packed row part's may be larger)."""
     t = np.asarray(positions, dtype=np.uint64)
     h = lowbias32_np(t + np.uint64(key))
-    return ((h + np.uint64(elem_offset)) & np.uint64(START_MASK)).astype(np.int64)
+    mask = ((1 << pool_bits) - 1) & ~(ROW_ALIGN - 1)
+    return ((h + np.uint64(elem_offset)) & np.uint64(mask)).astype(np.int64)
 
 
-@functools.lru_cache(maxsize=1)
-def standard_normal_pool() -> np.ndarray:
-    """POOL_SIZE float64 samples, mean exactly 0 and std exactly 1."""
-    n = POOL_SIZE // 2
+@functools.lru_cache(maxsize=2)
+def standard_normal_pool(bits: int = POOL_BITS) -> np.ndarray:
+    """``2**bits`` float64 samples (POOL_SIZE by default), mean exactly 0 and std exactly 1."""
+    n = (1 << bits) // 2
     idx = np.arange(2 * n, dtype=np.uint64)
     # splitmix64 over the counter: the same bits on every machine and numpy.
     z = idx * np.uint64(0x9E3779B97F4A7C15) + np.uint64(0x6A09E667F3BCC909)
@@ -303,8 +312,9 @@ def value_table(
         else:
             table = host_table(mode, float(mean), float(std), vdtype, itemsize)
         if (mode == NORMAL or part is not None) and max_row > 1:
-            reps = -(-(POOL_SIZE + max_row - 1) // POOL_SIZE)
-            table = table.repeat(reps)[: POOL_SIZE + max_row - 1]
+            pool = 1 << (part.pool_bits if part is not None else POOL_BITS)
+            reps = -(-(pool + max_row - 1) // pool)
+            table = table.repeat(reps)[: pool + max_row - 1]
         table = table.to(device)
         _DEVICE_TABLES[key] = table
     return table

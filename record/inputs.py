@@ -69,6 +69,8 @@ def estimate(model: str, sequences: int, positions: int, dtype: str = "auto", kv
         itemsize = _DTYPE_BYTES.get(name.removeprefix("torch."), 2)
     if kv_cache_dtype == "fp8_ds_mla":  # packed latent rows: fp8 values, a float32 scale per 128, bf16 RoPE part
         nbytes = text.kv_lora_rank + text.kv_lora_rank // 128 * 4 + text.qk_rope_head_dim * 2
+    elif kv_cache_dtype == "nvfp4_ds_mla":  # e2m1 values two a byte, e4m3 RoPE values, an e4m3 scale per 16
+        nbytes = text.kv_lora_rank // 2 + text.qk_rope_head_dim + text.kv_lora_rank // 16
     elif getattr(text, "kv_lora_rank", None):  # MLA
         nbytes = (text.kv_lora_rank + text.qk_rope_head_dim) * itemsize
     else:

@@ -9,12 +9,14 @@ a bank without the indexer's rows is refused naming the way out; a synthetic
 fill gives the indexer keys, not zeros."""
 import pytest
 import torch
-from kvfill.bench.dsa_writers import pack_ds_mla, write_indexer
-from vllm_harness import make_harness
+
+pytest.importorskip("vllm")  # the harness is vLLM's scheduler (the device image has no vLLM)
+from kvfill.bench.dsa_writers import pack_ds_mla, write_indexer  # noqa: E402
+from vllm_harness import make_harness  # noqa: E402
 
 from kvfill.connector.packed import FP8_DS_MLA, INDEXER, packed_row_kind
 
-pytestmark = pytest.mark.needs_vllm
+# (the module is skipped where vLLM is missing: no needs_vllm mark, as tests/device_image.py expects)
 
 BS = 64
 LAYERS = 2
@@ -242,7 +244,7 @@ def test_a_recording_of_a_cache_kvfill_cannot_hold_is_one_line_before_a_prompt_r
         specs[attn(i)], specs[indexer(i)] = mla, dataclasses.replace(idx, tokens_per_state=4)
     with pytest.raises(ValueError, match=r"KVFillConnector: cannot record 2 cache layer\(s\) of this engine "
                                          r"\(model.layers.0.self_attn.indexer.k_cache, .*MLAAttentionSpec "
-                                         r"\(uint8, indexer, 4 tokens per state\).*--kv-cache-dtype it covers"):
+                                         r"\(uint8, indexer, 4 tokens per state\).*such a model cannot be recorded yet"):
         make_harness(tmp_path, [(list(specs), UniformTypeKVCacheSpecs(block_size=BS, kv_cache_specs=specs))],
                      block_size=BS, extra={"record_dir": str(tmp_path / "work")})
 
@@ -279,3 +281,16 @@ def test_a_synthetic_fill_writes_valid_nvfp4_latent_rows(tmp_path):
     assert abs(values.std().item() - 0.1) < 0.02 and (values != 0).float().mean() > 0.7
     rope = rows[:, 256:320].contiguous().view(torch.float8_e4m3fn).float()
     assert torch.isfinite(rope).all() and abs(rope.std().item() - 0.1) < 0.02
+
+
+def test_layer_ids_are_unique_and_the_same_on_every_pipeline_stage_when_caches_share_a_layer_number():
+    """A DSA layer registers two caches under one layer number: each gets its
+    own id (its own synthetic values), and a pipeline stage holding layers
+    3-4 numbers them as the whole model does (no two stages alike)."""
+    from kvfill.connector.registration import layer_ids
+
+    whole = layer_ids({n: None for i in range(5) for n in (attn(i), indexer(i))})
+    stage = layer_ids({n: None for i in (3, 4) for n in (attn(i), indexer(i))})
+    assert len(set(whole.values())) == 10 and all(whole[n] == stage[n] for n in stage)
+    assert layer_ids({"model.layers.2.self_attn.attn": None, "model.layers.5.self_attn.attn": None}) == {
+        "model.layers.2.self_attn.attn": 2, "model.layers.5.self_attn.attn": 5}

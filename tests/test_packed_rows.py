@@ -163,7 +163,8 @@ def test_a_synthetic_indexer_fill_writes_scaled_fp8_keys_that_score_apart(backen
     assert torch.all(scale == power_of_two_scale(0.0, 0.1)) and power_of_two_scale(0.0, 0.1) == 2.0 ** -10
     decoded = rows[:, :D].contiguous().view(torch.float8_e4m3fn).float() * scale[:, None]
     assert torch.isfinite(decoded).all() and abs(decoded.std().item() - 0.1) < 0.01
-    assert len(torch.unique(decoded, dim=0)) == N  # every token its own key
+    # (almost) every token its own key: two of N positions share a row start with probability ~N^2 / 2^19
+    assert len(torch.unique(decoded, dim=0)) >= N - 2
     touched = torch.zeros_like(before, dtype=torch.bool)
     view = _buffer(cache)
     page_bytes = cache.shape[0] * cache.stride(0)
@@ -186,7 +187,7 @@ def test_vllm_cpus_indexer_reader_scores_synthetic_keys_apart_where_zeros_tie(ba
                               ("zeros", V.ENC_PACKED, spec)):
         cache = kernel_cache(D + 4, seed=5)
         FillEngine(group(cache, encoding=enc), values=values, backend=backend).fill({"g": entries([3, 1], N)})
-        logits[name] = _logits(ops, cache, [3, 1])
+        logits[name] = _logits(ops, cache, [3, 1], heads=16)  # 16 heads: a score is rarely relu-zero in all
     assert torch.isfinite(logits["normal"]).all()
     assert len(torch.unique(logits["normal"])) >= N - 5  # (almost) all distinct; relu zeros may repeat
     assert torch.all(logits["zeros"] == 0)  # the in-tree connector's fill: every score ties
@@ -259,3 +260,18 @@ def test_e2m1_pairs_round_to_the_nearest_fp4_value_ties_to_even_codes_the_even_v
     # (0, 0.5) -> codes 0, 1; (-1, 6) -> 2|8, 7; (7 -> 6, -0.25 -> 0 tie to even); (0.75 -> 1.0, 2.5 -> 2.0): ties
     # to the even code; (5.0 -> 4.0, -0.1 -> +0)
     assert got.tolist() == [0 | 1 << 4, 10 | 7 << 4, 7 | 0 << 4, 2 | 4 << 4, 6 | 0 << 4]
+
+
+@pytest.mark.parametrize("make", [indexer_values, ds_mla_values], ids=["indexer", "fp8_ds_mla"])
+def test_every_parts_value_table_is_whole_so_a_row_starting_at_the_last_start_reads_inside_it(make):
+    """Each part's table holds ``2**pool_bits`` entries plus the widest row
+    less one (a row reads ``table[start : start + row]`` with start up to
+    ``2**pool_bits - 16``), e2m1 pairs included."""
+    from kvfill.kernels.packed_rows import nvfp4_ds_mla_values
+
+    spec = V.ValueSpec(mean=0.0, std=0.1)
+    for part in (*make(spec), *nvfp4_ds_mla_values(spec)):
+        table = V.value_table(V.NORMAL, spec.mean, spec.std, part.vdtype, 1, torch.device("cpu"), max_row=256,
+                              part=part)
+        assert table.numel() == (1 << part.pool_bits) + 255, part
+    assert make(spec)[0].pool_bits == (V.PARTS_POOL_BITS if make is indexer_values else V.POOL_BITS)
