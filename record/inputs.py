@@ -131,6 +131,19 @@ def check_out(out: str) -> None:
                           f"recorder can write the bank (and its work folder) in")
 
 
+def check_nodes(llm_kwargs: dict) -> None:
+    """``--node-rank`` names a node of a recording over ``--nnodes`` > 1
+    nodes: without it a further node would start workers that join whatever
+    listens at the default master address."""
+    node, nnodes = int(llm_kwargs.get("node_rank") or 0), int(llm_kwargs.get("nnodes") or 1)
+    if node and nnodes <= 1:
+        raise RecordError(f"--node-rank {node} without --nnodes: expected --nnodes N > {node} (the recording's "
+                          f"node count) with --master-addr and --master-port of the first node, or no --node-rank "
+                          f"on a one-node recording")
+    if node >= nnodes > 1:
+        raise RecordError(f"--node-rank {node} with --nnodes {nnodes}: expected a node rank below {nnodes}")
+
+
 def check_max_model_len(max_model_len: int | None, positions: int | None) -> None:
     """vLLM takes prompts of at most ``max_model_len - 1`` tokens (one
     position is left for the token it generates): N must fit that."""

@@ -55,7 +55,7 @@ from kvfill.bank import Bank, sequence_key
 
 from .assemble import assemble
 from .inputs import (
-    RecordError, check_budget, check_max_model_len, check_out, check_prompt_lengths, choose_positions,
+    RecordError, check_budget, check_max_model_len, check_nodes, check_out, check_prompt_lengths, choose_positions,
     default_max_model_len, estimate, read_prompt_lines, unresolved, with_drafter,
 )
 from .nodes import host_workers
@@ -91,6 +91,7 @@ def record(
     check_budget(budget_gib)
     check_out(out)
     check_max_model_len(max_model_len, positions)
+    check_nodes(llm_kwargs or {})
     lines = read_prompt_lines(prompts_file)
     line_numbers = [no for no, _ in lines]
     # vLLM's --trust-remote-code holds for the recorder's own reads of the model folder too

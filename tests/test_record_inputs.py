@@ -107,6 +107,20 @@ def test_an_existing_directory_as_out_is_refused_before_vllm_starts(model, promp
     assert os.listdir(out_dir) == []
 
 
+@pytest.mark.parametrize("flags, expected", [
+    ({"node_rank": 1}, r"--node-rank 1 without --nnodes: expected --nnodes N > 1"),
+    ({"node_rank": 2, "nnodes": 2}, r"--node-rank 2 with --nnodes 2: expected a node rank below 2"),
+])
+def test_a_node_rank_outside_a_several_node_recording_is_refused_before_a_worker_starts(
+        model, prompts, out_dir, no_vllm, monkeypatch, flags, expected):
+    """Without --nnodes a further node's workers would join whatever listens
+    at the default master address (issue 38)."""
+    monkeypatch.setattr(recorder.recording, "host_workers", lambda *a, **k: pytest.fail("a worker started"))
+    with pytest.raises(RecordError, match=expected):
+        recorder.record(model, prompts, str(out_dir / "b.safetensors"), llm_kwargs=flags)
+    assert os.listdir(out_dir) == []
+
+
 def test_a_missing_folder_of_out_is_named_before_vllm_starts(model, prompts, out_dir, no_vllm):
     missing = out_dir / "missing"
     with pytest.raises(RecordError, match=rf"its folder '{re.escape(str(missing))}' does not exist; expected an "
