@@ -134,7 +134,8 @@ def nonfinite_warning(source: str, counts: Mapping[str, int]) -> str | None:
 def count_nonfinite(bank: Bank) -> dict[str, int]:
     """Layer -> how many of its recorded values are NaN or infinite
     (decoded through the layer's value dtype; layers of raw bits are not
-    counted).  A bank holding them replays them silently otherwise."""
+    counted), and ``"<layer> (state)"`` -> those of its recorded state.  A
+    bank holding them replays them silently otherwise."""
     out = {}
     for name, t in bank.layers.items():
         vdtype = bank.value_dtypes.get(name) or dtype_name(t.dtype)
@@ -146,9 +147,18 @@ def count_nonfinite(bank: Bank) -> dict[str, int]:
             if t.element_size() != torch.empty((), dtype=target, device="cpu").element_size():
                 continue
             flat = flat.view(target)
-        bad = 0
-        for a in range(0, flat.numel(), 1 << 24):  # bounded temporaries
-            bad += int((~torch.isfinite(flat[a:a + (1 << 24)].float())).sum())
+        bad = _nonfinite(flat)
         if bad:
             out[name] = bad
+    for name, tensors in bank.states.items():  # recorded recurrent state, replayed into every request alike
+        bad = sum(_nonfinite(t.reshape(-1)) for t in tensors if t.is_floating_point())
+        if bad:
+            out[f"{name} (state)"] = bad
     return out
+
+
+def _nonfinite(flat: torch.Tensor) -> int:
+    bad = 0
+    for a in range(0, flat.numel(), 1 << 24):  # bounded temporaries
+        bad += int((~torch.isfinite(flat[a:a + (1 << 24)].float())).sum())
+    return bad

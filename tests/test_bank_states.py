@@ -316,3 +316,19 @@ def test_the_recorder_merges_every_tp_ranks_state_part_and_refuses_a_missing_or_
     bad = [(0, 2, GDN, [t[..., :-1] if i == 0 else t for i, t in enumerate(parts[1][3])], "TP rank 0"), parts[0]]
     with pytest.raises(RuntimeError, match="from TP rank 0 holds"):
         merge_states("l", bad, "prompt k")
+
+
+@pytest.mark.needs_vllm
+def test_non_finite_recorded_states_are_counted_and_named_like_rows():
+    """NaN or inf in a recorded state is replayed into every request whose
+    sequence it is: counted at load and named in the start-up warning (issue 38)."""
+    from kvfill.connector.bank_checks import count_nonfinite, nonfinite_warning
+
+    bank = _bank()
+    assert count_nonfinite(bank) == {}
+    state = bank.states["model.layers.0.linear_attn"]
+    state[1].view(-1)[:10] = float("nan")  # the recurrent state (float32)
+    state[0].view(-1)[3] = float("inf")  # the conv state (bf16)
+    counts = count_nonfinite(bank)
+    assert counts == {"model.layers.0.linear_attn (state)": 11}
+    assert "model.layers.0.linear_attn (state)" in nonfinite_warning("b.st", counts)
