@@ -21,6 +21,7 @@ from kvfill.bank import NO_DCP, Bank, BankError, BankPart, dtype_name
 from kvfill.kernels import CacheGroup
 
 from .bank_fit import fit_error
+from .drafter import check_drafter
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -57,6 +58,8 @@ def load_bank(path: str, part: BankPart, vllm_config: "VllmConfig", device: torc
 
     bank = Bank.load(path, part, fits)
     check_drafter_layers(bank, part, vllm_config)
+    for line in check_drafter(bank.metadata, getattr(vllm_config, "speculative_config", None), bank.source):
+        logger.warning("KVFillConnector: %s", line)
     logger.info("KVFillConnector: replaying %s", bank.describe())
     model = vllm_config.model_config
     for line in provenance_mismatches(bank.metadata, model=str(model.model), max_model_len=model.max_model_len,

@@ -52,6 +52,7 @@ import shutil
 import tempfile
 
 from kvfill.bank import Bank, sequence_key
+from kvfill.connector.drafter import drafter_identity
 
 from .assemble import assemble
 from .inputs import (
@@ -159,6 +160,8 @@ def record(
             "tokenizer": tokenizer or model,
             # the drafter whose KV layers were recorded with the target's ("" without one)
             "speculative_config": json.dumps(spec, sort_keys=True, default=str) if spec else "",
+            # which drafter by content, not path (connector/drafter.py); "" without a drafter folder
+            "drafter_identity": drafter_identity(spec.get("model")) if spec else "",
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         }
         bank = assemble(work, unique, meta, out)

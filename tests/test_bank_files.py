@@ -437,3 +437,34 @@ def test_the_bank_package_imports_neither_vllm_nor_the_rest_of_kvfill():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip() == "[]", out.stdout
+
+
+@pytest.mark.needs_vllm
+def test_a_bank_recorded_with_another_drafter_is_refused_and_another_method_or_k_named(tmp_path):
+    """A drafter is named by its folder's content (config.json, weight files'
+    names and sizes), not its path: a copy elsewhere is the same drafter,
+    another head of the same architecture is refused (issue 38: it replayed
+    silently, 3 of 90 drafts accepted instead of 9 of 72)."""
+    import json
+    import shutil
+    from types import SimpleNamespace
+
+    from kvfill.connector.drafter import check_drafter, drafter_identity
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    for path, weights in ((a, b"x" * 10), (b, b"x" * 12)):
+        path.mkdir()
+        (path / "config.json").write_text('{"architectures": ["EagleLlamaForCausalLM"]}')
+        (path / "model.safetensors").write_bytes(weights)
+    shutil.copytree(a, tmp_path / "a-copy")
+    assert drafter_identity(str(a)) == drafter_identity(str(tmp_path / "a-copy")) != drafter_identity(str(b))
+    assert drafter_identity(None) == drafter_identity(str(tmp_path / "missing")) == ""
+    meta = {"speculative_config": json.dumps({"method": "eagle", "model": str(a), "num_speculative_tokens": 3}),
+            "drafter_identity": drafter_identity(str(a))}
+    spec = SimpleNamespace(method="eagle", model=str(tmp_path / "a-copy"), num_speculative_tokens=3)
+    assert check_drafter(meta, spec, "b.st") == [] and check_drafter(meta, None, "b.st") == []
+    with pytest.raises(BankError, match=r"b.st: its drafter layers were recorded with drafter '.*/a' .*this run "
+                                        r"drafts with '.*/b' .*another drafter"):
+        check_drafter(meta, SimpleNamespace(method="eagle", model=str(b), num_speculative_tokens=3), "b.st")
+    [line] = check_drafter(meta, SimpleNamespace(method="eagle", model=str(a), num_speculative_tokens=5), "b.st")
+    assert "recorded with speculative num_speculative_tokens 3, this run has 5" in line
