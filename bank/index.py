@@ -92,6 +92,19 @@ class BankIndex:
                 out[k] = int.from_bytes(h.copy().digest()[:8], "little") % self.num_sequences
         return out
 
+    def state_sequence(self, prompt_token_ids: Sequence[int] | np.ndarray, n: int) -> int:
+        """The sequence whose recorded state is the state after the prompt's
+        first ``n`` tokens: the lowest-numbered one recorded at exactly ``n``
+        positions whose tokens are the prompt's; -1 if none is (a longer
+        sequence sharing the prefix holds the state after more tokens)."""
+        if self.tokens is None or n < 1:
+            return -1
+        ids = np.asarray(prompt_token_ids, dtype=np.int64).reshape(-1)
+        if ids.size < n:
+            return -1
+        exact = np.flatnonzero((self.lengths == n) & (self._agree(ids[:n]) >= n))
+        return int(exact[0]) if exact.size else -1
+
     def sequence_for(self, prompt_token_ids: Sequence[int] | np.ndarray) -> int:
         """The sequence of a block ending at the prompt's end."""
         n = len(prompt_token_ids)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
 from vllm.logger import init_logger
 
 from kvfill.bank import sequence_key
@@ -95,6 +96,7 @@ class KVFillScheduler:
         # Replaying recorded state (hybrid models): a request's state block gets the state after its
         # filled positions, which a preempted request's generated tokens have moved past.
         self.state_replay = options.replay and any(g.kind == GroupKind.MAMBA for g in self.planner.groups)
+        self.state_sequences: dict[str, int] = {}  # request -> the sequence its state block replays
         if self.state_replay:
             check_state_cache_mode(vllm_config)
         if self.computed_tail > 1:
@@ -113,10 +115,26 @@ class KVFillScheduler:
             # No state was recorded after the prompt *and* the tokens generated before the preemption:
             # vLLM recomputes the request (the prompt's KV then is real prefill's, the recording's).
             return 0, False
+        if self.state_replay and not self._state_sequence(request):
+            return 0, False  # no recorded state is this prompt's: vLLM prefills it (logged)
         self.asked[request.request_id] = num_computed_tokens
         grant = max(0, request.num_tokens - num_computed_tokens - self.computed_tail)
         self.granted[request.request_id] = grant
         return grant, False
+
+    def _state_sequence(self, request: "Request") -> bool:
+        """Replaying state: the sequence recorded at exactly the request's
+        filled length with its tokens (``BankIndex.state_sequence``), kept for
+        its state block; False (logged) where the bank has none - another
+        sequence's state is the state after other tokens."""
+        n = request.num_tokens - self.computed_tail
+        s = self.options.bank_index.state_sequence(list(request.prompt_token_ids or ()), n)
+        if s < 0:
+            logger.info("KVFillConnector: request %s: no recorded sequence is its first %d prompt tokens, so no "
+                        "recorded state is its own; vLLM prefills it", request.request_id, n)
+            return False
+        self.state_sequences[request.request_id] = s
+        return True
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         num_local = self.asked.pop(request.request_id, None)
@@ -147,6 +165,11 @@ class KVFillScheduler:
         # those are never replayed (circular buffers zeroed, cross attention synthetic).
         sel = select_request(self.planner, request, blocks, num_external_tokens, num_local,
                              skip_groups=self.startup_groups, sequences_at=sequences_at, tail=self.computed_tail)
+        state = self.state_sequences.pop(request.request_id, None)
+        if state is not None:  # a state block takes the sequence recorded at exactly the filled length
+            for geo, g in zip(self.planner.groups, sel.groups):
+                if geo.kind == GroupKind.MAMBA and len(g.block_ids):
+                    g.sequences = np.full(len(g.block_ids), state, np.int64)
         if any(len(g.block_ids) for g in sel.groups):
             self.pending[request.request_id] = sel
 
@@ -159,6 +182,7 @@ class KVFillScheduler:
 
     def request_finished(self, request: "Request") -> None:
         self.filled.pop(request.request_id, None)
+        self.state_sequences.pop(request.request_id, None)
         self.asked.pop(request.request_id, None)
         self.granted.pop(request.request_id, None)
         self.pending.pop(request.request_id, None)

@@ -956,19 +956,19 @@ def test_a_bank_without_the_drafters_layers_is_refused_under_speculative_decodin
     assert "Record the bank with the serving run's --speculative-config" in text, text
 
 
-def _hybrid_bank(path, attn, mixer, shapes, dtypes):
-    """A bank of two sequences (40 and 30 tokens) with rows for ``attn`` and
-    one recorded state per sequence for the state layer ``mixer``."""
+def _hybrid_bank(path, attn, mixer, shapes, dtypes, tokens=(range(100, 140), range(200, 230))):
+    """A bank of two sequences (40 and 30 tokens: ``tokens``) with rows for
+    ``attn`` and one recorded state per sequence for the state layer ``mixer``."""
     from kvfill.bank import Bank
     from kvfill.bank.state import StateTensor
 
     g = torch.Generator(device="cpu").manual_seed(9)
-    lengths = [40, 30]
+    lengths = [len(t) for t in tokens]
     rows = torch.randn(sum(lengths), 32, generator=g, device="cpu").to(torch.bfloat16)
     layout = tuple(StateTensor(s, d, 0) for s, d in zip(shapes, dtypes))
     states = [torch.randn((2, *s), generator=g, device="cpu").to(d) for s, d in zip(shapes, dtypes)]
     bank = Bank({attn: rows}, sequence_lengths=lengths,
-                sequence_tokens=[list(range(100, 140)), list(range(200, 230))], kv={attn: (2, 8, 8)},
+                sequence_tokens=[list(t) for t in tokens], kv={attn: (2, 8, 8)},
                 states={mixer: states}, state_layouts={mixer: layout})
     bank.save(path)
     return bank
@@ -978,7 +978,7 @@ HYBRID_ATTN, HYBRID_MIXER = "model.layers.0.self_attn.attn", "model.layers.1.mix
 HYBRID_STATES = (((2, 8), (2, 4, 4)), (torch.bfloat16, torch.float32))  # the state layer's shapes and dtypes
 
 
-def _hybrid_harness(tmp_path, mode="none", **extra):
+def _hybrid_harness(tmp_path, mode="none", tokens=(range(100, 140), range(200, 230)), **extra):
     """vLLM's scheduler and the connector's worker replaying ``_hybrid_bank``
     over an attention layer and a state layer (mamba_cache_mode ``mode``:
     none - one state block spanning max_model_len - or align, with prefix
@@ -986,7 +986,7 @@ def _hybrid_harness(tmp_path, mode="none", **extra):
     from vllm.v1.kv_cache_interface import MambaSpec
 
     shapes, dtypes = HYBRID_STATES
-    bank = _hybrid_bank(tmp_path / "bank.safetensors", HYBRID_ATTN, HYBRID_MIXER, shapes, dtypes)
+    bank = _hybrid_bank(tmp_path / "bank.safetensors", HYBRID_ATTN, HYBRID_MIXER, shapes, dtypes, tokens)
     page = FullAttentionSpec(**ATT).page_size_bytes
     mamba = MambaSpec(block_size=256 if mode == "none" else BS, shapes=shapes, dtypes=dtypes,
                       page_size_padded=page, mamba_cache_mode=mode)
@@ -1024,6 +1024,30 @@ def test_a_hybrid_replay_writes_the_recorded_state_of_the_requests_sequence_into
     assert_bytes(expected, h.poison)
 
 
+def test_a_prompt_recorded_beside_a_longer_one_it_begins_gets_its_own_state_and_one_without_its_own_none(tmp_path):
+    """Recorded prompts P (30 tokens) and P + 10 more: a request for P plus
+    its last token (31, filled 30) gets P's state - the sequence recorded at
+    exactly its filled length - not the longer one's, though the longer one
+    covers more of its tokens (issue 38: 0/8 tokens, silently); a request
+    filled to 20, a length no sequence was recorded at, is not filled (vLLM
+    prefills it) rather than given a state after other tokens."""
+    from kvfill.bank.state import pack
+
+    long, short = range(100, 140), range(100, 130)
+    h, bank = _hybrid_harness(tmp_path, tokens=(long, short), verify="raise")
+    sched = h.scheduler.connector.scheduler
+    h.add("a", list(range(100, 131)))  # the first 31 tokens of the longer prompt
+    h.step()
+    _, state_ids = h.block_table("a")
+    null = h.scheduler.kv_cache_manager.block_pool.null_block.block_id
+    (block,) = [b for b in state_ids if b != null]
+    got = h.views[HYBRID_MIXER][block].reshape(-1).view(torch.uint8)
+    want = pack([s[1:2] for s in bank.states[HYBRID_MIXER]])[0]  # sequence 1: the 30-token one
+    assert torch.equal(got[:want.numel()], want)
+    other = h.add("b", list(range(100, 121)))  # filled 20: no sequence recorded at 20 positions
+    assert sched.get_num_new_matched_tokens(other, 0) == (0, False)
+
+
 def test_hybrid_replay_recomputes_a_preempted_request_and_refuses_an_unknown_state_cache_mode(tmp_path):
     from kvfill.connector.scheduler import KVFillScheduler
 
@@ -1041,9 +1065,11 @@ def test_hybrid_replay_recomputes_a_preempted_request_and_refuses_an_unknown_sta
         KVFillScheduler(h.config, h.kv_cache_config, sched.options)
 
 
-@pytest.mark.parametrize("prompt,seq,index", [(list(range(200, 230)) + [5], 1, 1),  # 31 tokens: state block 1
-                                              (list(range(100, 132)) + [5], 0, 2)])  # 33: block 2, past the fill
-def test_with_prefix_caching_the_state_goes_to_the_running_block_past_null_blocks(tmp_path, prompt, seq, index):
+@pytest.mark.parametrize("prompt,seq,index,first", [
+    (list(range(200, 230)) + [5], 1, 1, range(100, 140)),  # 31 tokens: state block 1
+    (list(range(100, 132)) + [5], 0, 2, range(100, 132))])  # 33: block 2, past the fill (recorded at 32)
+def test_with_prefix_caching_the_state_goes_to_the_running_block_past_null_blocks(tmp_path, prompt, seq, index,
+                                                                                 first):
     """mamba_cache_mode align (vLLM's choice with prefix caching on a hybrid):
     a request's state blocks before its running one - the block of its last
     token, past the filled tokens when the fill ends at a block boundary - are
@@ -1052,7 +1078,7 @@ def test_with_prefix_caching_the_state_goes_to_the_running_block_past_null_block
     from kvfill.bank.state import pack
 
     attn, mixer = HYBRID_ATTN, HYBRID_MIXER
-    h, bank = _hybrid_harness(tmp_path, mode="align", verify="raise")
+    h, bank = _hybrid_harness(tmp_path, mode="align", tokens=(first, range(200, 230)), verify="raise")
     h.add("a", prompt)
     h.step()
     full_ids, state_ids = h.block_table("a")
