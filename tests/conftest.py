@@ -101,6 +101,23 @@ def _vllm_files() -> set[str]:
 
 
 @contextlib.contextmanager
+def connector_lines():
+    """The messages kvfill's connector logs inside the block, in a list (its
+    logger is under vLLM's, which does not propagate to pytest's caplog)."""
+    import logging
+
+    said = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    log = logging.getLogger("vllm.kvfill.connector")
+    log.addHandler(handler)
+    try:
+        yield said
+    finally:
+        log.removeHandler(handler)
+
+
+@contextlib.contextmanager
 def nothing_left(folder):
     """What runs inside leaves, when it is done, no ``kvfill-record-*``
     folder (under ``folder`` or the temp folder), no worker's

@@ -12,6 +12,7 @@ import torch
 
 pytest.importorskip("vllm")  # the harness is vLLM's scheduler (the device image has no vLLM)
 from kvfill.bench.dsa_writers import pack_ds_mla, write_indexer  # noqa: E402
+from conftest import connector_lines  # noqa: E402
 from vllm_harness import make_harness  # noqa: E402
 
 from kvfill.connector.packed import FP8_DS_MLA, INDEXER, packed_row_kind
@@ -200,7 +201,6 @@ def test_a_compressed_indexer_in_the_latents_group_is_left_out_and_named_not_a_c
     The connector starts, fills the latents, leaves the compressed pages as
     they are and names them."""
     import dataclasses
-    import logging
 
     from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
 
@@ -209,15 +209,9 @@ def test_a_compressed_indexer_in_the_latents_group_is_left_out_and_named_not_a_c
     specs = {}
     for i in range(LAYERS):
         specs[attn(i)], specs[indexer(i)] = mla, kpool
-    said = []
-    handler = logging.Handler()
-    handler.emit = lambda record: said.append(record.getMessage())
-    logging.getLogger("vllm.kvfill.connector").addHandler(handler)
-    try:
+    with connector_lines() as said:
         h = make_harness(tmp_path, [(list(specs), UniformTypeKVCacheSpecs(block_size=BS, kv_cache_specs=specs))],
                          block_size=BS, extra={"fill_std": 0.1, "verify": "raise"})
-    finally:
-        logging.getLogger("vllm.kvfill.connector").removeHandler(handler)
     assert any("2 cache layer(s) hold one state per several tokens" in line and indexer(0) in line
                and "[4] tokens per state" in line for line in said), said
     h.add("a", PROMPT + [5])
@@ -253,22 +247,14 @@ def test_a_synthetic_fill_writes_valid_nvfp4_latent_rows(tmp_path):
     """nvfp4_ds_mla: e2m1 values two a byte, e4m3 RoPE values, 32 equal e4m3
     scales - the values decode (e2m1 x scale) to the fill's spread; nothing
     is left zero, so no warning names them."""
-    import logging
-
     from kvfill.kernels.packed_rows import nvfp4_ds_mla_values
     from kvfill.kernels.part_values import E2M1
     from kvfill.kernels.values import ValueSpec
 
     groups, _, _ = dsa_group("nvfp4_ds_mla")
-    said = []
-    handler = logging.Handler()
-    handler.emit = lambda record: said.append(record.getMessage())
-    logging.getLogger("vllm.kvfill.connector").addHandler(handler)
-    try:
+    with connector_lines() as said:
         h = make_harness(tmp_path, groups, block_size=BS, cache_dtype="nvfp4_ds_mla",
                          extra={"fill_std": 0.1, "fill_mean": 0.0, "verify": "raise"})
-    finally:
-        logging.getLogger("vllm.kvfill.connector").removeHandler(handler)
     assert not any("left zero" in line for line in said), said
     h.add("a", PROMPT + [5])
     h.step()

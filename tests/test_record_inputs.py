@@ -320,7 +320,7 @@ def test_a_serving_engine_in_another_compilation_mode_than_the_recordings_says_s
     """The bank's provenance against the serving engine's own config
     (``load_bank``): recorded eager, served compiled - one warning naming
     both; served eager - none."""
-    import logging
+    from conftest import connector_lines
 
     from kvfill.bank import BankPart
     from kvfill.connector.bank_checks import compilation_of, load_bank
@@ -334,26 +334,18 @@ def test_a_serving_engine_in_another_compilation_mode_than_the_recordings_says_s
     path = tmp_path / "b.safetensors"
     Bank({LAYER: torch.zeros(4, 32, device="cpu")}, sequence_lengths=[4],
          metadata={"compilation": compilation_of(eager)}).save(path)
-    said = []
-    handler = logging.Handler()
-    handler.emit = lambda record: said.append(record.getMessage())
-    log = logging.getLogger("vllm.kvfill.connector")
-    log.addHandler(handler)
-    try:
-        for served in (eager, config({})):
-            said.clear()
+    for served in (eager, config({})):
+        with connector_lines() as said:
             load_bank(str(path), BankPart(0, 1, frozenset([LAYER])), served, torch.device("cpu"))
-            lines = [line for line in said if "compilation=" in line]
-            if served is eager:
-                assert lines == [], said
-            else:
-                assert lines == [f"KVFillConnector: the bank was recorded with compilation={compilation_of(eager)!r}"
-                                  f", this run has compilation={compilation_of(served)!r}: replayed rows are real KV "
-                                  f"but not bit-identical to this run's prefill (eager and compiled kernels round "
-                                  f"differently; kvfill-record runs as vLLM's defaults compile, and eager with "
-                                  f"--enforce-eager: record with this run's compilation flags)"], said
-    finally:
-        log.removeHandler(handler)
+        lines = [line for line in said if "compilation=" in line]
+        if served is eager:
+            assert lines == [], said
+        else:
+            assert lines == [f"KVFillConnector: the bank was recorded with compilation={compilation_of(eager)!r}"
+                              f", this run has compilation={compilation_of(served)!r}: replayed rows are real KV "
+                              f"but not bit-identical to this run's prefill (eager and compiled kernels round "
+                              f"differently; kvfill-record runs as vLLM's defaults compile, and eager with "
+                              f"--enforce-eager: record with this run's compilation flags)"], said
 
 
 # ------------------------------------------------------------------ estimate
