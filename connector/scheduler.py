@@ -125,16 +125,18 @@ class KVFillScheduler:
     def _state_sequence(self, request: "Request") -> bool:
         """Replaying state: the sequence recorded at exactly the request's
         filled length with its tokens (``BankIndex.state_sequence``), kept for
-        its state block; False (logged) where the bank has none - another
-        sequence's state is the state after other tokens."""
-        n = request.num_tokens - self.computed_tail
-        s = self.options.bank_index.state_sequence(list(request.prompt_token_ids or ()), n)
-        if s < 0:
-            logger.info("KVFillConnector: request %s: no recorded sequence is its first %d prompt tokens, so no "
-                        "recorded state is its own; vLLM prefills it", request.request_id, n)
-            return False
-        self.state_sequences[request.request_id] = s
-        return True
+        its state block (-1, logged once, where the bank has none - another
+        sequence's state is the state after other tokens); found once per
+        request however often vLLM asks while the request waits."""
+        s = self.state_sequences.get(request.request_id)
+        if s is None:
+            n = request.num_tokens - self.computed_tail
+            s = self.options.bank_index.state_sequence(list(request.prompt_token_ids or ()), n)
+            self.state_sequences[request.request_id] = s
+            if s < 0:
+                logger.info("KVFillConnector: request %s: no recorded sequence is its first %d prompt tokens, so "
+                            "no recorded state is its own; vLLM prefills it", request.request_id, n)
+        return s >= 0
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         num_local = self.asked.pop(request.request_id, None)
@@ -165,8 +167,8 @@ class KVFillScheduler:
         # those are never replayed (circular buffers zeroed, cross attention synthetic).
         sel = select_request(self.planner, request, blocks, num_external_tokens, num_local,
                              skip_groups=self.startup_groups, sequences_at=sequences_at, tail=self.computed_tail)
-        state = self.state_sequences.pop(request.request_id, None)
-        if state is not None:  # a state block takes the sequence recorded at exactly the filled length
+        state = self.state_sequences.pop(request.request_id, -1)
+        if state >= 0:  # a state block takes the sequence recorded at exactly the filled length
             for geo, g in zip(self.planner.groups, sel.groups):
                 if geo.kind == GroupKind.MAMBA and len(g.block_ids):
                     g.sequences = np.full(len(g.block_ids), state, np.int64)
