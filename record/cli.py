@@ -4,7 +4,7 @@ The parser is built the way ``vllm serve`` builds its engine flags
 (``EngineArgs.add_cli_args`` on a ``FlexibleArgumentParser``, with ``--config
 FILE.yaml``, ``--json-arg.key value`` and ``-O3``), so a serving run's flags
 record the same model the same way.  kvfill adds ``--prompts``, ``--out``,
-``--positions`` and ``--budget-gib``; ``--model`` is vLLM's, made required.
+``--positions``, ``--budget-gib`` and ``--node-wait``; ``--model`` is vLLM's, made required.
 
 The engine flags the user gave (on the command line or in ``--config``) go to
 ``record()``: ``dtype``, ``kv_cache_dtype``, ``block_size``, ``tokenizer`` and
@@ -24,6 +24,7 @@ from vllm.engine.arg_utils import EngineArgs
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
 from .inputs import RecordError, unresolved
+from .liveness import NODE_WAIT_S
 
 USAGE = "kvfill-record --model MODEL --prompts FILE --out BANK [kvfill options] [vLLM engine options]"
 
@@ -155,6 +156,9 @@ def build_parser() -> RecordArgumentParser:
                      help="the most positions recorded per prompt; None: every prompt whole, each its own "
                           "length")
     own.add_argument("--budget-gib", type=float, default=None, help="refuse a bank larger than this (GiB > 0)")
+    own.add_argument("--node-wait", type=float, default=NODE_WAIT_S, metavar="SECONDS",
+                     help="over several nodes (--nnodes): how long a node waits for the others to come up; a node "
+                          "that goes away later fails every node within seconds (default %(default)g)")
     own.add_argument("--config", default=None,
                      help="a YAML file of vLLM engine flags (as `vllm serve --config`); flags given on the "
                           "command line win")
@@ -242,7 +246,7 @@ def record_call(argv: Sequence[str] | None = None) -> dict:
     engine = {name: getattr(args, name) for name in sorted(given & fields) if name != "model"}
     named = {name: engine.pop(name) for name in NAMED if name in engine}
     return dict(model=args.model, prompts_file=args.prompts, out=args.out, positions=args.positions,
-                budget_gib=args.budget_gib, **named, llm_kwargs=engine)
+                budget_gib=args.budget_gib, node_wait=args.node_wait, **named, llm_kwargs=engine)
 
 
 def _check_engine_args(args: argparse.Namespace) -> None:

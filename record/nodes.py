@@ -5,19 +5,17 @@ until then (``host_workers``).
 """
 from __future__ import annotations
 
-import glob
 import inspect
 import multiprocessing.connection
 import os
-import shutil
 import signal
-import socket
-import tempfile
 import threading
 
 from .engine import _private_tempdir
 from .engine_config import check_engine_config, engine_kwargs, given_flags, vllm_failed
 from .inputs import RecordError
+from .liveness import NODE_WAIT_S, watching
+from .transfer import drop_parts
 
 
 def end_nodes(llm, rpc_end_node) -> None:
@@ -34,26 +32,16 @@ def end_nodes(llm, rpc_end_node) -> None:
         llm.collective_rpc(rpc_end_node, args=(True,))
 
 
-def _listening(host: str, port: int) -> bool:
-    """Whether the first node's rendezvous (torch.distributed's store, served
-    by its rank 0 for the engine's life) still accepts connections: vLLM's
-    workers on a further node wait on the first node's queue forever when it
-    is gone."""
-    try:
-        socket.create_connection((host, port), timeout=2).close()
-    except OSError:
-        return False
-    return True
-
-
 def host_workers(model, token_ids, dtype, kv_cache_dtype, block_size, max_model_len, llm_kwargs,
-                 tokenizer=None, log=print) -> None:
+                 tokenizer=None, log=print, node_wait: float = NODE_WAIT_S) -> None:
     """A node other than the first (``--node-rank`` > 0 with ``--nnodes``):
     start this node's workers of the recording as vLLM's headless node does
     (its ``MultiprocExecutor``; they join the first node's engine at
     ``--master-addr``), and stop them when the first node ends the recording
-    (``rpc_end_node``: SIGUSR1 from a worker), a worker dies, or a signal
-    stops this process.  The engine flags are derived as the first node's
+    (``rpc_end_node``: SIGUSR1 from a worker), a worker dies, a signal
+    stops this process, or the first node does not come up within
+    ``node_wait`` seconds or goes away (``liveness.watching``: this node's
+    last word, why it leaves, reaches the first node through the store).  The engine flags are derived as the first node's
     (the same command line), and checked there (``engine_digest``).  Writes
     nothing; what the workers saved they dropped when fetched."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
@@ -64,7 +52,6 @@ def host_workers(model, token_ids, dtype, kv_cache_dtype, block_size, max_model_
     # the workers never write into record_dir: it names their parts' folders, removed here whatever the end
     # (a worker killed by its executor's shutdown leaves its folder)
     record_dir = f"kvfill-record-node{node}-{os.getpid()}"
-    parts = os.path.join(tempfile.gettempdir(), f"kvfill-parts-{record_dir}-*")
     kw = engine_kwargs(model, token_ids, record_dir, dtype, kv_cache_dtype, block_size,
                        max_model_len, llm_kwargs, tokenizer, cpu=current_platform.is_cpu())
     if (kw.get("distributed_executor_backend") or "mp") != "mp":
@@ -78,20 +65,19 @@ def host_workers(model, token_ids, dtype, kv_cache_dtype, block_size, max_model_
     try:
         with _private_tempdir():
             try:
-                log(f"node {node} of {config.parallel_config.nnodes}: starting this node's workers; they join the "
-                    f"first node at {config.parallel_config.master_addr}:{config.parallel_config.master_port}")
-                executor = MultiprocExecutor(config, monitor_workers=False)
-                sentinels = [w.proc.sentinel for w in executor.workers]
-                head = (config.parallel_config.master_addr, config.parallel_config.master_port)
-                polls = 0
-                while not ended.is_set() and not multiprocessing.connection.wait(sentinels, timeout=0.2):
-                    polls += 1
-                    if polls % 10 == 0 and not ended.is_set() and not _listening(*head):
-                        for w in executor.workers:  # blocked on a queue nobody writes: no grace period
-                            w.proc.kill()
-                        raise RecordError(f"node {node}: the first node's engine at {head[0]}:{head[1]} stopped "
-                                          f"before it ended the recording (its own error says why); this node's "
-                                          f"workers stopped")
+                # watched from before the workers start: vLLM's own wait for the first node has no bound
+                with watching(llm_kwargs, node_wait, log, ended) as watch:
+                    log(f"node {node} of {config.parallel_config.nnodes}: starting this node's workers; they join "
+                        f"the first node at {config.parallel_config.master_addr}:"
+                        f"{config.parallel_config.master_port} (waiting up to --node-wait {node_wait:g} s for it)")
+                    executor = MultiprocExecutor(config, monitor_workers=False)
+                    sentinels = [w.proc.sentinel for w in executor.workers]
+                    while not ended.is_set() and not multiprocessing.connection.wait(sentinels, timeout=0.2):
+                        pass
+                    if not ended.is_set():
+                        raise RecordError(f"node {node}: a worker of this node stopped before the first node ended "
+                                          f"the recording (vLLM's log above says why; the first node's error names "
+                                          f"the recording's fate)")
             except (KeyboardInterrupt, SystemExit, RecordError):
                 raise
             except Exception as exc:
@@ -101,9 +87,5 @@ def host_workers(model, token_ids, dtype, kv_cache_dtype, block_size, max_model_
                     executor.shutdown()
     finally:
         signal.signal(signal.SIGUSR1, previous)
-        for folder in glob.glob(parts):
-            shutil.rmtree(folder, ignore_errors=True)
-    if not ended.is_set():
-        raise RecordError(f"node {node}: a worker of this node stopped before the first node ended the recording "
-                          f"(vLLM's log above says why; the first node's error names the recording's fate)")
+        drop_parts(record_dir)
     log(f"node {node}: the first node ended the recording; this node's workers stopped, nothing left here")

@@ -59,6 +59,7 @@ from .inputs import (
     RecordError, check_budget, check_max_model_len, check_nodes, check_out, check_prompt_lengths, choose_positions,
     default_max_model_len, estimate, read_prompt_lines, unresolved, with_drafter,
 )
+from .liveness import NODE_WAIT_S
 from .nodes import host_workers
 from .run import run_vllm as _run_vllm  # _run_vllm: tests stand in for it (patch it here)
 from .run import without_tail
@@ -83,6 +84,7 @@ def record(
     tokenizer: str | None = None,
     max_model_len: int | None = None,
     llm_kwargs: dict | None = None,
+    node_wait: float = NODE_WAIT_S,
     log=print,
 ) -> Bank | None:
     """Record the bank (module docstring); returns it after writing ``out``
@@ -92,7 +94,7 @@ def record(
     check_budget(budget_gib)
     check_out(out)
     check_max_model_len(max_model_len, positions)
-    check_nodes(llm_kwargs or {})
+    check_nodes(llm_kwargs or {}, node_wait)
     lines = read_prompt_lines(prompts_file)
     line_numbers = [no for no, _ in lines]
     # vLLM's --trust-remote-code holds for the recorder's own reads of the model folder too
@@ -135,14 +137,15 @@ def record(
     if node > 0:  # a further node: its workers join the first node's recording; the bank is written there
         with stop_signals():
             host_workers(model, unique, dtype, kv_cache_dtype, block_size, run_max_len, llm_kwargs or {},
-                         tokenizer or model, log=log)
+                         tokenizer or model, log=log, node_wait=node_wait)
         return None
     with open(prompts_file, "rb") as f:  # the prompts recorded, not the file as it is after the run
         prompts_sha = hashlib.sha256(f.read()).hexdigest()
 
     with stop_signals(), _work_dir(out) as work:
         engine = _run_vllm(model, unique, work, dtype, kv_cache_dtype, block_size, run_max_len,
-                           llm_kwargs or {}, tokenizer or model, _state_estimate(est, budget, budget_gib, log))
+                           llm_kwargs or {}, tokenizer or model, _state_estimate(est, budget, budget_gib, log),
+                           node_wait, log)
         tail = int(engine.get("state_tail") or 0)
         if tail:  # a model with recurrent state: each prompt recorded without the tokens vLLM computes itself
             unique = without_tail(unique, tail)

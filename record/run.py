@@ -17,12 +17,13 @@ import os
 from .engine import llm_engine
 from .engine_config import check_engine_config, engine_kwargs, given_flags, vllm_failed
 from .inputs import RecordError
+from .liveness import NODE_WAIT_S, NodeLost, watching
 from .nodes import end_nodes
-from .transfer import fetch_parts
+from .transfer import drop_parts, fetch_parts
 
 
 def run_vllm(model, token_ids, record_dir, dtype, kv_cache_dtype, block_size, max_model_len, llm_kwargs,
-             tokenizer=None, check_config=None) -> dict[str, str]:
+             tokenizer=None, check_config=None, node_wait: float = NODE_WAIT_S, log=print) -> dict[str, str]:
     """Real prefill of every prompt (its recorded tokens, one output token)
     with the record role on, each prompt's positions recorded whole;
     returns the run's provenance: the vLLM version, and the max_model_len,
@@ -34,7 +35,10 @@ def run_vllm(model, token_ids, record_dir, dtype, kv_cache_dtype, block_size, ma
     past the first block differs in the last bits from a run with another
     one), or ``inputs.default_max_model_len``.  ``check_config``: called
     with vLLM's engine config once it is built, before any worker starts
-    (the recorder's estimate of the state section)."""
+    (the recorder's estimate of the state section).  Over several nodes,
+    the other nodes are watched from before the workers start until this
+    node ends them (``liveness.watching``: ``node_wait`` seconds for each to
+    join; one gone fails the recording naming it)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     import vllm
@@ -52,13 +56,18 @@ def run_vllm(model, token_ids, record_dir, dtype, kv_cache_dtype, block_size, ma
         check_config(config)
     params = SamplingParams(max_tokens=1, ignore_eos=True, detokenize=False, temperature=0.0)
     try:
-        with llm_engine(**kw) as llm:
+        with watching(llm_kwargs, node_wait, log) as watch, llm_engine(**kw) as llm:
             tail = state_tail(llm.llm_engine.vllm_config)
             sent = without_tail(token_ids, tail)
             llm.generate([TokensPrompt(prompt_token_ids=t) for t in sent], params, use_tqdm=False)
             fetched = fetch_parts(llm, record_dir)
+            if watch is not None:
+                watch.stop()  # the other nodes leave now, as told
             end_nodes(llm, rpc_end_node)
             config = llm.llm_engine.vllm_config
+    except NodeLost:
+        drop_parts(record_dir)  # its workers were killed: they could not drop theirs
+        raise
     except (KeyboardInterrupt, SystemExit, RecordError):
         raise
     except Exception as exc:

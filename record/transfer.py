@@ -4,7 +4,10 @@ need be shared by the nodes (the worker side: ``connector/recorder.py``).
 """
 from __future__ import annotations
 
+import glob
 import os
+import shutil
+import tempfile
 
 
 CHUNK_BYTES = 32 << 20  # the most of a part one RPC message carries
@@ -34,3 +37,12 @@ def fetch_parts(llm, work: str) -> int:
             total += size
     llm.collective_rpc(rpc_drop_parts)
     return total
+
+
+def drop_parts(record_dir: str) -> None:
+    """The parts folders this node's workers left in its temp folder
+    (``kvfill-parts-<record_dir's name>-*``): workers killed (the watch of the
+    other nodes stops them so) cannot drop their own."""
+    name = os.path.basename(os.path.normpath(record_dir))
+    for folder in glob.glob(os.path.join(tempfile.gettempdir(), f"kvfill-parts-{glob.escape(name)}-*")):
+        shutil.rmtree(folder, ignore_errors=True)

@@ -392,6 +392,34 @@ def test_a_recording_over_two_nodes_on_loopback_writes_the_one_node_bank_and_ref
     assert not (tmp_path / "refused.safetensors").exists()
 
 
+def test_a_two_node_recording_fails_on_the_other_node_within_seconds_when_one_stops_or_never_starts(
+        tp2_recording, tmp_path):
+    """Node 1's process group killed the moment node 0's worker starts
+    recording (a crash: no last word): node 0 fails within the stall bound
+    naming node 1, where it used to wait on vLLM's queue for good.  Node 0
+    refused at its own input checks: node 1 gives up after --node-wait, where
+    it used to wait for torch's rendezvous for 30 minutes.  No bank either
+    time (``bench/node_failures.py`` measures every way)."""
+    from kvfill.bench import node_failures
+    from kvfill.bench.replay_e2e import write_prompts
+    from kvfill.record.liveness import LOST_AFTER_S
+
+    _, report, _ = tp2_recording
+    prompts = str(tmp_path / "prompts.txt")
+    write_prompts(prompts, 30, 150, seed=3)  # node 0 is still prefilling when node 1 goes
+    model = report["args"]["model"]
+    crashed = node_failures.scenario("further-killed", model, prompts, str(tmp_path), node_wait=60, limit=120)
+    assert crashed["triggered"] and crashed["rc"] == 2, crashed
+    assert crashed["seconds"] is not None and crashed["seconds"] < LOST_AFTER_S + 20, crashed
+    assert crashed["error"].startswith("kvfill-record: error: node 1 of 2 went away during the recording"), crashed
+    never = node_failures.scenario("first-never", model, prompts, str(tmp_path), node_wait=5, limit=120)
+    assert never["rc"] == 2 and never["seconds"] is not None and never["seconds"] < 5 + 30, never
+    assert "kvfill-record: error: node 1: the first node's engine at 127.0.0.1:" in never["error"] and \
+        "did not come up within --node-wait 5 s" in never["error"], never
+    assert not crashed["bank_written"] and not never["bank_written"]
+    assert crashed["left"] == [] and never["left"] == []  # the survivor's killed workers' parts too
+
+
 def test_speculative_decoding_from_a_bank_with_the_drafters_layers_accepts_what_real_prefill_accepts(tmp_path):
     """A self-draft (the target's weights as a draft model, 3 speculative
     tokens): kvfill-record with the serving run's --speculative-config

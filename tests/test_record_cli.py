@@ -176,12 +176,12 @@ def test_without_engine_flags_the_recorder_keeps_its_own_settings(base, calls):
     rc, call = run(base, calls)
     assert rc == 0
     assert call == {"model": base[1], "prompts_file": base[3], "out": base[5], "positions": None, "budget_gib": None,
-                    "llm_kwargs": {}}
+                    "node_wait": 120.0, "llm_kwargs": {}}
 
 
 def test_kvfills_own_flags_are_parsed(base, calls):
-    rc, call = run(base + ["--positions", "5", "--budget-gib", "1.5"], calls)
-    assert rc == 0 and (call["positions"], call["budget_gib"]) == (5, 1.5)
+    rc, call = run(base + ["--positions", "5", "--budget-gib", "1.5", "--node-wait", "7"], calls)
+    assert rc == 0 and (call["positions"], call["budget_gib"], call["node_wait"]) == (5, 1.5, 7.0)
 
 
 def test_a_flag_given_at_vllms_default_still_overrides_the_recorders_setting(base, calls):
@@ -232,8 +232,7 @@ def test_engine_flags_reach_vllm_through_the_recorder(tmp_path, out_dir, monkeyp
     prompts.write_text("w3 w4 w5 w6\n")
     seen = {}
 
-    def stand_in(model, token_ids, work, dtype, kv_cache_dtype, block_size, max_model_len, llm_kwargs, tokenizer=None,
-                 check_config=None):
+    def stand_in(model, token_ids, work, dtype, kv_cache_dtype, block_size, max_model_len, llm_kwargs, *rest):
         seen.update(dtype=dtype, max_model_len=max_model_len, llm_kwargs=llm_kwargs)
         raise RecordError("the stand-in vLLM stops here")
 

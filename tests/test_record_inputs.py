@@ -121,6 +121,14 @@ def test_a_node_rank_outside_a_several_node_recording_is_refused_before_a_worker
     assert os.listdir(out_dir) == []
 
 
+@pytest.mark.parametrize("wait", [0, -5, float("inf"), float("nan"), "10", True])
+def test_a_node_wait_that_is_not_a_positive_number_of_seconds_is_refused(model, prompts, out_dir, no_vllm, wait):
+    with pytest.raises(RecordError, match=rf"^--node-wait {re.escape(repr(wait))}: expected a number of seconds > 0"):
+        recorder.record(model, prompts, str(out_dir / "b.safetensors"), node_wait=wait,
+                        llm_kwargs={"nnodes": 2, "node_rank": 1})
+    assert os.listdir(out_dir) == []
+
+
 def test_a_missing_folder_of_out_is_named_before_vllm_starts(model, prompts, out_dir, no_vllm):
     missing = out_dir / "missing"
     with pytest.raises(RecordError, match=rf"its folder '{re.escape(str(missing))}' does not exist; expected an "
@@ -580,16 +588,46 @@ def test_every_node_of_a_recording_derives_one_engine_digest_from_the_same_flags
     assert digest(node_rank=1, master_port=29600) != first
 
 
-def test_record_handshakes_name_each_worker_whose_node_ran_other_flags():
+def test_a_drafter_is_compared_by_content_not_by_its_path_on_each_node(tmp_path):
+    """Issue 38: a byte-identical copy of the drafter at another path on a
+    further node was refused as "other engine flags"; another drafter is
+    still refused, by the flag it differs in."""
+    import shutil
+
+    from kvfill.record.engine_config import engine_flags, engine_kwargs
+
+    drafter = make_config_only(str(tmp_path / "drafter"))
+    (tmp_path / "drafter" / "model.safetensors").write_bytes(b"\0" * 64)
+    copy = shutil.copytree(drafter, tmp_path / "elsewhere" / "drafter")
+
+    def flags(path, node_rank, tokens=3):
+        spec = {"method": "draft_model", "model": str(path), "num_speculative_tokens": tokens}
+        kw = engine_kwargs("m", [[1, 2]], "/w", "auto", "auto", None, 64,
+                           {"nnodes": 2, "node_rank": node_rank, "speculative_config": spec}, "m")
+        return kw["kv_transfer_config"]["kv_connector_extra_config"]
+
+    first = flags(drafter, 0)
+    assert flags(copy, 1)["record_engine"] == first["record_engine"]
+    (tmp_path / "elsewhere" / "drafter" / "model.safetensors").write_bytes(b"\0" * 65)  # another drafter
+    other = flags(copy, 1)
+    assert other["record_engine"] != first["record_engine"]
+    assert {k for k in first["record_flags"] if first["record_flags"][k] != other["record_flags"][k]} == \
+        {"speculative_config"}
+    assert set(engine_flags({"model": "a", "tokenizer": "b", "node_rank": 1, "dtype": "x"})) == {"dtype"}
+
+
+def test_record_handshakes_name_each_worker_whose_node_ran_other_flags_and_the_flags():
     from kvfill.connector.metadata import KVFillBankHandshake, KVFillRecordHandshake, check_record_handshakes
 
-    same = KVFillRecordHandshake("a", 0, 0, "sha256:1")
-    check_record_handshakes("sha256:1", [same, KVFillBankHandshake("a", 1, 0, "/b", "x"), None])
+    ours = (("dtype", "a1"), ("max_model_len", "b1"), ("seed", "c1"))
+    same = KVFillRecordHandshake("a", 0, 0, "sha256:1", ours)
+    check_record_handshakes("sha256:1", [same, KVFillBankHandshake("a", 1, 0, "/b", "x"), None], ours)
+    theirs = (("dtype", "a1"), ("max_model_len", "b2"), ("enforce_eager", "d1"))
     with pytest.raises(ValueError) as err:
-        check_record_handshakes("sha256:1", [same, KVFillRecordHandshake("b", 1, 0, "sha256:2")])
+        check_record_handshakes("sha256:1", [same, KVFillRecordHandshake("b", 1, 0, "sha256:2", theirs)], ours)
     text = str(err.value)
     assert "first node runs engine flags sha256:1" in text and "node b, TP rank 1, PP rank 0 runs engine flags " \
-           "sha256:2" in text and "node a" not in text, text
+           "sha256:2 (differs in --enforce-eager, --max-model-len, --seed)" in text and "node a" not in text, text
 
 
 def test_the_estimate_counts_the_drafters_kv_layers_a_speculative_recording_records(tmp_path):
