@@ -55,20 +55,32 @@ class KVFillRecordHandshake(_WorkerHandshake):
     recording's engine flags its node's kvfill-record computed
     (``record.engine_config.engine_digest``).  Several nodes each run
     kvfill-record (node 0 records, the others only host workers); their flags
-    must agree."""
+    must agree; ``flags``: each flag's digest
+    (``record.engine_config.engine_flags``), to name those that differ."""
 
     engine: str
+    flags: tuple = ()
 
 
-def check_record_handshakes(engine: str, handshakes) -> None:
+def check_record_handshakes(engine: str, handshakes, flags=()) -> None:
     """Every recording worker's node ran kvfill-record with the flags the
-    scheduler's node did; else a ValueError naming each worker that did not."""
+    scheduler's node did (``flags``: its per-flag digests); else a
+    ValueError naming each worker that did not and the flags it differs in."""
     wrong = [h for h in handshakes if isinstance(h, KVFillRecordHandshake) and h.engine != engine]
     if wrong:
         _refuse(f"the recording's first node runs engine flags {engine}",
-                [f"{h.where()} runs engine flags {h.engine}" for h in wrong],
-                "Run the same kvfill-record command on every node, only --node-rank differing (the model's path may "
-                "differ per node)")
+                [f"{h.where()} runs engine flags {h.engine}{_differing(dict(flags), dict(h.flags))}" for h in wrong],
+                "Run the same kvfill-record command on every node, only --node-rank differing (the paths of the "
+                "model, tokenizer and drafter may differ per node; the drafter is compared by content)")
+
+
+def _differing(ours: dict, theirs: dict) -> str:
+    """`` (differs in --a, --b)`` naming the flags whose digests differ,
+    set on one node only included; "" when either side sent none."""
+    if not ours or not theirs:
+        return ""
+    names = sorted(k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k))
+    return f" (differs in {', '.join('--' + k.replace('_', '-') for k in names)})" if names else ""
 
 
 def check_bank_handshakes(path: str, identity: str | None, handshakes) -> None:

@@ -48,6 +48,7 @@ class FillOptions:
     record_dir: str | None = None      # record role (kvfill.record): save prompt KV rows here, fill nothing
     record_positions: int = 0          # record role: cap on the positions [0, N) saved per prompt (0: whole)
     record_engine: str | None = None   # record role: digest of the recording's engine flags, equal on every node
+    record_flags: Any = None           # record role: {flag: digest of its value}, to name the flags nodes differ in
     zero_packed: bool = False          # DeepSeek's indexer and fp8_ds_mla rows get zeros, as the in-tree connector
     values: ValueSpec = field(init=False, repr=False, compare=False)
     bank_index: BankIndex | None = field(init=False, repr=False, compare=False)
@@ -80,6 +81,15 @@ class FillOptions:
             raise OptionError("record_positions", self.record_positions, "0 (unset) without record_dir")
         if self.record_engine is not None and (self.record_dir is None or not isinstance(self.record_engine, str)):
             raise OptionError("record_engine", self.record_engine, "a digest string, with record_dir")
+        if self.record_flags is not None:
+            flags = self.record_flags
+            if isinstance(flags, tuple) and all(isinstance(p, tuple) and len(p) == 2 for p in flags):
+                flags = dict(flags)  # dataclasses.replace of options already made
+            if self.record_engine is None or not isinstance(flags, Mapping) or \
+                    not all(isinstance(k, str) and isinstance(v, str) for k, v in flags.items()):
+                raise OptionError("record_flags", flags, "a mapping of flag names to digest strings, with "
+                                                         "record_engine")
+            object.__setattr__(self, "record_flags", tuple(sorted(flags.items())))
         if self.record_dir is not None and self.zero_packed:
             raise OptionError("zero_packed", self.zero_packed, "false with record_dir (a recording reads every cache; "
                                                                "zeros are a fill's choice)")

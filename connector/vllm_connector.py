@@ -88,7 +88,7 @@ class KVFillConnector(KVConnectorBase_V1, SupportsHMA):
         if self.scheduler is not None and self.options.bank_index is not None:
             check_bank_handshakes(self.options.bank, self.options.bank_index.identity, metadata.values())
         if self.scheduler is not None and self.options.record_engine is not None:
-            check_record_handshakes(self.options.record_engine, metadata.values())
+            check_record_handshakes(self.options.record_engine, metadata.values(), self.options.record_flags or ())
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         assert self.worker is not None

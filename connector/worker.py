@@ -21,6 +21,7 @@ import socket
 import time
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from vllm.logger import init_logger
 
@@ -43,7 +44,7 @@ from .specs import (
     geometries_from_config, layer_encoding, layer_kv_geometry, layer_specs_by_name, spec_kind, startup_fill_group_ids,
 )
 from .states import state_layouts
-from .step_fill import skipped_blocks, state_blocks, verify_fill
+from .step_fill import skipped_blocks, state_blocks, state_rule_breaks, verify_fill
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -101,6 +102,7 @@ class KVFillWorker:
         # into it (bank/state.py); the engine zeroes the groups whose state is not replayed.
         self.state_layers = {name for name, spec in specs.items() if spec_kind(spec) == GroupKind.MAMBA}
         self.state_pages: StatePages | None = None
+        self.state_lengths = None  # the bank's recorded length per sequence, with state pages
         self.state_groups: dict[str, list[str]] = {}  # group name -> its layers whose recorded state is replayed
 
     # ------------------------------------------------------------ registration (registration.py)
@@ -131,7 +133,8 @@ class KVFillWorker:
         if self.options.replay and not self.options.recording:
             bank, groups = self._load_bank(groups, state_caches, node)
         if self.options.recording and self.options.record_engine is not None:
-            self.handshake = KVFillRecordHandshake(node, self.tp_rank, self.pp_rank, self.options.record_engine)
+            self.handshake = KVFillRecordHandshake(node, self.tp_rank, self.pp_rank, self.options.record_engine,
+                                                   self.options.record_flags or ())
         self.engine = FillEngine(groups, values=self.options.values, backend=self.options.backend,
                                  layer_ids=layer_ids(kv_caches), bank=bank,
                                  page_image_bytes=0 if self.options.recording else self.options.page_image_mib << 20)
@@ -176,6 +179,7 @@ class KVFillWorker:
         if state_pages is not None:
             self.state_pages = state_pages
             self.state_groups.update(state_groups)
+            self.state_lengths = np.asarray(bank.lengths)  # verify: each state block's sequence by the rule
         # what this worker loaded, checked by the scheduler at start (vLLM's handshake)
         self.handshake = KVFillBankHandshake(node, self.tp_rank, self.pp_rank,
                                              os.path.abspath(self.options.bank), bank.identity or "")
@@ -230,7 +234,8 @@ class KVFillWorker:
             stats.launches + written.launches, elapsed * 1e3,
         )
         if self.options.verify:
-            verify_fill(self.engine, plan, self.state_pages, states, self.stats, self.options.verify)
+            breaks = state_rule_breaks(selections, self.planner, self.state_lengths) if states else []
+            verify_fill(self.engine, plan, self.state_pages, states, self.stats, self.options.verify, breaks)
 
     def record(self, meta: KVFillConnectorMetadata) -> None:
         """Record role: after the forward, save the rows of the prompts the step completed."""

@@ -60,23 +60,49 @@ def engine_kwargs(model, token_ids, record_dir, dtype, kv_cache_dtype, block_siz
     if block_size:
         kw["block_size"] = block_size
     kw.update(llm_kwargs)
-    kw["kv_transfer_config"]["kv_connector_extra_config"]["record_engine"] = engine_digest(kw)
+    extra = kw["kv_transfer_config"]["kv_connector_extra_config"]
+    extra["record_flags"] = engine_flags(kw)
+    extra["record_engine"] = engine_digest(kw)
     return kw
 
 
 # Engine flags a node's kvfill-record may set its own way: which node it is,
 # and paths (each node has its own disk; the same model may sit elsewhere).
+# A drafter's path is replaced by its content's identity (``_drafter_by_content``).
 _NODE_OWN = ("node_rank", "model", "tokenizer", "kv_transfer_config")
 
 
-def engine_digest(kw: dict) -> str:
-    """A digest of the recording's engine flags but ``_NODE_OWN``: every
-    node's kvfill-record computes it from its own command line, and every
-    worker reports it to the first node at start (the connector's handshake),
-    which refuses a node whose flags differ - its workers would run another
-    model shape, length or numerics."""
+def engine_flags(kw: dict) -> dict[str, str]:
+    """Each engine flag of the recording but ``_NODE_OWN``, as a short digest
+    of its value: every worker reports them to the first node at start (the
+    connector's handshake), which names the flags a node differs in."""
     same = {k: v for k, v in sorted(kw.items()) if k not in _NODE_OWN}
-    text = json.dumps(same, sort_keys=True, default=repr)
+    for key in ("speculative_config", "spec_model"):
+        if same.get(key) is not None:
+            same[key] = _drafter_by_content(same[key])
+    return {k: hashlib.sha256(json.dumps(v, sort_keys=True, default=repr).encode()).hexdigest()[:12]
+            for k, v in same.items()}
+
+
+def _drafter_by_content(value):
+    """A speculative config (or ``--spec-model``) with the drafter's folder
+    named by its content (``connector.drafter.drafter_identity``), not its
+    path, which may differ per node; a hub name or none stays as given."""
+    from kvfill.connector.drafter import drafter_identity
+
+    if isinstance(value, str):
+        return drafter_identity(value) or value
+    if isinstance(value, dict) and isinstance(value.get("model"), str):
+        return {**value, "model": drafter_identity(value["model"]) or value["model"]}
+    return value
+
+
+def engine_digest(kw: dict) -> str:
+    """A digest of the recording's engine flags (``engine_flags``): every
+    node's kvfill-record computes it from its own command line, and the
+    first node refuses a node whose digest differs - its workers would run
+    another model shape, length or numerics."""
+    text = json.dumps(engine_flags(kw), sort_keys=True)
     return "sha256:" + hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

@@ -58,7 +58,7 @@ def test_a_bad_value_names_the_key_the_value_and_what_was_expected(key, value, e
 def test_an_unknown_key_lists_the_valid_ones():
     with pytest.raises(ValueError, match=r"unknown kv_connector_extra_config key\(s\) \['fill_sdt'\]; "
                                          r"valid keys: \['backend', 'bank', 'fill_mean', 'fill_mode', 'fill_std', "
-                                         r"'granularity', 'page_image_mib', 'record_dir', 'record_engine', 'record_positions', 'refill_on_preemption', "
+                                         r"'granularity', 'page_image_mib', 'record_dir', 'record_engine', 'record_flags', 'record_positions', 'refill_on_preemption', "
                                          r"'seed', 'startup_fill', 'verify', 'zero_packed'\]"):
         FillOptions.from_extra_config({"fill_sdt": 0.1})
 
