@@ -22,6 +22,10 @@ if _WORKER:
     _WORKER_TMP = os.path.join(tempfile.gettempdir(), f"kvfill-tests-{_WORKER}-{os.getpid()}")
     os.makedirs(_WORKER_TMP, exist_ok=True)
     os.environ["TMPDIR"] = tempfile.tempdir = _WORKER_TMP
+# Inductor's cache (compiled engines) stays put while a test's temp folder is its own (nothing_left).
+import tempfile as _tempfile  # noqa: E402
+
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(_tempfile.gettempdir(), "torchinductor-kvfill"))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -89,17 +93,6 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(f"BUDGET-SKIPPED {path}: {len(names)} tests, from {names[0]}")
 
 
-def _vllm_files() -> set[str]:
-    """What vLLM CPU's multi-process runs and the recorder leave when not
-    cleaned up: rendezvous files, shared-memory segments, work folders."""
-    import glob
-    import tempfile
-
-    tmp = tempfile.gettempdir()
-    return {*glob.glob(os.path.join(tmp, "vllm_dist_*")), *glob.glob("/dev/shm/vllm_dist_*"),
-            *glob.glob(os.path.join(tmp, "kvfill-record-*")), *glob.glob(os.path.join(tmp, "kvfill-parts-*"))}
-
-
 @contextlib.contextmanager
 def connector_lines():
     """The messages kvfill's connector logs inside the block, in a list (its
@@ -117,26 +110,64 @@ def connector_lines():
         log.removeHandler(handler)
 
 
+LEFTOVER_NAMES = ("vllm_dist_*", "kvfill-record-*", "kvfill-parts-*")  # what vLLM CPU's runs and the recorder make
+
+
 @contextlib.contextmanager
 def nothing_left(folder):
     """What runs inside leaves, when it is done, no ``kvfill-record-*``
-    folder (under ``folder`` or the temp folder), no worker's
-    ``kvfill-parts-*`` folder, no ``vllm_dist_*`` file that appeared meanwhile
-    (temp folder, /dev/shm) and no process it started."""
+    folder (under ``folder`` or its temp folder), no worker's
+    ``kvfill-parts-*`` folder, no ``vllm_dist_*`` rendezvous file and no
+    shared-memory segment of such a rendezvous, and no process it started.
+    Only what its own processes made counts: the block runs with a temp
+    folder of its own (``TMPDIR``, inherited by what it starts), whose
+    rendezvous ids are watched while it runs (the segments in /dev/shm are
+    named by them), so the suite runs beside other vLLM work."""
+    import glob
+    import tempfile
+    import threading
+
     import psutil
 
-    before = _vllm_files()
-    yield
-    deadline = time.monotonic() + 30
-    while True:  # what a test started is reaped when it returns; a moment for exits under way
-        children = [p for p in psutil.Process().children(recursive=True)
-                    if p.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in " ".join(p.cmdline())]
-        if not children or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
-    left = sorted(_vllm_files() - before) + sorted(str(p) for p in pathlib.Path(folder).rglob("kvfill-record-*"))
-    assert not left, f"left behind: {left}"
-    assert not children, f"processes left running: {[' '.join(p.cmdline())[:120] for p in children]}"
+    own = tempfile.mkdtemp(prefix="left-")
+    before_env, before_dir = os.environ.get("TMPDIR"), tempfile.tempdir
+    os.environ["TMPDIR"] = tempfile.tempdir = own
+    ids, done = set(), threading.Event()
+
+    def watch_ids():  # a rendezvous file lives while its workers run; its segments may outlive it
+        while True:
+            ids.update(p.name for p in pathlib.Path(own).rglob("vllm_dist_*"))
+            if done.wait(0.1):
+                return
+
+    watcher = threading.Thread(target=watch_ids, daemon=True)
+    watcher.start()
+    try:
+        yield
+        deadline = time.monotonic() + 30
+        while True:  # what a test started is reaped when it returns; a moment for exits under way
+            children = [p for p in psutil.Process().children(recursive=True)
+                        if p.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in " ".join(p.cmdline())]
+            if not children or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        done.set()
+        watcher.join()
+        left = sorted(str(p) for name in LEFTOVER_NAMES for p in pathlib.Path(own).rglob(name))
+        left += sorted(p for i in ids for p in glob.glob(os.path.join("/dev/shm", glob.escape(i) + "*")))
+        left += sorted(str(p) for p in pathlib.Path(folder).rglob("kvfill-record-*"))
+        assert not left, f"left behind: {left}"
+        assert not children, f"processes left running: {[' '.join(p.cmdline())[:120] for p in children]}"
+    finally:
+        done.set()
+        tempfile.tempdir = before_dir
+        if before_env is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = before_env
+        import shutil
+
+        shutil.rmtree(own, ignore_errors=True)
 
 
 @pytest.fixture
