@@ -7,11 +7,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from vllm.logger import init_logger
 
 from kvfill.kernels import FillEngine, FillPlan
 from kvfill.kernels.state_pages import StatePages
 
+from .geometry import GroupKind
 from .metadata import KVFillStats
 from .planner import Planner
 
@@ -52,20 +55,43 @@ def skipped_blocks(selections, exc: ValueError, planner: Planner, load_failure_p
     return set()
 
 
+def state_rule_breaks(selections, planner: Planner, lengths) -> list[str]:
+    """Each request whose state block replays a sequence not recorded at
+    exactly the request's filled length (the end of its filled tokens): the
+    state after other tokens than the ones filled (``BankIndex.state_sequence``
+    is the rule; ``lengths``: the bank's recorded length per sequence)."""
+    breaks = []
+    for sel in selections:
+        pairs = list(zip(planner.groups, sel.groups))
+        ends = [g.token_hi for geo, g in pairs if geo.kind != GroupKind.MAMBA and len(g.block_ids)]
+        if not ends:
+            continue
+        for geo, g in pairs:
+            if geo.kind == GroupKind.MAMBA and len(g.block_ids) and g.sequences is not None:
+                s = int(np.asarray(g.sequences).reshape(-1)[-1])
+                if int(lengths[s]) != max(ends):
+                    breaks.append(f"request {sel.req_id}: state of sequence {s} (recorded at {int(lengths[s])} "
+                                  f"positions), filled {max(ends)}")
+    return breaks
+
+
 def verify_fill(engine: FillEngine, plan: FillPlan, state_pages: StatePages | None, states: dict | None,
-                stats: KVFillStats, verify: str) -> None:
+                stats: KVFillStats, verify: str, rule_breaks=()) -> None:
     """Read back what the step wrote (``FillOptions.verify``): the plan's
-    elements and the state pages; mismatches counted in ``stats``, then
-    raised (``verify`` "raise") or logged."""
+    elements and the state pages, and each state block's sequence against
+    the rule (``rule_breaks``: ``state_rule_breaks``); mismatches counted
+    in ``stats``, then raised (``verify`` "raise") or logged."""
     report = engine.verify(plan)
     pages, bad_pages, first_pages = state_pages.mismatches(states) if states else (0, 0, [])
-    stats.record_verify(report.num_mismatched + bad_pages)
-    if report.ok and not bad_pages:
+    stats.record_verify(report.num_mismatched + bad_pages + len(rule_breaks))
+    if report.ok and not bad_pages and not rule_breaks:
         logger.debug("KVFillConnector: verified %d elements and %d state pages", report.num_checked, pages)
         return
     state = f" and {bad_pages} of {pages} state pages" if pages else ""
+    rule = (f"; {len(rule_breaks)} state blocks replay a sequence not recorded at the request's filled length, "
+            f"first: {list(rule_breaks)[:3]}" if rule_breaks else "")
     msg = (f"KVFillConnector: verify found {report.num_mismatched} of {report.num_checked} "
-           f"elements{state} mismatched after the fill, first: {(report.first or first_pages)[:3]}")
+           f"elements{state} mismatched after the fill, first: {(report.first or first_pages)[:3]}{rule}")
     if verify == "raise":
         raise RuntimeError(msg)
     logger.error(msg)

@@ -1108,6 +1108,24 @@ def test_verify_reads_every_replayed_state_page_back(tmp_path, monkeypatch):
         h.step()
 
 
+def test_verify_checks_each_state_blocks_sequence_against_the_rule(tmp_path, monkeypatch):
+    """verify: raise also checks that a state block replays the sequence
+    recorded at exactly the request's filled length (issue 38): a scheduler
+    that picked another sequence (here the 40-position one for a 30-token
+    fill: the state after ten other tokens) is an error naming the request."""
+    from kvfill.bank.index import BankIndex
+
+    h, _ = _hybrid_harness(tmp_path, verify="raise")
+    h.add("a", list(range(200, 230)) + [5])  # its own sequence: 1, recorded at 30
+    h.step()
+    monkeypatch.setattr(BankIndex, "state_sequence", lambda self, ids, n: 0)  # sequence 0: recorded at 40
+    h.add("b", list(range(200, 230)) + [6])
+    with pytest.raises(RuntimeError, match=r"1 state blocks replay a sequence not recorded at the request's filled "
+                                           r"length, first: \['request b: state of sequence 0 \(recorded at 40 "
+                                           r"positions\), filled 30'\]"):
+        h.step()
+
+
 def test_vllms_v2_runner_drives_the_fill_through_its_connector_helper(tmp_path):
     """vLLM's V2 model runner (the GPU default) calls connectors through
     ``v1/worker/gpu/kv_connector.ActiveKVConnector``: ``pre_forward`` binds
