@@ -110,6 +110,25 @@ def machine_info(device) -> dict:
     return info
 
 
+def cpu_features() -> dict:
+    """The CPU's model name and the features vLLM CPU picks kernels and
+    state dtypes by (``avx512_bf16``: float32 gated delta-net state unless
+    asked otherwise; ``amx_bf16``), from /proc/cpuinfo where there is one."""
+    name, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name":
+                    name = value.strip()
+                elif key.strip() == "flags":
+                    flags = set(value.split())
+                    break
+    except OSError:
+        pass
+    return {"cpu": name, **{flag: flag in flags for flag in ("avx512_bf16", "amx_bf16")}}
+
+
 def gbps(nbytes, seconds):
     return nbytes / seconds / 1e9 if seconds > 0 else math.inf
 

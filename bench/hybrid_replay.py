@@ -38,7 +38,8 @@ import json
 import os
 import sys
 
-from kvfill.bench.common import child_result, print_result, run_child, run_each, table
+from kvfill.bank import Bank
+from kvfill.bench.common import child_result, cpu_features, print_result, run_child, run_each, table
 from kvfill.bench.models import HYBRID_KINDS, make_hybrid_model
 from kvfill.bench.parallel_replay import child_env as _parallel_env
 from kvfill.bench.replay_e2e import compare, decoys, greedy_rows, prompt_ids
@@ -104,18 +105,35 @@ def _prefix_hits(llm) -> int | None:
     return None
 
 
+def write_nested_prompts(path: str, lengths: list[int], seed: int) -> None:
+    """Prompts of ``lengths`` words (one token each), each the first words
+    of the longest: every shorter prompt begins the longer ones."""
+    import random
+
+    r = random.Random(seed)
+    words = [f"w{r.randrange(3, 1000)}" for _ in range(max(lengths))]
+    with open(path, "w") as f:
+        for n in lengths:
+            f.write(" ".join(words[:n]) + "\n")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--kind", choices=HYBRID_KINDS, default="gdn")
     p.add_argument("--prompt-lens", type=int, nargs="+", default=[150, 230, 310], metavar="N")
     p.add_argument("--output-len", type=int, default=10)
-    p.add_argument("--ssm-dtype", default="auto", help="vLLM's --mamba-ssm-cache-dtype (auto: the model's)")
+    p.add_argument("--ssm-dtype", default="auto",
+                   help="vLLM's --mamba-ssm-cache-dtype (auto: vLLM's choice - the model's dtype, or float32 on a CPU "
+                        "with AVX-512 BF16; there a bf16 state needs bfloat16 here, and only gated delta-net keeps it)")
     p.add_argument("--dtype", default="bfloat16", help="the model's dtype (vLLM CPU runs gated delta-net in bf16 "
                                                        "only; short_conv runs float32 too)")
     p.add_argument("--runs", nargs="+", choices=RUNS, default=list(RUNS),
                    help="prefill (the reference) or, where vLLM's own prefill fails, prefill_split")
     p.add_argument("--prefix-caching", action="store_true",
                    help="prefill and replay with vLLM's prefix caching (mamba_cache_mode align)")
+    p.add_argument("--nested", action="store_true",
+                   help="each prompt begins with the one before it (multi-turn chat: turn k+1 begins with turn k); "
+                        "each recorded prompt must replay its own state, not a longer one's")
     p.add_argument("--shared-prefix", type=int, default=0, metavar="K",
                    help="with --prefix-caching: before the prompts, decoys sharing their first K tokens")
     p.add_argument("--record-tp", type=int, default=1, help="the recording's tensor parallel size")
@@ -138,7 +156,10 @@ def main(argv=None) -> int:
     os.makedirs(out_dir, exist_ok=True)
     a.prompts_file = os.path.join(out_dir, "prompts.txt")
     a.bank = os.path.join(out_dir, "bank.safetensors")
-    write_prompts(a.prompts_file, a.prompt_lens, seed=1)
+    if a.nested:
+        write_nested_prompts(a.prompts_file, a.prompt_lens, seed=1)
+    else:
+        write_prompts(a.prompts_file, a.prompt_lens, seed=1)
     lengths = [len(t) for t in prompt_ids(a.model, a.prompts_file)]
     flags = ["--mamba-ssm-cache-dtype", a.ssm_dtype] if a.ssm_dtype != "auto" else []
     rec = run_child([sys.executable, "-m", "kvfill.record", "--model", a.model, "--prompts", a.prompts_file,
@@ -146,6 +167,9 @@ def main(argv=None) -> int:
                      "--tensor-parallel-size", str(a.record_tp), "--enforce-eager", *flags], "recording", timeout=900,
                     env=child_env(a.record_tp))
     print(next(line for line in rec.stdout.splitlines() if line.startswith("wrote")), flush=True)
+    # what vLLM ran the state in, read off the bank (vLLM CPU picks it by CPU feature when --ssm-dtype is auto)
+    states = Bank.load(a.bank).states
+    state_dtypes = sorted({str(t.dtype).removeprefix("torch.") for ts in states.values() for t in ts})
     runs = [r for r in RUNS if r in a.runs]
     if not {"prefill", "prefill_split"} & set(runs):
         p.error("--runs needs a reference: prefill or prefill_split")
@@ -170,7 +194,8 @@ def main(argv=None) -> int:
           f"{ {r: results[r].get('prefix_cache_hit_tokens') for r in runs if r != 'prefill_split'} }"
           if a.prefix_caching else "")
     print(f"\n{len(lengths)} prompts of {lengths} tokens, {a.output_len} greedy tokens; {os.path.basename(a.model)} "
-          f"({a.dtype}, recurrent state {a.ssm_dtype}), TP {a.tp}; bank recorded at TP {a.record_tp}{pc}")
+          f"({a.dtype}, --ssm-dtype {a.ssm_dtype}: state tensors {'/'.join(state_dtypes)} on "
+          f"{cpu_features()['cpu']}), TP {a.tp}; bank recorded at TP {a.record_tp}{pc}")
     print(f"reference: {ref}" + (" (vLLM's own prefill not run)" if ref != "prefill" else ""))
     print(table(rows, ["run", "tokens_equal_to_prefill", "prompts_identical", "max_abs_logprob_diff"]))
     by = {r["run"]: r for r in rows}
@@ -191,7 +216,9 @@ def main(argv=None) -> int:
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"args": {k: v for k, v in vars(a).items() if k != "only"}, "prompt_tokens": lengths,
-                       "rows": rows, "outputs": results}, f, indent=1)
+                       "state_dtypes": {n: [str(t.dtype).removeprefix("torch.") for t in ts]
+                                        for n, ts in sorted(states.items())},
+                       "machine": cpu_features(), "rows": rows, "outputs": results}, f, indent=1)
     print(claim if ok else "CLAIM NOT MET")
     return 0 if ok else 1
 

@@ -24,31 +24,39 @@ def test_a_gated_delta_net_hybrid_recorded_with_its_state_replays_real_prefill(t
     (conv [3, q+k+v = 1024 channels] and recurrent [4 heads, 128, 128], in
     the dtypes vLLM's engine config picks on this CPU: bf16 conv state, and
     recurrent state in float32 where vLLM CPU's accelerated gated delta-net
-    runs (AVX-512 BF16) and bf16 elsewhere).
+    runs (AVX-512 BF16) and bf16 elsewhere).  The prompts are nested, as a
+    multi-turn chat's (48 tokens, the same plus one, then 80 beginning with
+    both): each recorded prompt replays its own state, not the longer
+    one's that covers more of it (issue 38).
     Replay's greedy tokens equal real prefill's split as the fill splits it
     (first N - 1 tokens, then the last), every written row and state page
-    verified; a synthetic fill (zero state) differs from the first token.
+    verified, each state block's sequence by the rule; a synthetic fill
+    (zero state) differs from the first token.
     Mamba-2 (a tiny Granite-4-H) and TP 2: ``bench/hybrid_replay.py``."""
     from kvfill.bank import Bank
     from kvfill.bench import hybrid_replay
 
     out = tmp_path / "hybrid.json"
-    rc = hybrid_replay.main(["--prompt-lens", "48", "80", "--output-len", "5", "--out-dir", str(tmp_path / "run"),
-                             "--json", str(out)])
-    rows = {r["run"]: r for r in json.loads(out.read_text())["rows"]}
+    rc = hybrid_replay.main(["--nested", "--prompt-lens", "48", "49", "80", "--output-len", "5",
+                             "--runs", "prefill_split", "replay", "normal",
+                             "--out-dir", str(tmp_path / "run"), "--json", str(out)])
+    report = json.loads(out.read_text())
+    rows = {r["run"]: r for r in report["rows"]}
     assert rc == 0, rows
-    assert rows["replay vs prefill_split"]["tokens_equal_to_prefill"] == "10/10"
-    assert rows["replay vs prefill_split"]["max_abs_logprob_diff"] <= 1e-3
-    assert rows["normal"]["per_prompt"] == [0, 0]
+    assert rows["replay"]["tokens_equal_to_prefill"] == "15/15", rows  # against prefill_split, the reference
+    assert rows["replay"]["max_abs_logprob_diff"] <= 1e-3
+    assert rows["normal"]["per_prompt"] == [0, 0, 0]
     bank = Bank.load(tmp_path / "run" / "bank.safetensors")
-    assert bank.lengths == (47, 79) and sorted(bank.states) == STATE_LAYERS
-    config = engine_config(json.loads(out.read_text())["args"]["model"])
+    assert bank.lengths == (47, 48, 79) and sorted(bank.states) == STATE_LAYERS
+    config = engine_config(report["args"]["model"])
     conv, recurrent = state_dtypes(config)
     for name in STATE_LAYERS:
-        assert [(tuple(t.shape), t.dtype) for t in bank.states[name]] == [((2, 3, 1024), conv),
-                                                                          ((2, 4, 128, 128), recurrent)]
+        assert [(tuple(t.shape), t.dtype) for t in bank.states[name]] == [((3, 3, 1024), conv),
+                                                                          ((3, 4, 128, 128), recurrent)]
+    assert report["state_dtypes"][STATE_LAYERS[0]] == [str(conv).removeprefix("torch."),
+                                                     str(recurrent).removeprefix("torch.")]
     # the recorder's estimate of the state section (vLLM's state shapes) is what was written
-    assert state_bytes_per_sequence(config) * 2 == bank.state_bytes
+    assert state_bytes_per_sequence(config) * 3 == bank.state_bytes
 
 
 def test_a_short_conv_hybrid_recorded_with_its_state_replays_real_prefills_tokens(tmp_path):
@@ -97,6 +105,22 @@ def test_a_budget_the_state_section_exceeds_is_refused_before_any_worker_starts(
     per_sequence = state_bytes_per_sequence(engine_config(model))
     assert f"2 sequences x {per_sequence} B of recurrent state" in with_states, with_states
     assert os.listdir(tmp_path) == ["prompts.txt"]
+
+
+def test_a_recording_asked_for_mamba_cache_mode_align_runs_mode_none_as_vllm_sets_it():
+    """kvfill-record runs without prefix caching, where vLLM sets
+    mamba_cache_mode to none whatever the flag says: the recorder's engine
+    config (built before any worker starts) runs none, so the recording is
+    the one the record role takes (docs/replay.md; issue 38)."""
+    from kvfill.bench.models import make_hybrid_model
+    from kvfill.record.engine_config import check_engine_config, engine_kwargs
+
+    model = make_hybrid_model(os.path.join(ROOT, "out", "tiny-hybrid-gdn"), "gdn")
+    kw = engine_kwargs(model, [[3, 4, 5]], "/nowhere", "bfloat16", "auto", None, 64, {"mamba_cache_mode": "align"},
+                       model, cpu=True)
+    assert kw["mamba_cache_mode"] == "align" and kw["enable_prefix_caching"] is False
+    config = check_engine_config(kw, ["mamba_cache_mode"])
+    assert config.cache_config.mamba_cache_mode == "none"
 
 
 def engine_config(model: str, dtype: str = "bfloat16"):
