@@ -114,7 +114,8 @@ def scenario(name: str, model: str, prompts: str, work: str, node_wait: float = 
     bank = os.path.join(work, f"{name}.safetensors")
     stopped, survivor = (1, 0) if name.startswith("further") else (0, 1)
     procs: dict[int, subprocess.Popen | None] = {0: None, 1: None}
-    tmp = {r: tempfile.mkdtemp(prefix=f"node{r}-", dir=work) for r in (0, 1)}
+    # short paths: vLLM's ZMQ sockets live in the temp folder, at most 107 characters
+    tmp = {r: tempfile.mkdtemp(prefix=f"node{r}-") for r in (0, 1)}
     row = {"scenario": name, "survivor": f"node {survivor}", "triggered": True}
     try:
         if name != "further-never":
