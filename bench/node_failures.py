@@ -57,7 +57,8 @@ def start_node(rank: int, model: str, prompts: str, port: int, out: str, log_pat
              "--enforce-eager", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port),
              "--out", out, "--node-rank", str(rank), "--node-wait", f"{node_wait:g}", *extra]
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": str(rank), "VLLM_CPU_KVCACHE_SPACE": "1",
-           "VLLM_TARGET_DEVICE": "cpu", "TMPDIR": tmpdir}
+           "VLLM_TARGET_DEVICE": "cpu", "TMPDIR": tmpdir,
+           "VLLM_RPC_BASE_PATH": tmpdir}  # vLLM's ZMQ sockets: short paths (at most 107 characters)
     with open(log_path, "w") as log:
         return subprocess.Popen([sys.executable, "-m", "kvfill.record", *flags], env=env, stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True)

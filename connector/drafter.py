@@ -4,8 +4,8 @@ run's checked against it (speculative decoding, docs/replay.md).
 A drafter's KV layers are named by its architecture (an EAGLE head caches as
 ``model.layers.N`` whatever its weights), so a bank recorded with drafter A
 would replay silently into drafter B.  ``drafter_identity`` names a drafter
-by its folder's content - its ``config.json`` and its weight files' names
-and sizes - not its path (a copy elsewhere, on another node, is the same
+by its folder's content - its ``config.json``, its weight files' names and
+sizes and samples of their bytes - not its path (a copy elsewhere, on another node, is the same
 drafter); the recorder writes it beside the recorded speculative config, and
 ``check_drafter`` refuses a serving run whose drafter is another, and warns
 where the rows stay exact but a figure may not (another method name or
@@ -23,10 +23,17 @@ from kvfill.bank import BankError
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
 
 
-def drafter_identity(path: str | None) -> str:
-    """``sha256:<hex>`` of a drafter folder's ``config.json`` and its weight
-    files' names and sizes; "" for no folder (ngram, the target's own MTP
-    layers, a hub name not on this disk)."""
+SAMPLE_BYTES = 1 << 20  # read from each weight file's start, middle and end
+
+
+def drafter_identity(path: str | None, scheme: str = "sampled") -> str:
+    """A drafter folder by content: a digest of its ``config.json`` and its
+    weight files' names, sizes and (``scheme`` "sampled",
+    ``sampled-sha256:<hex>``) 1 MiB of bytes from each file's start, middle
+    and end - two checkpoints of one architecture differ there, and a file
+    of GBs is not read whole; "sizes" (``sha256:<hex>``, banks recorded
+    before) leaves the bytes out.  "" for no folder (ngram, the target's
+    own MTP layers, a hub name not on this disk)."""
     if not path or not os.path.isdir(path):
         return ""
     h = hashlib.sha256()
@@ -36,8 +43,15 @@ def drafter_identity(path: str | None) -> str:
             h.update(f.read())
     for name in sorted(os.listdir(path)):
         if name.endswith(WEIGHT_SUFFIXES):
-            h.update(f"{name}:{os.path.getsize(os.path.join(path, name))};".encode())
-    return "sha256:" + h.hexdigest()
+            file = os.path.join(path, name)
+            size = os.path.getsize(file)
+            h.update(f"{name}:{size};".encode())
+            if scheme == "sampled":
+                with open(file, "rb") as f:
+                    for at in sorted({0, max(0, size // 2 - SAMPLE_BYTES // 2), max(0, size - SAMPLE_BYTES)}):
+                        f.seek(at)
+                        h.update(f.read(SAMPLE_BYTES))
+    return ("sampled-sha256:" if scheme == "sampled" else "sha256:") + h.hexdigest()
 
 
 def check_drafter(meta: Mapping[str, str], spec: Any, source: str) -> list[str]:
@@ -50,10 +64,10 @@ def check_drafter(meta: Mapping[str, str], spec: Any, source: str) -> list[str]:
     if spec is None or not recorded:
         return []
     theirs = meta.get("drafter_identity") or ""
-    ours = drafter_identity(getattr(spec, "model", None))
+    ours = drafter_identity(getattr(spec, "model", None), "sizes" if theirs.startswith("sha256:") else "sampled")
     if theirs and ours and theirs != ours:
         raise BankError(f"{source}: its drafter layers were recorded with drafter {recorded.get('model')!r} "
-                        f"({theirs[:19]}...), this run drafts with {getattr(spec, 'model', None)!r} ({ours[:19]}...), "
+                        f"({theirs[:27]}...), this run drafts with {getattr(spec, 'model', None)!r} ({ours[:27]}...), "
                         f"another drafter (config or weights differ): its draft tokens would read the other's KV. "
                         f"Record the bank with this run's --speculative-config")
     lines = []

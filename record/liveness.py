@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing
+import os
 import signal
 import socket
 import sys
@@ -83,6 +84,7 @@ class NodeWatch:
         self._done = threading.Event()
         self._left = threading.Event()  # the main thread left the watched block
         self._ours = set(multiprocessing.active_children())
+        self.interruptible = False  # the first node's main thread has the SIGUSR2 handler (``watching``)
         self._thread = threading.Thread(target=self._run, name=f"kvfill-node{node}-watch", daemon=True)
 
     def start(self) -> "NodeWatch":
@@ -131,17 +133,22 @@ class NodeWatch:
                            f"--node-wait {self.wait_s:g} s (not started, or it failed at its own input checks: "
                            f"its error says why); this node's workers stopped")
             return
-        key = beat_key(self.node)
-        try:
-            self.store = store_client(*self.head)
-            while not self._done.is_set():
+        key, failing = beat_key(self.node), None
+        while not self._done.is_set():
+            try:
+                if self.store is None:
+                    self.store = store_client(*self.head)
                 self.store.add(key, 1)
-                self._done.wait(BEAT_S)
-        except Exception:  # the store is gone: the first node's engine stopped, or it ended the recording
-            if self._done.is_set() or self.ended.wait(GRACE_S):
-                return
-            self._lost(f"node {self.node}: the first node's engine at {self._where()} stopped before it ended the "
-                       f"recording (its own error says why); this node's workers stopped")
+                failing = None
+            except Exception:  # a slow store, or none: the first node's engine stopped or ended the recording
+                self.store, failing = None, failing or time.monotonic()
+                gone = not listening(*self.head) or time.monotonic() - failing > LOST_AFTER_S
+                if gone and not self._done.is_set() and not self.ended.wait(GRACE_S):
+                    return self._lost(f"node {self.node}: the first node's engine at {self._where()} stopped before "
+                                      f"it ended the recording (its own error says why); this node's workers stopped")
+                if gone:
+                    return
+            self._done.wait(BEAT_S)
 
     def _watch_further_nodes(self) -> None:
         if not self._wait_for_store(None):
@@ -156,8 +163,12 @@ class NodeWatch:
                     count = self.store.add(beat_key(node), 0)
                     last_word = self.store.get(gone_key(node)).decode() if self.store.check([gone_key(node)]) \
                         else None
-                except Exception:  # this node's own store is gone: its own engine failed, and says why
-                    return
+                except Exception:  # a slow store: watched on; none: its own engine failed, and says why
+                    if not listening(*self.head):
+                        return
+                    with contextlib.suppress(Exception):
+                        self.store = store_client(*self.head)
+                    break
                 if last_word is not None:
                     return self._lost(f"node {node} of {self.nnodes} left the recording ({last_word}); "
                                       f"nothing written, this node's workers stopped")
@@ -173,15 +184,25 @@ class NodeWatch:
                                       f"nothing written, this node's workers stopped")
 
     def _lost(self, reason: str) -> None:
+        """Stop this node's workers - again each half second while the block
+        runs, for those vLLM starts meanwhile - and on the first node
+        interrupt its main thread every ``INTERRUPT_AFTER_S`` until it leaves
+        the block (one interrupt may land while vLLM handles an error of its
+        own, where the handler lets it be)."""
         if self._done.is_set():
             return
         self.reason = reason
         self.log(f"kvfill-record: stopping: {reason}")
-        for proc in set(multiprocessing.active_children()) - self._ours:
-            with contextlib.suppress(Exception):
-                proc.kill()
-        if self.node == 0 and not self._left.wait(INTERRUPT_AFTER_S):
-            signal.pthread_kill(threading.main_thread().ident, signal.SIGUSR2)
+        last = time.monotonic()
+        while True:
+            for proc in set(multiprocessing.active_children()) - self._ours:
+                with contextlib.suppress(Exception):
+                    proc.kill()
+            if self._left.wait(0.5):
+                return
+            if self.interruptible and time.monotonic() - last >= INTERRUPT_AFTER_S:
+                last = time.monotonic()
+                signal.pthread_kill(threading.main_thread().ident, signal.SIGUSR2)
 
 
 @contextlib.contextmanager
@@ -201,18 +222,29 @@ def watching(llm_kwargs: dict, wait_s: float, log=print, ended: threading.Event 
     previous = None
 
     def interrupt(signum, frame):
+        if watch.reason is None:  # not the watch's: whoever else sent it gets what they would have
+            if callable(previous):
+                previous(signum, frame)
+            elif previous == signal.SIG_DFL:
+                signal.signal(signal.SIGUSR2, signal.SIG_DFL)
+                os.kill(os.getpid(), signal.SIGUSR2)
+            return
         if not watch._left.is_set() and sys.exc_info()[1] is None:  # not while vLLM's failure unwinds
-            raise NodeLost(watch.reason or f"node {node}: interrupted by the watch of the other nodes")
+            raise NodeLost(watch.reason)
 
     if main and node == 0:
         previous = signal.signal(signal.SIGUSR2, interrupt)
+        watch.interruptible = True
     watch.start()
     try:
         yield watch
-    except BaseException as exc:
+    except Exception as exc:  # a signal (KeyboardInterrupt, SystemExit) stays what it is
         watch.stop(gone=_why(exc))
         if watch.reason is not None and not isinstance(exc, NodeLost):
             raise NodeLost(watch.reason) from exc
+        raise
+    except BaseException as exc:
+        watch.stop(gone=_why(exc))
         raise
     finally:
         watch.stop()

@@ -14,7 +14,7 @@ import threading
 from .engine import _private_tempdir
 from .engine_config import check_engine_config, engine_kwargs, given_flags, vllm_failed
 from .inputs import RecordError
-from .liveness import NODE_WAIT_S, watching
+from .liveness import NODE_WAIT_S, NodeLost, watching
 from .transfer import drop_parts
 
 
@@ -72,8 +72,11 @@ def host_workers(model, token_ids, dtype, kv_cache_dtype, block_size, max_model_
                         f"{config.parallel_config.master_port} (waiting up to --node-wait {node_wait:g} s for it)")
                     executor = MultiprocExecutor(config, monitor_workers=False)
                     sentinels = [w.proc.sentinel for w in executor.workers]
-                    while not ended.is_set() and not multiprocessing.connection.wait(sentinels, timeout=0.2):
+                    while not ended.is_set() and watch.reason is None and \
+                            not multiprocessing.connection.wait(sentinels, timeout=0.2):
                         pass
+                    if watch.reason is not None:
+                        raise NodeLost(watch.reason)
                     if not ended.is_set():
                         raise RecordError(f"node {node}: a worker of this node stopped before the first node ended "
                                           f"the recording (vLLM's log above says why; the first node's error names "

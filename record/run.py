@@ -57,13 +57,15 @@ def run_vllm(model, token_ids, record_dir, dtype, kv_cache_dtype, block_size, ma
     params = SamplingParams(max_tokens=1, ignore_eos=True, detokenize=False, temperature=0.0)
     try:
         with watching(llm_kwargs, node_wait, log) as watch, llm_engine(**kw) as llm:
-            tail = state_tail(llm.llm_engine.vllm_config)
-            sent = without_tail(token_ids, tail)
-            llm.generate([TokensPrompt(prompt_token_ids=t) for t in sent], params, use_tqdm=False)
-            fetched = fetch_parts(llm, record_dir)
-            if watch is not None:
-                watch.stop()  # the other nodes leave now, as told
-            end_nodes(llm, rpc_end_node)
+            try:
+                tail = state_tail(llm.llm_engine.vllm_config)
+                sent = without_tail(token_ids, tail)
+                llm.generate([TokensPrompt(prompt_token_ids=t) for t in sent], params, use_tqdm=False)
+                fetched = fetch_parts(llm, record_dir)
+            finally:  # success, or a failure already named: what the other nodes do meanwhile is theirs
+                if watch is not None:
+                    watch.stop()
+            end_nodes(llm, rpc_end_node)  # the other nodes leave now, as told
             config = llm.llm_engine.vllm_config
     except NodeLost:
         drop_parts(record_dir)  # its workers were killed: they could not drop theirs

@@ -22,10 +22,15 @@ if _WORKER:
     _WORKER_TMP = os.path.join(tempfile.gettempdir(), f"kvfill-tests-{_WORKER}-{os.getpid()}")
     os.makedirs(_WORKER_TMP, exist_ok=True)
     os.environ["TMPDIR"] = tempfile.tempdir = _WORKER_TMP
-# Inductor's cache (compiled engines) stays put while a test's temp folder is its own (nothing_left).
+    # vLLM's ZMQ sockets (at most 107 characters) stay out of a test's deeper temp folder (nothing_left)
+    os.environ.setdefault("VLLM_RPC_BASE_PATH", _WORKER_TMP)
+# Inductor's cache (compiled engines) stays put while a test's temp folder is its own (nothing_left):
+# torch's own default place, named before a test changes the temp folder.
+import getpass  # noqa: E402
 import tempfile as _tempfile  # noqa: E402
 
-os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(_tempfile.gettempdir(), "torchinductor-kvfill"))
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(_tempfile.gettempdir(),
+                                                              f"torchinductor_{getpass.getuser()}"))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -468,3 +468,31 @@ def test_a_bank_recorded_with_another_drafter_is_refused_and_another_method_or_k
         check_drafter(meta, SimpleNamespace(method="eagle", model=str(b), num_speculative_tokens=3), "b.st")
     [line] = check_drafter(meta, SimpleNamespace(method="eagle", model=str(a), num_speculative_tokens=5), "b.st")
     assert "recorded with speculative num_speculative_tokens 3, this run has 5" in line
+
+
+def test_two_checkpoints_of_one_architecture_are_two_drafters_and_older_banks_keep_their_identity(tmp_path):
+    """Same config.json, same weight file names and sizes, other bytes (two
+    trainings of one head): another drafter, by the sampled bytes.  A bank
+    recorded before names its drafter by sizes alone (``sha256:``); it is
+    compared that way, not refused for the scheme."""
+    import json
+    from types import SimpleNamespace
+
+    from kvfill.connector.drafter import SAMPLE_BYTES, check_drafter, drafter_identity
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    for path, fill in ((a, 1), (b, 2)):
+        path.mkdir()
+        (path / "config.json").write_text('{"architectures": ["EagleLlamaForCausalLM"]}')
+        data = bytearray(3 * SAMPLE_BYTES)
+        data[SAMPLE_BYTES * 3 // 2] = fill  # one byte in the middle sample
+        (path / "model.safetensors").write_bytes(bytes(data))
+    assert drafter_identity(str(a)).startswith("sampled-sha256:")
+    assert drafter_identity(str(a)) != drafter_identity(str(b))
+    assert drafter_identity(str(a), "sizes") == drafter_identity(str(b), "sizes")
+    spec = SimpleNamespace(method="eagle", model=str(b), num_speculative_tokens=3)
+    recorded = json.dumps({"method": "eagle", "model": str(a), "num_speculative_tokens": 3})
+    with pytest.raises(BankError, match=r"another drafter"):
+        check_drafter({"speculative_config": recorded, "drafter_identity": drafter_identity(str(a))}, spec, "b.st")
+    older = {"speculative_config": recorded, "drafter_identity": drafter_identity(str(a), "sizes")}
+    assert older["drafter_identity"].startswith("sha256:") and check_drafter(older, spec, "b.st") == []

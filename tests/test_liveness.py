@@ -50,8 +50,8 @@ def until(predicate, limit: float) -> float:
 
 def worker():
     """A stand-in for one of this node's vLLM workers: blocked forever."""
-    multiprocessing.get_context("spawn").Process(target=time.sleep, args=(600,), daemon=True).start()
-    child = multiprocessing.active_children()[-1]
+    child = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(600,), daemon=True)
+    child.start()
     return child
 
 
@@ -167,3 +167,47 @@ def test_an_error_of_vllms_after_a_node_went_away_is_reported_as_that_node_gone(
 def test_one_node_is_not_watched():
     with watching({"tensor_parallel_size": 2}, 60) as watch:
         assert watch is None
+
+
+def test_the_interrupt_is_sent_again_while_it_lands_where_vllm_handles_an_error_of_its_own(fast):
+    """An interrupt that arrives inside an ``except`` clause (vLLM's own
+    error handling) is let be; the watch sends it again until it lands."""
+    store = first_node_store()
+    kwargs = {"nnodes": 2, "node_rank": 0, "master_addr": "127.0.0.1", "master_port": store.port}
+    start = time.monotonic()
+    with pytest.raises(NodeLost):
+        with watching(kwargs, 0.2, log=lambda m: None):
+            while time.monotonic() - start < 20:
+                try:
+                    raise TimeoutError
+                except TimeoutError:
+                    time.sleep(0.1)  # half the time inside an except clause
+                time.sleep(0.1)
+    assert time.monotonic() - start < 15
+
+
+def test_a_sigusr2_from_someone_else_reaches_their_handler_not_the_watchs(fast):
+    import os
+    import signal
+
+    store = first_node_store()
+    kwargs = {"nnodes": 2, "node_rank": 0, "master_addr": "127.0.0.1", "master_port": store.port}
+    got = []
+    previous = signal.signal(signal.SIGUSR2, lambda signum, frame: got.append(signum))
+    try:
+        with watching(kwargs, 30, log=lambda m: None) as watch:
+            os.kill(os.getpid(), signal.SIGUSR2)  # a job scheduler's warning, say
+            time.sleep(0.2)
+            assert watch.reason is None
+    finally:
+        signal.signal(signal.SIGUSR2, previous)
+    assert got == [signal.SIGUSR2]
+
+
+def test_a_signal_stays_a_signal_when_a_node_is_gone_meanwhile(fast):
+    """Ctrl-C is the user's: it exits as an interruption, not as the node gone."""
+    kwargs = {"nnodes": 2, "node_rank": 1, "master_addr": "127.0.0.1", "master_port": free_port()}
+    with pytest.raises(KeyboardInterrupt):
+        with watching(kwargs, 0.2, log=lambda m: None) as watch:
+            until(lambda: watch.reason is not None, 5)
+            raise KeyboardInterrupt
