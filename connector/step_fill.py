@@ -72,6 +72,7 @@ def state_rule_breaks(selections, planner: Planner, lengths) -> list[str]:
                 if int(lengths[s]) != max(ends):
                     breaks.append(f"request {sel.req_id}: state of sequence {s} (recorded at {int(lengths[s])} "
                                   f"positions), filled {max(ends)}")
+                break  # one line per request: its state groups share the sequence
     return breaks
 
 

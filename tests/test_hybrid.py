@@ -25,9 +25,10 @@ def test_a_gated_delta_net_hybrid_recorded_with_its_state_replays_real_prefill(t
     the dtypes vLLM's engine config picks on this CPU: bf16 conv state, and
     recurrent state in float32 where vLLM CPU's accelerated gated delta-net
     runs (AVX-512 BF16) and bf16 elsewhere).  The prompts are nested, as a
-    multi-turn chat's (48 tokens, the same plus one, then 80 beginning with
-    both): each recorded prompt replays its own state, not the longer
-    one's that covers more of it (issue 38).
+    multi-turn chat's (80 tokens, then its first 49 and its first 48, the
+    longest recorded first): each recorded prompt replays its own state, not
+    the longer one's that covers as much of it (issue 38; with the old rule
+    verify names the requests given sequence 0's state).
     Replay's greedy tokens equal real prefill's split as the fill splits it
     (first N - 1 tokens, then the last), every written row and state page
     verified, each state block's sequence by the rule; a synthetic fill
@@ -37,7 +38,7 @@ def test_a_gated_delta_net_hybrid_recorded_with_its_state_replays_real_prefill(t
     from kvfill.bench import hybrid_replay
 
     out = tmp_path / "hybrid.json"
-    rc = hybrid_replay.main(["--nested", "--prompt-lens", "48", "49", "80", "--output-len", "5",
+    rc = hybrid_replay.main(["--nested", "--prompt-lens", "80", "49", "48", "--output-len", "5",
                              "--runs", "prefill_split", "replay", "normal",
                              "--out-dir", str(tmp_path / "run"), "--json", str(out)])
     report = json.loads(out.read_text())
@@ -47,7 +48,7 @@ def test_a_gated_delta_net_hybrid_recorded_with_its_state_replays_real_prefill(t
     assert rows["replay"]["max_abs_logprob_diff"] <= 1e-3
     assert rows["normal"]["per_prompt"] == [0, 0, 0]
     bank = Bank.load(tmp_path / "run" / "bank.safetensors")
-    assert bank.lengths == (47, 48, 79) and sorted(bank.states) == STATE_LAYERS
+    assert bank.lengths == (79, 48, 47) and sorted(bank.states) == STATE_LAYERS
     config = engine_config(report["args"]["model"])
     conv, recurrent = state_dtypes(config)
     for name in STATE_LAYERS:
