@@ -29,23 +29,17 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 
 from kvfill.bench.common import cpu_features, table, write_json
+from kvfill.bench.serve import free_port
 
 LEFTOVERS = ("vllm_dist_*", "kvfill-record-*", "kvfill-parts-*")  # what a node's run must not leave in its temp folder
 TRIGGER = "KVFillConnector: recording each prompt's positions"  # node 0's worker is up: node 1 has joined
 SCENARIOS = ("further-killed", "further-stopped", "first-killed", "first-stopped", "first-never", "further-never")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_node(rank: int, model: str, prompts: str, port: int, out: str, log_path: str, node_wait: float,

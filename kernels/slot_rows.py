@@ -73,8 +73,8 @@ def value_source(c: LaunchClass, t: LayerTensor, rows: SlotRows,
         start = (first[sequence] + local % length[sequence]) * t.bank.shape[1] + t.elem_offset
         return t.bank.reshape(-1), torch.from_numpy(start).to(t.bank.device)
     if c.mode == V.NORMAL:
-        bits = c.part.pool_bits if c.part is not None else V.POOL_BITS
-        return c.table, torch.from_numpy(V.row_offsets(t.key, position, t.elem_offset, bits)).to(c.table.device)
+        offsets = V.row_offsets(t.key, position, t.elem_offset, V.pool_bits(c.part))
+        return c.table, torch.from_numpy(offsets).to(c.table.device)
     return c.table, None
 
 

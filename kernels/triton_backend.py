@@ -108,7 +108,7 @@ class TritonBackend(FillBackend):
         triton_fill.launch_fill(entries, self.layer_table[cl.layer_rows], cl.ref, cl.layer_align, cl.table, c.layout,
                                 c.mode, self.registry.groups[c.group].dcp, cl.bank_row, cl.bank_align,
                                 self.registry.bank_sequences if c.mode == V.REPLAY else None,
-                                c.part.pool_bits if c.part is not None else V.POOL_BITS)
+                                V.pool_bits(c.part))
 
     def fill(self, plan: Mapping[str, GroupFill]) -> int:
         # One upload of the whole plan: int32 [n, 4] ([n, 5] with replay

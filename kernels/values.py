@@ -125,6 +125,12 @@ PART_DTYPES = FLOAT_DTYPES + (torch.float4_e2m1fn_x2,)  # float4: e2m1 pairs (pa
 PARTS_POOL_BITS = 22
 
 
+def pool_bits(part: "PartValues | None") -> int:
+    """The value table's size, ``2**pool_bits``, of a packed row's part
+    (its own) or of whole rows (None: ``POOL_BITS``)."""
+    return part.pool_bits if part is not None else POOL_BITS
+
+
 @dataclass(frozen=True)
 class PartValues:
     """How one part of a packed token row encodes values - the rows vLLM's
@@ -312,7 +318,7 @@ def value_table(
         else:
             table = host_table(mode, float(mean), float(std), vdtype, itemsize)
         if (mode == NORMAL or part is not None) and max_row > 1:
-            pool = 1 << (part.pool_bits if part is not None else POOL_BITS)
+            pool = 1 << pool_bits(part)
             reps = -(-(pool + max_row - 1) // pool)
             table = table.repeat(reps)[: pool + max_row - 1]
         table = table.to(device)

@@ -61,8 +61,8 @@ def engine_kwargs(model, token_ids, record_dir, dtype, kv_cache_dtype, block_siz
         kw["block_size"] = block_size
     kw.update(llm_kwargs)
     extra = kw["kv_transfer_config"]["kv_connector_extra_config"]
-    extra["record_flags"] = engine_flags(kw)
-    extra["record_engine"] = engine_digest(kw)
+    extra["record_flags"] = flags = engine_flags(kw)  # the drafter's content hashed once
+    extra["record_engine"] = engine_digest(flags)
     return kw
 
 
@@ -97,12 +97,12 @@ def _drafter_by_content(value):
     return value
 
 
-def engine_digest(kw: dict) -> str:
+def engine_digest(flags: dict[str, str]) -> str:
     """A digest of the recording's engine flags (``engine_flags``): every
     node's kvfill-record computes it from its own command line, and the
     first node refuses a node whose digest differs - its workers would run
     another model shape, length or numerics."""
-    text = json.dumps(engine_flags(kw), sort_keys=True)
+    text = json.dumps(flags, sort_keys=True)
     return "sha256:" + hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

@@ -131,7 +131,7 @@ def check_out(out: str) -> None:
                           f"recorder can write the bank (and its work folder) in")
 
 
-def check_nodes(llm_kwargs: dict, node_wait: float = 120.0) -> None:
+def check_nodes(llm_kwargs: dict, node_wait: float) -> None:
     """``--node-rank`` names a node of a recording over ``--nnodes`` > 1
     nodes: without it a further node would start workers that join whatever
     listens at the default master address.  ``--node-wait``: seconds > 0."""
