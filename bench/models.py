@@ -11,7 +11,9 @@ The real trained model (SmolLM2-135M-Instruct) and real English prompts are
 """
 from __future__ import annotations
 
+import json
 import os
+import random
 
 MODEL_LAYERS, KV_HEADS, HEAD_DIM = 4, 8, 128
 
@@ -164,6 +166,66 @@ def make_config_only(path: str) -> str:
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(TINY_LLAMA_CONFIG, f)
     return make_tokenizer(path)
+
+
+# The tiny Mixtral (make_moe_model) and its topic prompts (make_topic_prompts).
+MOE_LAYERS, MOE_HIDDEN, MOE_EXPERTS, MOE_TOP_K, MOE_HEADS, MOE_HEAD_DIM, TOPIC_WORDS = 4, 256, 8, 2, 4, 64, 32
+
+
+def make_moe_model(path: str, init_std: float, shared: float) -> str:
+    """A random-weight Mixtral saved to ``path`` (float32, created once): 4
+    layers, hidden 256, 8 experts top-2, 4 KV heads x 64, weights normal(0,
+    ``init_std``), and one random vector of the same scale, times ``shared``,
+    added to every token embedding.  That shared direction stands in for the
+    common direction of a trained model's hidden states (they are
+    anisotropic): without it a random router sees isotropic inputs and
+    spreads any context's decode tokens evenly over the experts, so the load
+    cannot tell one KV from another.  The two values are kept in ``path/moe_recipe.json``;
+    a folder made with other values is an error."""
+    recipe = {"init_std": init_std, "shared_embedding": shared}
+    recipe_file = os.path.join(path, "moe_recipe.json")
+    if os.path.exists(os.path.join(path, "config.json")):
+        if os.path.exists(recipe_file):
+            with open(recipe_file) as f:
+                made = json.load(f)
+            if made != recipe:
+                raise SystemExit(f"{path} was made with {made}, not the requested {recipe}; remove it, pass "
+                                 f"those values, or give another --model")
+        return path
+    import torch
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    cfg = MixtralConfig(
+        vocab_size=1024, hidden_size=MOE_HIDDEN, intermediate_size=512, num_hidden_layers=MOE_LAYERS,
+        num_attention_heads=MOE_HEADS, num_key_value_heads=MOE_HEADS, head_dim=MOE_HEAD_DIM,
+        num_local_experts=MOE_EXPERTS, num_experts_per_tok=MOE_TOP_K, max_position_embeddings=4096,
+        initializer_range=init_std,
+    )
+    model = MixtralForCausalLM(cfg).to(torch.float32)
+    with torch.no_grad():
+        model.model.embed_tokens.weight += shared * init_std * torch.randn(MOE_HIDDEN)
+    model.save_pretrained(path)
+    with open(recipe_file, "w") as f:
+        json.dump(recipe, f)
+    return path
+
+
+def make_topic_prompts(n: int, length: int, seed: int) -> list[str]:
+    """Topic prompts of ``length`` words: each a phrase of 4-16 words from a
+    topic of 32, repeated with a fifth of the words swapped for other words
+    of the topic - prompts differ from each other (uniform random words
+    average out to one context)."""
+    r = random.Random(seed)
+    prompts = []
+    for _ in range(n):
+        topic = r.sample(range(3, 1024), TOPIC_WORDS)
+        phrase = [r.choice(topic) for _ in range(r.randint(4, 16))]
+        words: list[int] = []
+        while len(words) < length:
+            words += [w if r.random() >= 0.2 else r.choice(topic) for w in phrase]
+        prompts.append(" ".join(f"w{w}" for w in words[:length]))
+    return prompts
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ import pathlib
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-PACKAGES = ("kernels", "connector", "record", "bank", "bench")
+PACKAGES = ("kernels", "connector", "record", "bank", "bench", "check")
 MAX_FILE_LINES = 350
 MAX_CLASS_LINES = 200
 

@@ -1,0 +1,14 @@
+"""kvfill-check (``python -m kvfill.check``): is a synthetic KV fill good
+enough for a decode benchmark of this model, these prompts and these serving
+flags, or is replay needed?
+
+It runs real prefill, replay and the synthetic fills with the same vLLM
+engine flags, one engine per run, and reports each fill against real
+prefill (docs/replay.md, "Is my benchmark valid?").
+
+- ``cli.py``: the command line (vLLM's engine flags plus the check's) and each run's engine arguments.
+- ``runner.py``: the one runner: the recording, real prefill, the split reference and each fill, each a process.
+- ``child.py``: one step in its process; ``measure.py``: what a run measures; ``probes.py``: its hooks in vLLM.
+- ``compare.py``: the one comparison, with real prefill's own floors.
+- ``report.py``: the one report writer: verdicts, JSON, Markdown, PNG.
+"""

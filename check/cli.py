@@ -1,0 +1,162 @@
+"""kvfill-check's command line: vLLM's engine flags (parsed as ``vllm serve``
+parses them, with kvfill-record's parser) plus the check's own.
+
+Every engine flag the user gives goes to every run's engine, and to the
+recording where it records the same model the same way; the check sets the
+rest (``engine_kwargs``): eager (vLLM's router hooks do not fire in a
+compiled graph; ``--no-enforce-eager`` compiles and leaves expert load
+unmeasured), prefix caching off, stats on (vLLM's counters and timestamps
+are the measurements), one batch of every prompt, seed 0, and one
+``--max-model-len`` for the recording and every run (vLLM CPU's attention
+rounds differently with another).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Sequence
+
+from vllm.engine.arg_utils import EngineArgs
+
+from kvfill.record.cli import RecordArgumentParser, _check_engine_args, _require_model, parse
+
+USAGE = "kvfill-check --model MODEL --prompts FILE [--bank BANK] [--out DIR] [check options] [vLLM engine options]"
+FILLS = ("replay", "normal", "constant", "zeros")
+IN_TREE_CONSTANT = 0.015  # vLLM's DecodeBenchConnector's fill
+
+# The check's engine flags against a user's: a flag here is refused, naming why.
+REFUSED = {
+    "kv_transfer_config": "the check sets each run's KV connector itself (none for real prefill, KVFillConnector "
+                          "for each fill)",
+    "kv_offloading_size": "KV offloading is a KV connector of its own, in the place each run's fill takes",
+    "disable_log_stats": "vLLM's stats are what the check reads (speculative-decoding counters, per-token times)",
+}
+# Recording prefills each prompt whole in one step: these go to the runs, not to the recording.
+RUN_ONLY = ("enable_prefix_caching", "enable_chunked_prefill", "max_num_batched_tokens",
+            "long_prefill_token_threshold", "max_num_scheduled_tokens", "max_num_seqs")
+
+
+class CheckError(ValueError):
+    """Bad input to kvfill-check: printed as one line, exit 2, nothing run."""
+
+
+@dataclasses.dataclass
+class CheckConfig:
+    """What kvfill-check runs: the parsed command line."""
+    model: str
+    prompts: str
+    out: str
+    bank: str | None
+    fills: list[str]
+    output_len: int
+    max_tokens: int
+    temperature: float
+    normal: tuple[float, float] | None
+    constant: float
+    split: str
+    run_timeout: float
+    engine: dict  # the engine flags given, by LLM(**kwargs) name
+    argv: list[str]
+
+
+def build_parser() -> RecordArgumentParser:
+    p = RecordArgumentParser(
+        prog="kvfill-check", usage=USAGE,
+        description="Is a synthetic KV fill good enough for your decode benchmark, or do you need replay? Runs your "
+                    "model on your prompts with real prefill, replay and the synthetic fills (one vLLM engine each, "
+                    "your engine flags) and reports each fill against real prefill: tokens, EOS lengths, "
+                    "speculative acceptance, MoE expert load, decode time.")
+    own = p.add_argument_group("kvfill-check", "--model (required) is vLLM's, listed under ModelConfig.")
+    own.add_argument("--prompts", required=True,
+                     help="the prompts, as kvfill-record reads them: a text file of one prompt per line, or .jsonl "
+                          "of {\"prompt\": ...}")
+    own.add_argument("--bank", default=None,
+                     help="a bank to replay (kvfill-record's); default: record one over --prompts into --out with "
+                          "the same engine flags")
+    own.add_argument("--out", default="kvfill-check", help="folder for report.json, report.md, report.png, the "
+                                                           "runs' logs and a recorded bank (default %(default)s)")
+    own.add_argument("--fills", nargs="+", choices=FILLS, default=list(FILLS),
+                     help="the fills compared with real prefill (default: all; zeros is the in-tree connector's "
+                          "fill_mean 0)")
+    own.add_argument("--output-len", type=int, default=32,
+                     help="greedy tokens per prompt compared token by token, EOS ignored (default %(default)s)")
+    own.add_argument("--max-tokens", type=int, default=256,
+                     help="the EOS-honoured run: at most this many tokens per prompt (default %(default)s; 0: no "
+                          "such run)")
+    own.add_argument("--temperature", type=float, default=1.0,
+                     help="the EOS-honoured run's temperature, each prompt its own seed, the same in every run "
+                          "(default %(default)s; 0: greedy)")
+    own.add_argument("--normal", nargs=2, type=float, default=None, metavar=("MEAN", "STD"),
+                     help="the normal fill's mean and std (default: the bank's own KV mean and std)")
+    own.add_argument("--constant", type=float, default=IN_TREE_CONSTANT,
+                     help="the constant fill's value (default %(default)s, the in-tree connector's)")
+    own.add_argument("--split-reference", choices=("auto", "on", "off"), default="auto",
+                     help="also run real prefill split where a fill splits it (each prompt's last token in a step of "
+                          "its own); auto: on a model with recurrent state, where unsplit prefill is no fill's "
+                          "reference")
+    own.add_argument("--run-timeout", type=float, default=3600, metavar="SECONDS",
+                     help="a run (or the recording) still going after this is stopped and reported as failed")
+    own.add_argument("--config", default=None, help="a YAML file of vLLM engine flags (as `vllm serve --config`)")
+    EngineArgs.add_cli_args(p)
+    _require_model(p)
+    return p
+
+
+def check_config(argv: Sequence[str] | None = None) -> CheckConfig:
+    """The parsed command line; CheckError for a value the check cannot run
+    with, before any engine starts (argparse's own errors exit 2)."""
+    p = build_parser()
+    args, given = parse(p, argv)
+    flags = {a.dest: a.option_strings[0] for a in p._actions if a.option_strings}
+    for dest, why in REFUSED.items():
+        if dest in given:
+            raise CheckError(f"{flags[dest]} {p.typed.get(dest, getattr(args, dest))}: {why}")
+    for name, value, low in (("--output-len", args.output_len, 1), ("--max-tokens", args.max_tokens, 0)):
+        if value < low:
+            raise CheckError(f"{name} {value}: expected an int >= {low}")
+    if not args.temperature >= 0:
+        raise CheckError(f"--temperature {args.temperature}: expected a number >= 0")
+    if args.normal is not None and not args.normal[1] > 0:
+        raise CheckError(f"--normal {args.normal[0]} {args.normal[1]}: expected a std > 0")
+    if not args.run_timeout > 0:
+        raise CheckError(f"--run-timeout {args.run_timeout}: expected seconds > 0")
+    if args.bank is not None and not os.path.isfile(args.bank):
+        raise CheckError(f"--bank {args.bank!r}: no such file; expected a bank kvfill-record wrote, or no --bank "
+                         f"(the check records one)")
+    if not os.path.isfile(args.prompts):
+        raise CheckError(f"--prompts {args.prompts!r}: no such file; expected a text or .jsonl file of prompts")
+    try:
+        _check_engine_args(args)
+    except ValueError as exc:  # RecordError: vLLM rejected the flags
+        raise CheckError(str(exc)) from None
+    fields = {f.name for f in dataclasses.fields(EngineArgs)}
+    engine = {name: getattr(args, name) for name in sorted(given & fields) if name != "model"}
+    return CheckConfig(model=args.model, prompts=args.prompts, out=args.out, bank=args.bank,
+                       fills=list(dict.fromkeys(args.fills)), output_len=args.output_len, max_tokens=args.max_tokens,
+                       temperature=args.temperature, normal=tuple(args.normal) if args.normal else None,
+                       constant=args.constant, split=args.split_reference, run_timeout=args.run_timeout,
+                       engine=engine, argv=list(argv) if argv is not None else [])
+
+
+def engine_kwargs(cfg: CheckConfig, prompts: int, max_model_len: int) -> dict:
+    """Every run's ``LLM(**kwargs)``: the check's settings, the user's flags over them."""
+    return {"model": cfg.model, **eager(cfg), "enable_prefix_caching": False, "seed": 0, "max_num_seqs": prompts,
+            "max_model_len": max_model_len, **cfg.engine, "disable_log_stats": False}
+
+
+def eager(cfg: CheckConfig) -> dict:
+    """Eager unless the user chose a mode (--enforce-eager, -O, --compilation-config), or pipeline
+    parallelism (vLLM CPU's PP fails eager)."""
+    chosen = {"enforce_eager", "compilation_config"} & set(cfg.engine)
+    return {} if chosen or int(cfg.engine.get("pipeline_parallel_size") or 1) > 1 else {"enforce_eager": True}
+
+
+def record_call(cfg: CheckConfig, bank: str, max_model_len: int) -> dict:
+    """kvfill's ``record()`` arguments: the runs' engine flags but those that
+    batch prefill differently (the recorder prefills each prompt whole)."""
+    from kvfill.record.cli import NAMED
+
+    llm = {**eager(cfg), **{k: v for k, v in cfg.engine.items() if k not in RUN_ONLY}}
+    named = {k: llm.pop(k) for k in NAMED if k in llm}
+    named["max_model_len"] = max_model_len
+    return dict(model=cfg.model, prompts_file=cfg.prompts, out=bank, **named, llm_kwargs=llm)

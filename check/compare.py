@@ -1,0 +1,152 @@
+"""kvfill-check's one comparison: each fill's run against real prefill's, per
+observable, with real prefill's own floor where a sample has one.
+
+  * tokens: greedy tokens equal to real prefill's, position by position up to
+    each prompt's first difference; that first difference; the largest
+    |logprob difference| over the tokens that agree.  A hybrid model's fills
+    are also compared with the split reference (``prefill_split``).
+  * eos: the EOS-honoured outputs' lengths (mean, quartiles, share ending at
+    EOS); floor: the difference of real prefill's mean length over two halves
+    of the prompts.
+  * spec: vLLM's speculative-decoding counters of the greedy run; acceptance
+    (accepted / draft tokens) and tokens per step (1 + accepted / drafts).
+  * expert load: per MoE layer, the normalised histogram of the experts
+    decode-step tokens were routed to, and its total variation distance
+    ``TV(p, q) = 1/2 sum |p_e - q_e|`` to real prefill's; floor: the TV
+    between real prefill's loads over two halves of the prompts (half the
+    sample each: about sqrt 2 above a full-size comparison's noise).
+  * time: decode milliseconds per output token, as a ratio to real prefill's.
+"""
+from __future__ import annotations
+
+import statistics
+
+REFERENCE = "prefill"
+
+
+def tokens(ref: list[dict], rows: list[dict]) -> dict:
+    equal = total = identical = 0
+    worst = 0.0
+    first = []
+    for r, o in zip(ref, rows):
+        total += len(r["tokens"])
+        same = 0
+        for tr, to, lr, lo in zip(r["tokens"], o["tokens"], r["logprobs"], o["logprobs"]):
+            if tr != to:
+                break
+            same += 1
+            worst = max(worst, abs(lr - lo))
+        equal += same
+        identical += same == len(r["tokens"])
+        first.append(None if same == len(r["tokens"]) else same)
+    return {"equal": equal, "total": total, "share": round(equal / total, 4) if total else None,
+            "prompts_identical": identical, "prompts": len(ref), "first_divergence": first,
+            "max_abs_logprob_diff": round(worst, 5), "identical": equal == total}
+
+
+def lengths(rows: list[dict]) -> dict:
+    n = [r["length"] for r in rows]
+    q = statistics.quantiles(n, n=4) if len(n) > 1 else n * 3
+    return {"lengths": n, "mean": round(statistics.fmean(n), 2), "p25": q[0], "median": q[1], "p75": q[2],
+            "max": max(n), "eos_share": round(sum(r["eos"] for r in rows) / len(rows), 4)}
+
+
+def halves_floor(values: list[float]) -> float | None:
+    """|mean of the first half - mean of the second| of real prefill's per-prompt values."""
+    h = len(values) // 2
+    if h < 1:
+        return None
+    return round(abs(statistics.fmean(values[:h]) - statistics.fmean(values[h:2 * h])), 3)
+
+
+def spec(counters: dict) -> dict | None:
+    drafts, draft_tokens = counters.get("num_drafts", 0), counters.get("num_draft_tokens", 0)
+    if not draft_tokens:
+        return None
+    accepted = counters.get("num_accepted_tokens", 0)
+    return {"drafts": drafts, "draft_tokens": draft_tokens, "accepted": accepted,
+            "acceptance": round(accepted / draft_tokens, 4), "tokens_per_step": round(1 + accepted / drafts, 3)}
+
+
+def drafts_equal(ref: list[dict], rows: list[dict]) -> dict | None:
+    """Steps whose drafts equal real prefill's (None: drafts not watched)."""
+    if "drafts" not in ref[0]:
+        return None
+    same = total = 0
+    for r, o in zip(ref, rows):
+        total += len(r["drafts"])
+        if len(r["drafts"]) == len(o.get("drafts", [])):
+            same += sum(x == y for x, y in zip(r["drafts"], o["drafts"]))
+    return {"equal": same, "total": total}
+
+
+def load(counts: list, prompts) -> list[list[float]]:
+    """Normalised expert load per layer, summed over ``prompts``."""
+    out = []
+    for layer in range(len(counts[0])):
+        total = [sum(counts[p][layer][e] for p in prompts) for e in range(len(counts[0][layer]))]
+        n = sum(total)
+        out.append([x / n if n else 0.0 for x in total])
+    return out
+
+
+def tv(p: list[float], q: list[float]) -> float:
+    return 0.5 * sum(abs(a - b) for a, b in zip(p, q))
+
+
+def expert_load(ref: list, counts: list) -> dict:
+    every = range(len(ref))
+    per_layer = [round(tv(p, q), 4) for p, q in zip(load(ref, every), load(counts, every))]
+    return {"tv_per_layer": per_layer, "tv_mean": round(statistics.fmean(per_layer), 4)}
+
+
+def moe_floor(ref: list) -> dict | None:
+    h = len(ref) // 2
+    if h < 1:
+        return None
+    per_layer = [round(tv(p, q), 4) for p, q in zip(load(ref, range(h)), load(ref, range(h, 2 * h)))]
+    uniform = [round(tv(p, [1 / len(p)] * len(p)), 4) for p in load(ref, range(len(ref)))]
+    return {"tv_per_layer": per_layer, "tv_mean": round(statistics.fmean(per_layer), 4),
+            "tv_to_uniform_mean": round(statistics.fmean(uniform), 4)}
+
+
+def compare_all(res: dict) -> dict:
+    """Per fill, every observable against real prefill (and the split
+    reference); real prefill's own figures and floors under ``prefill``."""
+    steps = res["steps"]
+    ref = steps.get(REFERENCE, {})
+    if "error" in ref or not ref:
+        return {"reference_failed": ref.get("error", "not run")}
+    out = {REFERENCE: _own(ref)}
+    out[REFERENCE]["eos_floor"] = halves_floor([r["length"] for r in ref["eos"]]) if ref["eos"] else None
+    if "expert_counts" in ref:
+        out[REFERENCE]["moe_floor"] = moe_floor(ref["expert_counts"])
+    split = steps.get("prefill_split")
+    for run, got in steps.items():
+        if run in (REFERENCE, "record", "prefill_split") or "error" in got:
+            continue
+        row = {**_own(got), "tokens": tokens(ref["greedy"], got["greedy"]),
+               "drafts_equal": drafts_equal(ref["greedy"], got["greedy"])}
+        if split and "error" not in split:
+            row["tokens_vs_split"] = tokens(split["greedy"], got["greedy"])
+        if "expert_counts" in got and "expert_counts" in ref:
+            row["expert_load"] = expert_load(ref["expert_counts"], got["expert_counts"])
+        if got.get("decode_ms_per_token") and ref.get("decode_ms_per_token"):
+            row["decode_time_ratio"] = round(got["decode_ms_per_token"] / ref["decode_ms_per_token"], 3)
+        if ref["eos"]:
+            row["eos_lengths_identical"] = [r["length"] for r in got["eos"]] == [r["length"] for r in ref["eos"]]
+        out[run] = row
+    if split and "error" not in split:
+        out["prefill_split"] = {"tokens_vs_prefill": tokens(ref["greedy"], split["greedy"])}
+    return out
+
+
+def _own(got: dict) -> dict:
+    """A run's own figures."""
+    row = {"decode_ms_per_token": got.get("decode_ms_per_token"), "spec": spec(got.get("counters", {})),
+           "eos_spec": spec(got.get("eos_counters", {}))}
+    if got.get("eos"):
+        row["eos"] = lengths(got["eos"])
+    if "expert_counts" in got:
+        row["expert_load_per_layer"] = load(got["expert_counts"], range(len(got["expert_counts"])))
+    return row

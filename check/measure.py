@@ -1,0 +1,115 @@
+"""One check run, inside its own process (``kvfill.check.child``): a new vLLM
+engine with the user's engine flags and one fill, and what it measures.
+
+Per run, on the same prompts (token ids, tokenized as kvfill-record does):
+  * greedy: ``output_len`` tokens per prompt, EOS ignored, with each token's
+    logprob; decode time per output token from vLLM's own per-request
+    timestamps (first to last token), vLLM's speculative-decoding counters,
+    the drafts a drafter proposed, and each MoE layer's expert choices for
+    the decode-step tokens;
+  * eos: up to ``max_tokens`` per prompt with EOS honoured (as ``vllm bench
+    serve`` on a real data set), at ``temperature`` with one seed per prompt,
+    the same in every run: each output's length and whether it ended at EOS.
+``prefill_split`` (hybrid models): each prompt on an engine of its own whose
+chunked prefill computes its first N - 1 tokens in one step and the last in
+the next - real prefill split where a fill splits it; greedy only.
+"""
+from __future__ import annotations
+
+import time
+
+from . import probes
+
+EOS_SEED = 1000  # prompt i samples with seed EOS_SEED + i in every run
+
+
+def run(job: dict) -> dict:
+    """The run ``job`` describes (runner.run_jobs); its measurements as JSON-able data."""
+    if job["run"] == "prefill_split":
+        return _split(job)
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from kvfill.record.engine import llm_engine
+
+    ids = job["ids"]
+    kw = dict(job["engine"])
+    if job.get("connector"):
+        kw["kv_transfer_config"] = job["connector"]
+    t0 = time.perf_counter()
+    with llm_engine(**kw) as llm:
+        startup_s = time.perf_counter() - t0
+        moe = job.get("moe")
+        hooked = llm.collective_rpc(probes.install_expert_counter, args=tuple(moe))[0] if moe else []
+        drafts = bool(job.get("spec")) and all(llm.collective_rpc(probes.watch_drafts))
+        prompts = [TokensPrompt(prompt_token_ids=t) for t in ids]
+        greedy = SamplingParams(max_tokens=job["output_len"], temperature=0.0, logprobs=1, ignore_eos=True,
+                                detokenize=False)
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, greedy, use_tqdm=False)
+        greedy_s = time.perf_counter() - t0
+        after_greedy = probes.counters(llm)
+        rows = [{"tokens": list(o.outputs[0].token_ids),
+                 "logprobs": [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]}
+                for o in outs]
+        if drafts:
+            for r, d in zip(rows, probes.by_prompt(llm.collective_rpc(probes.stop_drafts)[0], outs)):
+                r["drafts"] = d or []
+        counts = probes.by_prompt(llm.collective_rpc(probes.stop_counting)[0], outs) if hooked else None
+        eos_rows, eos_s, after_eos = _eos(llm, prompts, job)
+    result = {"run": job["run"], "startup_s": round(startup_s, 1), "greedy_s": round(greedy_s, 2),
+              "decode_ms_per_token": _decode_ms(outs), "greedy": rows, "eos": eos_rows,
+              "eos_s": round(eos_s, 2), "counters": after_greedy,
+              "eos_counters": {k: v - after_greedy.get(k, 0) for k, v in after_eos.items()}}
+    if hooked:
+        zeros = {str(layer): [0] * moe[0] for layer in hooked}
+        result["expert_layers"] = hooked
+        result["expert_counts"] = [[(c or zeros).get(str(layer), [0] * moe[0]) for layer in hooked] for c in counts]
+    return result
+
+
+def _eos(llm, prompts, job) -> tuple[list[dict], float, dict]:
+    """The EOS-honoured run on the same engine: each output's length and end."""
+    from vllm import SamplingParams
+
+    if not job["max_tokens"]:
+        return [], 0.0, probes.counters(llm)
+    params = [SamplingParams(max_tokens=job["max_tokens"], temperature=job["temperature"], seed=EOS_SEED + i,
+                             detokenize=False) for i in range(len(prompts))]
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    took = time.perf_counter() - t0
+    rows = [{"length": len(o.outputs[0].token_ids), "eos": o.outputs[0].finish_reason == "stop"} for o in outs]
+    return rows, took, probes.counters(llm)
+
+
+def _decode_ms(outs) -> float | None:
+    """Mean over requests of (last token - first token) / (tokens - 1), in ms:
+    vLLM's own timestamps (``RequestOutput.metrics``, stats on), as ``vllm
+    bench serve``'s TPOT; None where vLLM kept none."""
+    per = []
+    for o in outs:
+        m, n = getattr(o, "metrics", None), len(o.outputs[0].token_ids)
+        if m is not None and n > 1 and getattr(m, "last_token_ts", 0) > getattr(m, "first_token_ts", 0) > 0:
+            per.append((m.last_token_ts - m.first_token_ts) / (n - 1) * 1e3)
+    return round(sum(per) / len(per), 3) if per else None
+
+
+def _split(job: dict) -> dict:
+    """Each prompt's first N - 1 tokens in one step, the last in the next (no connector)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from kvfill.record.engine import llm_engine
+
+    greedy = SamplingParams(max_tokens=job["output_len"], temperature=0.0, logprobs=1, ignore_eos=True,
+                            detokenize=False)
+    rows = []
+    for t in job["ids"]:
+        kw = {**job["engine"], "max_num_seqs": 1, "enable_chunked_prefill": True,
+              "max_num_batched_tokens": max(len(t) - 1, 1), "enable_prefix_caching": False}
+        with llm_engine(**kw) as llm:
+            o = llm.generate([TokensPrompt(prompt_token_ids=t)], greedy, use_tqdm=False)[0]
+        rows.append({"tokens": list(o.outputs[0].token_ids),
+                     "logprobs": [lp[x].logprob for x, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]})
+    return {"run": "prefill_split", "greedy": rows}

@@ -1,0 +1,134 @@
+"""What a check run watches inside vLLM's engine: the MoE routers' expert
+choices for decode tokens, the drafter's proposals, and vLLM's own counters.
+
+The hooks run in vLLM's workers (``LLM.collective_rpc``), so they hold under
+tensor parallelism too (each rank sees every token; rank 0's record is read).
+"""
+from __future__ import annotations
+
+import collections
+import json
+import os
+
+SPEC_COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+
+
+def moe_shape(model: str) -> tuple[int, int] | None:
+    """(experts, experts per token) of an MoE model folder's config.json
+    (its text config for a multimodal one), None for a dense model or a
+    model name that is not a local folder."""
+    path = os.path.join(model, "config.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        cfg = json.load(f)
+    for c in (cfg, cfg.get("text_config") or {}):
+        experts = next((c[k] for k in EXPERT_KEYS if isinstance(c.get(k), int) and c[k] > 1), None)
+        if experts and isinstance(c.get("num_experts_per_tok"), int):
+            return experts, c["num_experts_per_tok"]
+    return None
+
+
+def install_expert_counter(worker, num_experts: int, top_k: int) -> list[int]:
+    """Hook every MoE router of the worker's model; returns the hooked
+    layers.  While ``worker.kvfill_counting`` is true, counts land in
+    ``worker.kvfill_expert_counts``: request id -> layer -> [decode-step
+    tokens routed to each expert].  The router's top-k logits are the
+    experts chosen (a softmax or sigmoid keeps the order; grouped top-k
+    routing, DeepSeek's, may choose otherwise)."""
+    from vllm.forward_context import get_forward_context
+
+    runner = worker.model_runner
+    counts: dict[str, dict[int, list[int]]] = collections.defaultdict(dict)
+    worker.kvfill_expert_counts = counts
+    worker.kvfill_counting = True
+
+    def hook_for(layer: int):
+        def hook(module, inputs, output):
+            md = get_forward_context().attn_metadata
+            if isinstance(md, list):
+                md = md[0] if md else None
+            if not md or not worker.kvfill_counting:  # a dummy run, or counting stopped
+                return
+            logits = output[0] if isinstance(output, tuple) else output
+            experts = logits.float().topk(top_k, dim=-1).indices.tolist()
+            # Tokens are laid out request by request in the input batch's order;
+            # a token is a decode step's input when its position is past its prompt.
+            starts = next(iter(md.values())).query_start_loc.tolist()
+            positions = runner.positions[: len(experts)].tolist()
+            batch = runner.input_batch
+            for i in range(len(starts) - 1):
+                prompt_len = int(batch.num_prompt_tokens[i])
+                row = counts[batch.req_ids[i]].setdefault(layer, [0] * num_experts)
+                for t in range(starts[i], starts[i + 1]):
+                    if positions[t] >= prompt_len:
+                        for e in experts[t]:
+                            row[e] += 1
+        return hook
+
+    layers = []
+    for name, module in runner.model.named_modules():
+        # Mixtral: model.layers.N.block_sparse_moe.gate, Qwen3-MoE: model.layers.N.mlp.gate.  On CPU the
+        # linear weights are repacked after loading (weight is empty): match on the output size.
+        if name.endswith(".gate") and ".layers." in name and getattr(module, "output_size", None) == num_experts:
+            layer = int(name.split(".layers.")[1].split(".")[0])
+            module.register_forward_hook(hook_for(layer))
+            layers.append(layer)
+    return sorted(layers)
+
+
+def stop_counting(worker) -> dict:
+    """Stop counting; returns the counts so far (request id -> layer -> row)."""
+    worker.kvfill_counting = False
+    return {rid: {str(layer): row for layer, row in by_layer.items()}
+            for rid, by_layer in worker.kvfill_expert_counts.items()}
+
+
+def watch_drafts(worker) -> bool:
+    """Keep every step's drafts per request (the token ids the drafter
+    proposed), so runs compare what the drafter read, not only what was
+    accepted.  False where the runner proposes no drafts itself (ngram
+    proposes them on the CPU side)."""
+    runner = worker.model_runner
+    propose = getattr(runner, "propose_draft_token_ids", None)
+    if propose is None:
+        return False
+    log = runner.__dict__.setdefault("_kvfill_drafts", {})
+
+    def watched(*args, **kwargs):
+        out = propose(*args, **kwargs)
+        rows = out.tolist() if hasattr(out, "tolist") else [list(r) for r in out]
+        if runner.__dict__.get("_kvfill_watching", True):
+            for req_id, row in zip(runner.input_batch.req_ids, rows):
+                log.setdefault(req_id, []).append([int(t) for t in row])
+        return out
+
+    runner.propose_draft_token_ids = watched
+    return True
+
+
+def stop_drafts(worker) -> dict:
+    """Stop watching; the drafts so far (request id -> steps' drafts)."""
+    runner = worker.model_runner
+    runner._kvfill_watching = False
+    return runner.__dict__.get("_kvfill_drafts", {})
+
+
+def counters(llm) -> dict:
+    """vLLM's speculative-decoding counters and prefix-cache hits (its metrics)."""
+    out = {}
+    for m in llm.get_metrics():
+        name = m.name.removeprefix("vllm:spec_decode_")
+        if name in SPEC_COUNTERS:
+            out[name] = int(getattr(m, "value", 0))
+        elif m.name == "vllm:prefix_cache_hits":
+            out["prefix_cache_hit_tokens"] = int(getattr(m, "value", 0))
+    return out
+
+
+def by_prompt(log: dict, outs) -> list:
+    """Per output, in prompt order, what ``log`` holds for its request (the
+    engine's request ids are the outputs' with a random suffix)."""
+    short = {rid.rsplit("-", 1)[0]: v for rid, v in log.items()}
+    return [short.get(o.request_id) for o in outs]

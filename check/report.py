@@ -1,0 +1,198 @@
+"""kvfill-check's one report writer: verdict lines, ``report.json``,
+``report.md`` and ``report.png`` in ``--out``.
+
+A verdict says, per fill and observable, whether the fill is real prefill's
+equal, within real prefill's own floor, or distorted - and per fill whether
+it is good enough for a decode benchmark.  What decides a benchmark's time:
+output lengths where EOS is honoured (request throughput, the batch decode
+runs at), speculative acceptance (tokens per step), MoE expert load (which
+experts' weights each step reads) and a sparse-attention selector's top-k.
+Greedy tokens say whether the fill is the prompt's context at all; a dense
+model's decode with ``--ignore-eos`` and no drafter takes the same time
+whatever they are.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+from .compare import REFERENCE
+
+# A fill's expert-load TV within this many times real prefill's halves floor is noise: the floor is
+# itself one draw of a noisy statistic (two halves of one sample), measured once.
+MOE_NOISE = 1.5
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.0f} %"
+
+
+def indexer_line(model: str) -> str:
+    """The sparse-attention indexer observable: never measured in an engine yet, and why."""
+    path = os.path.join(model, "config.json")
+    cfg = {}
+    if os.path.isfile(path):
+        with open(path) as f:
+            cfg = json.load(f)
+    if not any(k in cfg for k in ("index_topk", "index_n_heads")):
+        return "indexer top-k: not measured - the model has no sparse-attention indexer"
+    return ("indexer top-k: not measured - vLLM CPU does not run sparse attention, and the check does not yet hook "
+            "the indexer of a GPU engine; bench/indexer_scores.py measures each fill's top-k agreement on vLLM "
+            "CPU's indexer ops")
+
+
+def verdicts(res: dict, cmp: dict, model: str) -> list[str]:
+    """One line per fill and observable, then one summary line per fill."""
+    if "reference_failed" in cmp:
+        return [f"real prefill failed ({cmp['reference_failed']}): nothing to compare with"]
+    lines, ref = [], cmp[REFERENCE]
+    split = cmp.get("prefill_split")
+    if split:
+        t = split["tokens_vs_prefill"]
+        lines.append(f"split reference: real prefill split as a fill splits it keeps {t['equal']}/{t['total']} of "
+                     f"unsplit prefill's greedy tokens - {'no floor' if t['identical'] else 'the floor replay is held to'}")
+    for run, step in res["steps"].items():
+        if run in ("record", REFERENCE, "prefill_split"):
+            continue
+        if "error" in step:
+            lines.append(f"{run}: run failed - {step['error']}")
+            continue
+        row, timing = cmp[run], []
+        t = row["tokens"]
+        exact = row.get("tokens_vs_split", t)
+        if exact["identical"]:
+            to = " split as the fill splits it" if "tokens_vs_split" in row else ""
+            lines.append(f"{run}: greedy tokens = real prefill's{to} ({exact['equal']}/{exact['total']}, |Δlogprob| "
+                         f"<= {exact['max_abs_logprob_diff']:g})")
+        else:
+            firsts = [f for f in t["first_divergence"] if f is not None]
+            lines.append(f"{run}: {t['equal']}/{t['total']} greedy tokens as real prefill's ({_pct(t['share'])}), "
+                         f"first divergence at token {min(firsts)} (median {sorted(firsts)[len(firsts) // 2]}) - the "
+                         f"model writes other text")
+        if "eos" in row:
+            e, r, floor = row["eos"], ref["eos"], ref.get("eos_floor")
+            d = abs(e["mean"] - r["mean"])
+            what = (f"EOS-honoured output length {e['mean']:g} vs {r['mean']:g} real tokens, ending at EOS "
+                    f"{_pct(e['eos_share'])} vs {_pct(r['eos_share'])}")
+            if not (e["eos_share"] or r["eos_share"]):
+                lines.append(f"{run}: no output of this run or real prefill's ended at EOS within --max-tokens "
+                             f"{max(e['max'], r['max'])}: lengths say nothing here")
+            elif row["eos_lengths_identical"]:
+                lines.append(f"{run}: {what} - every length = real prefill's")
+            elif floor is not None and d <= floor:
+                lines.append(f"{run}: {what} - within real prefill's floor ({floor:g}: its halves' means)")
+            else:
+                lines.append(f"{run}: {what} (floor {floor if floor is not None else 'n/a'}) - request throughput "
+                             f"will differ")
+                timing.append("EOS lengths")
+        s, rs = row.get("spec"), ref.get("spec")
+        if rs:
+            if s is None:
+                lines.append(f"{run}: no drafts counted vs acceptance {_pct(rs['acceptance'])} real")
+                timing.append("acceptance")
+            elif (s["accepted"], s["draft_tokens"]) == (rs["accepted"], rs["draft_tokens"]):
+                lines.append(f"{run}: acceptance {_pct(s['acceptance'])}, {s['tokens_per_step']:g} tokens per step = "
+                             f"real prefill's counters")
+            else:
+                lines.append(f"{run}: acceptance {_pct(s['acceptance'])} vs {_pct(rs['acceptance'])} real, "
+                             f"{s['tokens_per_step']:g} vs {rs['tokens_per_step']:g} tokens per step - use replay")
+                timing.append("acceptance")
+        if "expert_load" in row and ref.get("moe_floor"):
+            tv, floor = row["expert_load"]["tv_mean"], ref["moe_floor"]["tv_mean"]
+            what = f"{run}: expert load TV {tv:.3f}, floor {floor:.3f}" + (f" ({tv / floor:.1f}x)" if floor else "")
+            if tv <= MOE_NOISE * floor:
+                lines.append(f"{what} - within real prefill's noise")
+            else:
+                lines.append(f"{what} - the fill moves MoE routing")
+                timing.append("expert load")
+        if row.get("decode_time_ratio"):
+            lines.append(f"{run}: decode {row['decode_ms_per_token']:g} ms per output token vs "
+                         f"{ref['decode_ms_per_token']:g} real ({row['decode_time_ratio']:g}x)")
+        if timing:
+            lines.append(f"=> {run}: not valid for this benchmark ({', '.join(timing)} differ) - use replay")
+        else:
+            lines.append(f"=> {run}: valid for this benchmark - every observable that sets decode time is real "
+                         f"prefill's or within its floor")
+    if res.get("moe_note"):
+        lines.append(f"expert load: {res['moe_note']}")
+    lines.append(indexer_line(model))
+    return lines
+
+
+def write(out: str, cfg, res: dict, cmp: dict, lines: list[str]) -> list[str]:
+    """report.json, report.md and report.png in ``out``; their paths."""
+    paths = [os.path.join(out, f"report.{ext}") for ext in ("json", "md", "png")]
+    payload = {"command": ["kvfill-check", *cfg.argv], "model": cfg.model, "engine_flags": _jsonable(cfg.engine),
+               "verdicts": lines, "comparison": cmp, **res}
+    with open(paths[0], "w") as f:
+        json.dump(payload, f, indent=1, default=str)
+    with open(paths[1], "w") as f:
+        f.write(markdown(cfg, res, cmp, lines))
+    if not plot(paths[2], res, cmp, os.path.basename(os.path.normpath(cfg.model))):
+        paths[2] = "no report.png (matplotlib is not installed: pip install 'kvfill[bench]')"
+    return paths
+
+
+def _jsonable(engine: dict) -> dict:
+    return {k: v if isinstance(v, (str, int, float, bool, list, dict, type(None))) else str(v)
+            for k, v in engine.items()}
+
+
+def markdown(cfg, res: dict, cmp: dict, lines: list[str]) -> str:
+    out = [f"# kvfill-check: {os.path.basename(os.path.normpath(cfg.model))}", "",
+           f"`kvfill-check {' '.join(cfg.argv)}`", "",
+           f"{len(res['prompt_tokens'])} prompts of {min(res['prompt_tokens'])}-{max(res['prompt_tokens'])} tokens; "
+           f"{cfg.output_len} greedy tokens (EOS ignored); EOS-honoured run up to {cfg.max_tokens} tokens at "
+           f"temperature {cfg.temperature:g}; bank {'recorded over these prompts' if res['bank_recorded'] else res['bank']}"
+           f"; {res['runtime_s']:.0f} s in all.", "", "## Verdicts", ""]
+    out += [f"- {line}" for line in lines]
+    out += ["", "## Runs", "", "| run | tokens = real | EOS mean length | at EOS | acceptance | expert TV | "
+            "decode ms/token | run s |", "|---|---|---|---|---|---|---|---|"]
+    for run, step in res["steps"].items():
+        if "error" in step:
+            out.append(f"| {run} | failed | | | | | | {step.get('step_s', '')} |")
+            continue
+        row = cmp.get(run, {})
+        t = row.get("tokens") or row.get("tokens_vs_prefill")
+        e, s = row.get("eos"), row.get("spec")
+        tv = (row.get("expert_load") or {}).get("tv_mean", (row.get("moe_floor") or {}).get("tv_mean"))
+        tok = f"{t['equal']}/{t['total']}" if t else ("reference" if run == REFERENCE else "")
+        tv_cell = "" if tv is None else (f"floor {tv}" if run == REFERENCE else tv)
+        out.append(f"| {run} | {tok} | {e['mean'] if e else ''} | {_pct(e['eos_share']) if e else ''} "
+                   f"| {_pct(s['acceptance']) if s else ''} | {tv_cell} | {row.get('decode_ms_per_token') or ''} "
+                   f"| {step.get('step_s', '')} |")
+    return "\n".join(out) + "\n"
+
+
+def plot(path: str, res: dict, cmp: dict, title: str) -> bool:
+    """Tokens equal, EOS lengths, acceptance, expert TV, decode time per run; False without matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    runs = [r for r in res["steps"] if r not in ("record", "prefill_split") and r in cmp]
+    panels = [("greedy tokens = real prefill's (%)",
+               lambda r: 100.0 if r == REFERENCE else 100 * cmp[r]["tokens"]["share"])]
+    if cmp.get(REFERENCE, {}).get("eos"):
+        panels.append(("EOS-honoured mean output length", lambda r: cmp[r]["eos"]["mean"]))
+    if cmp.get(REFERENCE, {}).get("spec"):
+        panels.append(("acceptance (%)", lambda r: 100 * (cmp[r]["spec"] or {"acceptance": 0})["acceptance"]))
+    if cmp.get(REFERENCE, {}).get("moe_floor"):
+        panels.append(("expert load TV to real prefill (line: floor)",
+                       lambda r: 0.0 if r == REFERENCE else cmp[r]["expert_load"]["tv_mean"]))
+    panels.append(("decode ms per output token", lambda r: cmp[r].get("decode_ms_per_token") or 0.0))
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels), 3.2), squeeze=False)
+    for ax, (name, value) in zip(axes[0], panels):
+        ax.bar(runs, [value(r) for r in runs], color=["tab:blue" if r == REFERENCE else "tab:orange"
+                                                      if r == "replay" else "tab:gray" for r in runs])
+        if name.startswith("expert"):
+            ax.axhline(cmp[REFERENCE]["moe_floor"]["tv_mean"], color="k", ls="--", lw=1)
+        ax.set_title(name, fontsize=8)
+        ax.tick_params(axis="x", labelrotation=45, labelsize=7)
+    fig.suptitle(f"kvfill-check: {title}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True

@@ -1,0 +1,178 @@
+"""kvfill-check's one runner: the recording (unless ``--bank``), real
+prefill, the split reference where one is needed, and each fill - every
+step a process of its own (``kvfill.check.child``), one after another, so one
+engine runs at a time and a failed step is reported while the others run.
+
+Progress goes to ``log`` as each step starts, every 30 s while it runs, and
+as it ends; each step's own output goes to ``OUT/logs/STEP.log``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+
+from . import probes
+from .cli import CheckConfig, engine_kwargs, record_call
+
+HEARTBEAT_S = 30
+
+
+def token_ids(cfg: CheckConfig) -> list[list[int]]:
+    """The prompts' token ids, read and tokenized as kvfill-record does (so replay finds their rows)."""
+    from transformers import AutoTokenizer
+
+    from kvfill.record.inputs import read_prompts
+
+    trust = bool(cfg.engine.get("trust_remote_code", False))
+    tok = AutoTokenizer.from_pretrained(cfg.engine.get("tokenizer") or cfg.model, trust_remote_code=trust)
+    return [list(tok(p).input_ids) for p in read_prompts(cfg.prompts)]
+
+
+def bank_stats(path: str) -> dict | None:
+    """Mean and std of a bank's attention KV values (its float rows; K and V
+    apart: a row's first half is K), None when it holds no float rows."""
+    import torch
+
+    from kvfill.bank import Bank
+
+    bank = Bank.load(path)
+    rows = [t for t in bank.layers.values() if t.dtype.is_floating_point and t.element_size() > 1]
+    if not rows:
+        return None
+    k = torch.cat([t[..., : t.shape[-1] // 2].float().flatten() for t in rows])
+    v = torch.cat([t[..., t.shape[-1] // 2:].float().flatten() for t in rows])
+    kv = torch.cat([k, v])
+    return {"mean": kv.mean().item(), "std": kv.std().item(), "k_std": k.std().item(), "v_std": v.std().item(),
+            "sequences": bank.num_sequences, "has_state": bool(bank.states)}
+
+
+def fill_config(fill: str, cfg: CheckConfig, bank: str | None, stats: dict | None) -> dict:
+    """A fill's ``kv_connector_extra_config``."""
+    if fill == "replay":
+        return {"fill_mode": "replay", "bank": bank}
+    if fill == "normal":
+        mean, std = cfg.normal or ((stats["mean"], stats["std"]) if stats else (0.0, 1.0))
+        return {"fill_mean": mean, "fill_std": std}
+    return {"fill_mean": cfg.constant if fill == "constant" else 0.0, "fill_std": 0.0}
+
+
+def run_all(cfg: CheckConfig, log=print) -> dict:
+    """Every step; what ``compare`` and ``report`` read."""
+    t_start = time.perf_counter()
+    logs = os.path.join(cfg.out, "logs")
+    os.makedirs(logs, exist_ok=True)
+    ids = token_ids(cfg)
+    max_len = cfg.engine.get("max_model_len") or max(map(len, ids)) + max(cfg.output_len, cfg.max_tokens) + 16
+    steps: dict[str, dict] = {}
+    bank, made = cfg.bank, cfg.bank is None
+    n_steps = made + 1 + (cfg.split == "on") + len(cfg.fills)  # the split is known once the bank is
+    if made:
+        bank = os.path.abspath(os.path.join(cfg.out, "bank.safetensors"))
+        steps["record"] = step("record", {"kind": "record", "call": record_call(cfg, bank, max_len)}, cfg, 1,
+                               n_steps, log)
+        if "error" in steps["record"]:
+            bank = None
+    stats = bank_stats(bank) if bank else None
+    split = cfg.split == "on" or (cfg.split == "auto" and bool(stats and stats["has_state"]))
+    n_steps = made + 1 + split + len(cfg.fills)
+    spec = cfg.engine.get("speculative_config")
+    engine = engine_kwargs(cfg, len(ids), max_len)
+    moe = probes.moe_shape(cfg.model) if engine.get("enforce_eager") else None
+    base = {"kind": "run", "ids": ids, "engine": engine, "output_len": cfg.output_len,
+            "max_tokens": cfg.max_tokens, "temperature": cfg.temperature, "moe": moe, "spec": bool(spec)}
+    runs = ["prefill", *(["prefill_split"] if split else []), *cfg.fills]
+    fills = {}
+    for i, run in enumerate(runs, 1 + made):
+        if run == "replay" and bank is None:
+            steps[run] = {"run": run, "error": "not run: no bank (the recording failed; see above)"}
+            continue
+        connector = None
+        if run in cfg.fills:
+            fills[run] = fill_config(run, cfg, bank, stats)
+            connector = {"kv_connector": "KVFillConnector", "kv_role": "kv_both",
+                         "kv_connector_extra_config": fills[run]}
+        steps[run] = step(run, {**base, "run": run, "connector": connector}, cfg, i, n_steps, log)
+    return {"prompt_tokens": [len(t) for t in ids], "max_model_len": max_len, "bank": bank, "bank_recorded": made,
+            "bank_stats": stats, "moe": moe, "moe_note": _moe_note(cfg, moe), "speculative_config": spec,
+            "fills": fills, "steps": steps, "runtime_s": round(time.perf_counter() - t_start, 1)}
+
+
+def _moe_note(cfg: CheckConfig, moe) -> str | None:
+    if moe or probes.moe_shape(cfg.model) is None:
+        return None
+    return "not measured: the runs are compiled (--no-enforce-eager or -O), and router hooks do not fire in a graph"
+
+
+def step(name: str, job: dict, cfg: CheckConfig, i: int, n: int, log) -> dict:
+    """One step in a child process, bounded by ``--run-timeout``; its result,
+    or ``{"error": ...}`` naming how it failed and its log."""
+    logs = os.path.join(cfg.out, "logs")
+    job_file, result_file, log_file = (os.path.join(logs, f"{name}.{ext}") for ext in ("job", "json", "log"))
+    with open(job_file, "wb") as f:
+        pickle.dump(job, f)
+    if os.path.exists(result_file):
+        os.unlink(result_file)
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # the hooks live in the engine's process
+    log(f"[{i}/{n}] {name}: starting (log {log_file})")
+    t0 = time.perf_counter()
+    with open(log_file, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "kvfill.check.child", job_file, result_file], stdout=out,
+                                stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            rc = _wait(proc, name, cfg.run_timeout, log)
+        except BaseException:
+            _stop(proc)
+            raise
+    took = round(time.perf_counter() - t0, 1)
+    os.unlink(job_file)
+    if rc == 0 and os.path.exists(result_file):
+        with open(result_file) as f:
+            result = json.load(f)
+        log(f"[{i}/{n}] {name}: done in {took:.0f} s")
+        return {**result, "step_s": took}
+    why = f"stopped after --run-timeout {cfg.run_timeout:g} s" if rc is None else f"exit {rc}"
+    error = f"{why}: {_last_error(log_file)} (log {log_file})"
+    log(f"[{i}/{n}] {name}: FAILED, {error}")
+    return {"run": name, "error": error, "step_s": took}
+
+
+def _wait(proc: subprocess.Popen, name: str, timeout: float, log) -> int | None:
+    t0 = time.perf_counter()
+    next_beat = HEARTBEAT_S
+    while proc.poll() is None:
+        elapsed = time.perf_counter() - t0
+        if elapsed > timeout:
+            _stop(proc)
+            return None
+        if elapsed >= next_beat:
+            log(f"      {name}: running, {elapsed:.0f} s")
+            next_beat += HEARTBEAT_S
+        time.sleep(0.5)
+    return proc.returncode
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """The step's process group: SIGTERM, then SIGKILL after 15 s."""
+    for sig, grace in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(grace)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _last_error(log_file: str) -> str:
+    """The log's last line naming an error, else its last line."""
+    with open(log_file, errors="replace") as f:
+        lines = [ln.strip() for ln in f if ln.strip()]
+    errors = [ln for ln in lines if "Error" in ln or "error:" in ln]
+    return (errors or lines or ["no output"])[-1][:400]

@@ -1,0 +1,181 @@
+"""kvfill-check: its input checks (before any engine starts), its comparison
+and verdicts on made-up runs, and the check end to end on vLLM's CPU engine
+through the bench presets (a trained model with ngram drafts, the tiny MoE,
+a self-drafting tiny Llama)."""
+import json
+import os
+
+import pytest
+
+vllm = pytest.importorskip("vllm")
+pytestmark = pytest.mark.cpu_only
+
+from kvfill.check import compare, report  # noqa: E402
+from kvfill.check.cli import CheckError, check_config  # noqa: E402
+
+
+@pytest.fixture
+def tiny(tmp_path):
+    from kvfill.bench.models import make_config_only
+
+    model = make_config_only(str(tmp_path / "model"))
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("w5 w6 w7\n")
+    return model, str(prompts)
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--kv-transfer-config", '{"kv_connector": "X", "kv_role": "kv_both"}'], "--kv-transfer-config"),
+    (["--disable-log-stats"], "--disable-log-stats"),
+    (["--output-len", "0"], "--output-len 0"),
+    (["--max-tokens", "-1"], "--max-tokens -1"),
+    (["--temperature=-0.5"], "--temperature -0.5"),
+    (["--normal", "0", "0"], "--normal 0.0 0.0"),
+    (["--run-timeout", "0"], "--run-timeout 0"),
+    (["--bank", "missing.safetensors"], "--bank 'missing.safetensors'"),
+])
+def test_bad_input_is_refused_naming_the_value_before_anything_runs(tiny, tmp_path, flags, named):
+    model, prompts = tiny
+    out = tmp_path / "report"
+    with pytest.raises(CheckError) as err:
+        check_config(["--model", model, "--prompts", prompts, "--out", str(out), *flags])
+    assert named in str(err.value)
+    assert not out.exists()
+
+
+def test_the_command_line_keeps_the_users_engine_flags_over_the_checks_own(tiny):
+    from kvfill.check.cli import engine_kwargs, record_call
+
+    model, prompts = tiny
+    cfg = check_config(["--model", model, "--prompts", prompts, "--dtype", "float32", "--enable-prefix-caching",
+                        "--max-num-seqs", "3", "--fills", "replay", "zeros"])
+    kw = engine_kwargs(cfg, prompts=5, max_model_len=99)
+    assert kw["enable_prefix_caching"] is True and kw["max_num_seqs"] == 3 and kw["dtype"] == "float32"
+    assert kw["enforce_eager"] is True and kw["disable_log_stats"] is False and kw["max_model_len"] == 99
+    rec = record_call(cfg, "bank.safetensors", 99)  # the recorder prefills whole prompts: no prefix caching there
+    assert "enable_prefix_caching" not in rec["llm_kwargs"] and rec["dtype"] == "float32"
+    assert rec["max_model_len"] == 99 and rec["llm_kwargs"]["enforce_eager"] is True
+    assert cfg.fills == ["replay", "zeros"]
+    compiled = check_config(["--model", model, "--prompts", prompts, "--no-enforce-eager"])
+    assert engine_kwargs(compiled, 1, 9)["enforce_eager"] is False
+
+
+def _rows(tokens, logprob=-1.0):
+    return [{"tokens": t, "logprobs": [logprob] * len(t)} for t in tokens]
+
+
+def test_tokens_count_up_to_each_prompts_first_difference():
+    ref = _rows([[1, 2, 3, 4], [5, 6, 7, 8]])
+    got = compare.tokens(ref, _rows([[1, 2, 9, 4], [5, 6, 7, 8]], logprob=-1.25))
+    assert (got["equal"], got["total"], got["prompts_identical"]) == (6, 8, 1)
+    assert got["first_divergence"] == [2, None] and got["max_abs_logprob_diff"] == 0.25 and not got["identical"]
+    assert compare.tokens(ref, ref)["identical"]
+
+
+def test_the_expert_load_floor_is_real_prefills_halves_and_a_tv_lies_in_0_1():
+    # 4 prompts, 1 layer, 2 experts: halves route (3, 1) and (1, 3); a fill routes everything to expert 1
+    ref = [[[3, 1]], [[3, 1]], [[1, 3]], [[1, 3]]]
+    floor = compare.moe_floor(ref)
+    assert floor["tv_per_layer"] == [0.5] and floor["tv_to_uniform_mean"] == 0.0
+    assert compare.expert_load(ref, [[[0, 4]]] * 4)["tv_per_layer"] == [0.5]
+    assert compare.expert_load(ref, ref)["tv_mean"] == 0.0
+
+
+def _res(steps):
+    return {"steps": steps, "prompt_tokens": [3, 4], "bank_recorded": True, "runtime_s": 1.0, "moe_note": None}
+
+
+def _step(run, tokens, lengths, eos, counters, counts=None, ms=2.0):
+    s = {"run": run, "greedy": _rows(tokens), "eos": [{"length": n, "eos": e} for n, e in zip(lengths, eos)],
+         "counters": counters, "eos_counters": {}, "decode_ms_per_token": ms, "step_s": 5.0}
+    if counts is not None:
+        s["expert_counts"] = counts
+    return s
+
+
+def test_verdicts_tell_replay_from_a_distorting_fill_and_report_a_failed_run(tmp_path):
+    real = {"num_drafts": 10, "num_draft_tokens": 30, "num_accepted_tokens": 20}
+    ref_counts = [[[3, 1]], [[2, 2]], [[3, 1]], [[2, 2]]]
+    steps = {"prefill": _step("prefill", [[1, 2], [3, 4]] * 2, [10, 20, 12, 18], [True] * 4, real, ref_counts),
+             "replay": _step("replay", [[1, 2], [3, 4]] * 2, [10, 20, 12, 18], [True] * 4, real, ref_counts),
+             "normal": _step("normal", [[1, 9], [7, 4]] * 2, [64, 64, 64, 64], [False] * 4,
+                             {"num_drafts": 30, "num_draft_tokens": 90, "num_accepted_tokens": 3},
+                             [[[0, 4]]] * 4, ms=3.0),
+             "zeros": {"run": "zeros", "error": "exit 1: RuntimeError: boom (log x.log)", "step_s": 2.0}}
+    res = _res(steps)
+    cmp = compare.compare_all(res)
+    lines = report.verdicts(res, cmp, str(tmp_path))
+    text = "\n".join(lines)
+    assert "replay: greedy tokens = real prefill's (8/8" in text
+    assert "replay: EOS-honoured output length 15 vs 15 real tokens, ending at EOS 100 % vs 100 % - every length" in text
+    assert "replay: acceptance 67 %, 3 tokens per step = real prefill's counters" in text
+    assert "=> replay: valid for this benchmark" in text
+    assert "normal: 2/8 greedy tokens as real prefill's (25 %), first divergence at token 0" in text
+    assert "normal: acceptance 3 % vs 67 % real, 1.1 vs 3 tokens per step - use replay" in text
+    assert "normal: decode 3 ms per output token vs 2 real (1.5x)" in text
+    assert "=> normal: not valid for this benchmark (EOS lengths, acceptance, expert load differ) - use replay" in text
+    assert "zeros: run failed - exit 1: RuntimeError: boom" in text
+    assert "indexer top-k: not measured - the model has no sparse-attention indexer" in text
+    cfg = check_config(["--model", str(tmp_path), "--prompts", __file__, "--out", str(tmp_path / "r")])
+    os.makedirs(cfg.out)
+    paths = report.write(cfg.out, cfg, res, cmp, lines)
+    saved = json.loads(open(paths[0]).read())
+    assert saved["verdicts"] == lines and saved["comparison"]["normal"]["expert_load"]["tv_mean"] == 0.625
+    md = open(paths[1]).read()
+    assert "| zeros | failed |" in md and "| replay | 8/8 |" in md
+
+
+def test_without_real_prefill_there_is_nothing_to_compare_with(tmp_path):
+    res = _res({"prefill": {"run": "prefill", "error": "exit 1: OOM"}})
+    cmp = compare.compare_all(res)
+    assert report.verdicts(res, cmp, str(tmp_path)) == ["real prefill failed (exit 1: OOM): nothing to compare with"]
+
+
+def _preset(tmp_path, argv):
+    from kvfill.bench import check_presets
+
+    work, results = tmp_path / "work", tmp_path / "results"
+    rc = check_presets.main([*argv[:1], "--work", str(work), "--results", str(results), *argv[1:]])
+    name = argv[0]
+    data = json.loads((results / f"check-{name}-cpu.json").read_text())
+    assert (results / f"check-{name}-cpu.md").read_text().startswith("# kvfill-check")
+    return rc, data, work
+
+
+@pytest.mark.usefixtures("leaves_nothing")
+def test_check_on_a_trained_model_with_ngram_drafts_finds_replay_exact_and_a_constant_fill_distorting(tmp_path):
+    """SmolLM2-135M-Instruct (float32) on 3 real-text chat prompts of
+    different lengths, recorded by the check itself: replay's greedy tokens,
+    EOS-honoured lengths and ngram counters equal real prefill's; a constant
+    fill's tokens differ on every prompt and its verdict says so."""
+    rc, data, work = _preset(tmp_path, ["real", "--lens", "480", "520", "560", "--", "--output-len", "8",
+                                        "--max-tokens", "24", "--fills", "replay", "constant"])
+    assert rc == 0, data["verdicts"]
+    cmp, v = data["comparison"], "\n".join(data["verdicts"])
+    assert len(set(data["prompt_tokens"])) == 3 and min(data["prompt_tokens"]) > 400, data["prompt_tokens"]
+    assert cmp["replay"]["tokens"]["identical"] and cmp["replay"]["tokens"]["max_abs_logprob_diff"] <= 1e-3
+    assert cmp["replay"]["eos_lengths_identical"]
+    assert cmp["replay"]["spec"] == cmp["prefill"]["spec"] and cmp["prefill"]["spec"]["draft_tokens"] > 0
+    assert all(f is not None for f in cmp["constant"]["tokens"]["first_divergence"]), cmp["constant"]["tokens"]
+    assert "=> replay: valid for this benchmark" in v
+    assert any(line.startswith("constant: ") and "greedy tokens as real prefill's" in line for line in data["verdicts"])
+    assert not os.path.exists(work / "logs" / "replay.job")  # each step's job file removed after it
+
+
+@pytest.mark.usefixtures("leaves_nothing")
+def test_check_on_a_tiny_moe_counts_every_decode_tokens_experts_and_measures_each_fill_against_the_floor(tmp_path):
+    """The tiny Mixtral, small: every run counted prompts x decode steps x
+    top-k expert picks per layer, each fill's TV to real prefill lies in
+    [0, 1] with real prefill's halves floor beside it."""
+    rc, data, _ = _preset(tmp_path, ["moe", "--held-out", "6", "--record", "3", "--prompt-len", "48", "--",
+                                     "--output-len", "5"])
+    assert rc == 0, data["verdicts"]
+    for run in ("prefill", "replay", "normal", "constant", "zeros"):
+        counts = data["steps"][run]["expert_counts"]
+        assert [[sum(layer) for layer in prompt] for prompt in counts] == [[(5 - 1) * 2] * 4] * 6, run
+    floor = data["comparison"]["prefill"]["moe_floor"]
+    assert len(floor["tv_per_layer"]) == 4
+    for run in ("replay", "normal", "constant", "zeros"):
+        tv = data["comparison"][run]["expert_load"]["tv_per_layer"]
+        assert len(tv) == 4 and all(0.0 <= x <= 1.0 for x in tv), run
+        assert any(line.startswith(f"{run}: expert load TV") and "floor" in line for line in data["verdicts"])
