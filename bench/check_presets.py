@@ -135,9 +135,11 @@ def main(argv=None) -> int:
     rc = check(args)
     os.makedirs(a.results, exist_ok=True)
     for ext in ("json", "md", "png"):
-        src = os.path.join(work, f"report.{ext}")
+        src, dst = os.path.join(work, f"report.{ext}"), os.path.join(a.results, f"check-{name}-cpu.{ext}")
         if os.path.exists(src):
-            shutil.copyfile(src, os.path.join(a.results, f"check-{name}-cpu.{ext}"))
+            shutil.copyfile(src, dst)
+        elif os.path.exists(dst):  # not made this time (no matplotlib, or real prefill failed): no stale copy
+            os.unlink(dst)
     return rc
 
 

@@ -83,9 +83,9 @@ def build_parser() -> RecordArgumentParser:
     own.add_argument("--max-tokens", type=int, default=256,
                      help="the EOS-honoured run: at most this many tokens per prompt (default %(default)s; 0: no "
                           "such run)")
-    own.add_argument("--temperature", type=float, default=1.0,
-                     help="the EOS-honoured run's temperature, each prompt its own seed, the same in every run "
-                          "(default %(default)s; 0: greedy)")
+    own.add_argument("--temperature", type=float, default=0.0,
+                     help="the EOS-honoured run's temperature (default %(default)s: greedy, so every fill's lengths "
+                          "compare exactly); above 0 each prompt samples with its own seed, the same in every run")
     own.add_argument("--normal", nargs=2, type=float, default=None, metavar=("MEAN", "STD"),
                      help="the normal fill's mean and std (default: the bank's own KV mean and std)")
     own.add_argument("--constant", type=float, default=IN_TREE_CONSTANT,

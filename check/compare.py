@@ -6,15 +6,15 @@ observable, with real prefill's own floor where a sample has one.
     |logprob difference| over the tokens that agree.  A hybrid model's fills
     are also compared with the split reference (``prefill_split``).
   * eos: the EOS-honoured outputs' lengths (mean, quartiles, share ending at
-    EOS); floor: the difference of real prefill's mean length over two halves
-    of the prompts.
+    EOS); floor: the difference of real prefill's mean length over the even
+    and over the odd prompts.
   * spec: vLLM's speculative-decoding counters of the greedy run; acceptance
     (accepted / draft tokens) and tokens per step (1 + accepted / drafts).
   * expert load: per MoE layer, the normalised histogram of the experts
     decode-step tokens were routed to, and its total variation distance
     ``TV(p, q) = 1/2 sum |p_e - q_e|`` to real prefill's; floor: the TV
-    between real prefill's loads over two halves of the prompts (half the
-    sample each: about sqrt 2 above a full-size comparison's noise).
+    between real prefill's loads over two halves of the prompts (the even
+    and the odd ones: half the sample each: about sqrt 2 above a full-size comparison's noise).
   * time: decode milliseconds per output token, as a ratio to real prefill's.
 """
 from __future__ import annotations
@@ -52,11 +52,10 @@ def lengths(rows: list[dict]) -> dict:
 
 
 def halves_floor(values: list[float]) -> float | None:
-    """|mean of the first half - mean of the second| of real prefill's per-prompt values."""
-    h = len(values) // 2
-    if h < 1:
+    """|mean over the even prompts - mean over the odd ones| of real prefill's per-prompt values."""
+    if len(values) < 2:
         return None
-    return round(abs(statistics.fmean(values[:h]) - statistics.fmean(values[h:2 * h])), 3)
+    return round(abs(statistics.fmean(values[0::2]) - statistics.fmean(values[1::2])), 3)
 
 
 def spec(counters: dict) -> dict | None:
@@ -101,10 +100,10 @@ def expert_load(ref: list, counts: list) -> dict:
 
 
 def moe_floor(ref: list) -> dict | None:
-    h = len(ref) // 2
-    if h < 1:
+    if len(ref) < 2:
         return None
-    per_layer = [round(tv(p, q), 4) for p, q in zip(load(ref, range(h)), load(ref, range(h, 2 * h)))]
+    every = range(len(ref))
+    per_layer = [round(tv(p, q), 4) for p, q in zip(load(ref, every[0::2]), load(ref, every[1::2]))]
     uniform = [round(tv(p, [1 / len(p)] * len(p)), 4) for p in load(ref, range(len(ref)))]
     return {"tv_per_layer": per_layer, "tv_mean": round(statistics.fmean(per_layer), 4),
             "tv_to_uniform_mean": round(statistics.fmean(uniform), 4)}

@@ -3,8 +3,8 @@ engine with the user's engine flags and one fill, and what it measures.
 
 Per run, on the same prompts (token ids, tokenized as kvfill-record does):
   * greedy: ``output_len`` tokens per prompt, EOS ignored, with each token's
-    logprob; decode time per output token from vLLM's own per-request
-    timestamps (first to last token), vLLM's speculative-decoding counters,
+    logprob; decode time per output token over the engine's pure decode
+    steps (``probes.StepTimer``), vLLM's speculative-decoding counters,
     the drafts a drafter proposed, and each MoE layer's expert choices for
     the decode-step tokens;
   * eos: up to ``max_tokens`` per prompt with EOS honoured (as ``vllm bench
@@ -42,12 +42,13 @@ def run(job: dict) -> dict:
         moe = job.get("moe")
         hooked = llm.collective_rpc(probes.install_expert_counter, args=tuple(moe))[0] if moe else []
         drafts = bool(job.get("spec")) and all(llm.collective_rpc(probes.watch_drafts))
+        timer = probes.StepTimer(llm, job.get("spec_tokens", 0))
         prompts = [TokensPrompt(prompt_token_ids=t) for t in ids]
         greedy = SamplingParams(max_tokens=job["output_len"], temperature=0.0, logprobs=1, ignore_eos=True,
                                 detokenize=False)
-        t0 = time.perf_counter()
+        t0, timer.on = time.perf_counter(), True
         outs = llm.generate(prompts, greedy, use_tqdm=False)
-        greedy_s = time.perf_counter() - t0
+        greedy_s, timer.on = time.perf_counter() - t0, False
         after_greedy = probes.counters(llm)
         rows = [{"tokens": list(o.outputs[0].token_ids),
                  "logprobs": [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]}
@@ -58,7 +59,7 @@ def run(job: dict) -> dict:
         counts = probes.by_prompt(llm.collective_rpc(probes.stop_counting)[0], outs) if hooked else None
         eos_rows, eos_s, after_eos = _eos(llm, prompts, job)
     result = {"run": job["run"], "startup_s": round(startup_s, 1), "greedy_s": round(greedy_s, 2),
-              "decode_ms_per_token": _decode_ms(outs), "greedy": rows, "eos": eos_rows,
+              **timer.summary(_tokens_per_step(after_greedy)), "greedy": rows, "eos": eos_rows,
               "eos_s": round(eos_s, 2), "counters": after_greedy,
               "eos_counters": {k: v - after_greedy.get(k, 0) for k, v in after_eos.items()}}
     if hooked:
@@ -83,16 +84,10 @@ def _eos(llm, prompts, job) -> tuple[list[dict], float, dict]:
     return rows, took, probes.counters(llm)
 
 
-def _decode_ms(outs) -> float | None:
-    """Mean over requests of (last token - first token) / (tokens - 1), in ms:
-    vLLM's own timestamps (``RequestOutput.metrics``, stats on), as ``vllm
-    bench serve``'s TPOT; None where vLLM kept none."""
-    per = []
-    for o in outs:
-        m, n = getattr(o, "metrics", None), len(o.outputs[0].token_ids)
-        if m is not None and n > 1 and getattr(m, "last_token_ts", 0) > getattr(m, "first_token_ts", 0) > 0:
-            per.append((m.last_token_ts - m.first_token_ts) / (n - 1) * 1e3)
-    return round(sum(per) / len(per), 3) if per else None
+def _tokens_per_step(counters: dict) -> float:
+    """Tokens a request gains per decode step: 1 + accepted / drafts (1 without drafts)."""
+    drafts = counters.get("num_drafts", 0)
+    return 1 + counters.get("num_accepted_tokens", 0) / drafts if drafts else 1.0
 
 
 def _split(job: dict) -> dict:

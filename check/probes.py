@@ -9,6 +9,8 @@ from __future__ import annotations
 import collections
 import json
 import os
+import statistics
+import time
 
 SPEC_COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
 EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
@@ -55,7 +57,11 @@ def install_expert_counter(worker, num_experts: int, top_k: int) -> list[int]:
             experts = logits.float().topk(top_k, dim=-1).indices.tolist()
             # Tokens are laid out request by request in the input batch's order;
             # a token is a decode step's input when its position is past its prompt.
-            starts = next(iter(md.values())).query_start_loc.tolist()
+            # an attention layer's metadata (a hybrid's linear layers have their own kind)
+            starts = next((m.query_start_loc for m in md.values() if hasattr(m, "query_start_loc")), None)
+            if starts is None:
+                return
+            starts = starts.tolist()
             positions = runner.positions[: len(experts)].tolist()
             batch = runner.input_batch
             for i in range(len(starts) - 1):
@@ -132,3 +138,51 @@ def by_prompt(log: dict, outs) -> list:
     engine's request ids are the outputs' with a random suffix)."""
     short = {rid.rsplit("-", 1)[0]: v for rid, v in log.items()}
     return [short.get(o.request_id) for o in outs]
+
+
+class StepTimer:
+    """Times the engine core's steps, in this process (kvfill.check runs
+    vLLM with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``), and keeps the pure
+    decode ones: no new request scheduled and no request given more than
+    1 + ``spec_tokens`` tokens (a prefill chunk).  Real prefill's first
+    steps mix prompt chunks into the batch and a fill's do not, so only pure
+    decode steps compare."""
+
+    def __init__(self, llm, spec_tokens: int):
+        self.steps: list[tuple[float, int]] = []  # (seconds, requests) of each pure decode step
+        self.on = False
+        core = getattr(getattr(llm.llm_engine, "engine_core", None), "engine_core", None)
+        self.available = core is not None and hasattr(core, "step_fn") and hasattr(core, "scheduler")
+        if not self.available:
+            return
+        schedule, step_fn, last = core.scheduler.schedule, core.step_fn, {}
+
+        def watched_schedule(*args, **kwargs):
+            last["out"] = out = schedule(*args, **kwargs)
+            return out
+
+        def timed():
+            last.pop("out", None)
+            t0 = time.perf_counter()
+            result = step_fn()
+            took = time.perf_counter() - t0
+            out = last.get("out")
+            if self.on and out is not None and out.total_num_scheduled_tokens:
+                n = out.num_scheduled_tokens
+                if not out.scheduled_new_reqs and max(n.values()) <= 1 + spec_tokens:
+                    self.steps.append((took, len(n)))
+            return result
+
+        core.scheduler.schedule = watched_schedule
+        core.step_fn = timed
+
+    def summary(self, tokens_per_step: float) -> dict:
+        """The median pure decode step in ms (a step's time varies with what
+        else the machine runs), per output token (a request gains
+        ``tokens_per_step`` tokens a step: 1 without drafts), and the batch."""
+        if not self.steps:
+            return {"decode_ms_per_token": None, "decode_steps": 0}
+        ms = 1e3 * statistics.median(t for t, _ in self.steps)
+        return {"decode_ms_per_token": round(ms / tokens_per_step, 3), "decode_ms_per_step": round(ms, 3),
+                "decode_steps": len(self.steps),
+                "decode_batch": round(sum(r for _, r in self.steps) / len(self.steps), 1)}

@@ -15,12 +15,17 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 from .compare import REFERENCE
 
 # A fill's expert-load TV within this many times real prefill's halves floor is noise: the floor is
 # itself one draw of a noisy statistic (two halves of one sample), measured once.
 MOE_NOISE = 1.5
+# A floor this large against real prefill's distance to a uniform load: the sample cannot tell loads apart.
+MOE_SCALE = 0.5
+# Per-token and per-prompt lists a run measured: in OUT/logs/RUN.json, summarised in report.json.
+RAW = ("greedy", "eos", "expert_counts")
 
 
 def _pct(x: float) -> str:
@@ -57,7 +62,7 @@ def verdicts(res: dict, cmp: dict, model: str) -> list[str]:
         if "error" in step:
             lines.append(f"{run}: run failed - {step['error']}")
             continue
-        row, timing = cmp[run], []
+        row, timing, unknown = cmp[run], [], []
         t = row["tokens"]
         exact = row.get("tokens_vs_split", t)
         if exact["identical"]:
@@ -85,22 +90,28 @@ def verdicts(res: dict, cmp: dict, model: str) -> list[str]:
                 lines.append(f"{run}: {what} (floor {floor if floor is not None else 'n/a'}) - request throughput "
                              f"will differ")
                 timing.append("EOS lengths")
-        s, rs = row.get("spec"), ref.get("spec")
+        s, rs, d = row.get("spec"), ref.get("spec"), row.get("drafts_equal")
+        drafts = f"; drafts of {d['equal']}/{d['total']} steps as real prefill's" if d and d["total"] else ""
         if rs:
             if s is None:
                 lines.append(f"{run}: no drafts counted vs acceptance {_pct(rs['acceptance'])} real")
                 timing.append("acceptance")
             elif (s["accepted"], s["draft_tokens"]) == (rs["accepted"], rs["draft_tokens"]):
                 lines.append(f"{run}: acceptance {_pct(s['acceptance'])}, {s['tokens_per_step']:g} tokens per step = "
-                             f"real prefill's counters")
+                             f"real prefill's counters{drafts}")
             else:
                 lines.append(f"{run}: acceptance {_pct(s['acceptance'])} vs {_pct(rs['acceptance'])} real, "
-                             f"{s['tokens_per_step']:g} vs {rs['tokens_per_step']:g} tokens per step - use replay")
+                             f"{s['tokens_per_step']:g} vs {rs['tokens_per_step']:g} tokens per step{drafts} - use replay")
                 timing.append("acceptance")
         if "expert_load" in row and ref.get("moe_floor"):
             tv, floor = row["expert_load"]["tv_mean"], ref["moe_floor"]["tv_mean"]
             what = f"{run}: expert load TV {tv:.3f}, floor {floor:.3f}" + (f" ({tv / floor:.1f}x)" if floor else "")
-            if tv <= MOE_NOISE * floor:
+            scale = ref["moe_floor"]["tv_to_uniform_mean"]
+            if floor >= MOE_SCALE * scale:
+                lines.append(f"{what} - inconclusive: real prefill's own halves differ as much as its load differs "
+                             f"from a uniform one ({scale:.3f}); more prompts or --output-len")
+                unknown.append("expert load")
+            elif tv <= MOE_NOISE * floor:
                 lines.append(f"{what} - within real prefill's noise")
             else:
                 lines.append(f"{what} - the fill moves MoE routing")
@@ -110,6 +121,8 @@ def verdicts(res: dict, cmp: dict, model: str) -> list[str]:
                          f"{ref['decode_ms_per_token']:g} real ({row['decode_time_ratio']:g}x)")
         if timing:
             lines.append(f"=> {run}: not valid for this benchmark ({', '.join(timing)} differ) - use replay")
+        elif unknown:
+            lines.append(f"=> {run}: not shown valid ({', '.join(unknown)} inconclusive on this sample)")
         else:
             lines.append(f"=> {run}: valid for this benchmark - every observable that sets decode time is real "
                          f"prefill's or within its floor")
@@ -122,13 +135,20 @@ def verdicts(res: dict, cmp: dict, model: str) -> list[str]:
 def write(out: str, cfg, res: dict, cmp: dict, lines: list[str]) -> list[str]:
     """report.json, report.md and report.png in ``out``; their paths."""
     paths = [os.path.join(out, f"report.{ext}") for ext in ("json", "md", "png")]
+    steps = {run: {k: v for k, v in step.items() if k not in RAW} for run, step in res["steps"].items()}
     payload = {"command": ["kvfill-check", *cfg.argv], "model": cfg.model, "engine_flags": _jsonable(cfg.engine),
-               "verdicts": lines, "comparison": cmp, **res}
+               "verdicts": lines, "comparison": cmp, **res, "steps": steps,
+               "raw": {run: os.path.join(out, "logs", f"{run}.json") for run in steps if "error" not in steps[run]}}
+    text = json.dumps(payload, indent=1, default=str)
+    # lists of numbers on one line each (tokens, logprobs, expert counts)
+    text = re.sub(r"\[\s*([-+0-9.e,\s]+?)\s*\]", lambda m: "[" + " ".join(m.group(1).split()) + "]", text)
     with open(paths[0], "w") as f:
-        json.dump(payload, f, indent=1, default=str)
+        f.write(text + "\n")
     with open(paths[1], "w") as f:
         f.write(markdown(cfg, res, cmp, lines))
-    if not plot(paths[2], res, cmp, os.path.basename(os.path.normpath(cfg.model))):
+    if "reference_failed" in cmp:
+        paths[2] = "no report.png (real prefill failed: nothing to compare)"
+    elif not plot(paths[2], res, cmp, os.path.basename(os.path.normpath(cfg.model))):
         paths[2] = "no report.png (matplotlib is not installed: pip install 'kvfill[bench]')"
     return paths
 
@@ -138,12 +158,19 @@ def _jsonable(engine: dict) -> dict:
             for k, v in engine.items()}
 
 
+def _eos_run(cfg) -> str:
+    if not cfg.max_tokens:
+        return "no EOS-honoured run (--max-tokens 0)"
+    how = f"at temperature {cfg.temperature:g}, each prompt its own seed" if cfg.temperature else "greedy"
+    return f"EOS-honoured run up to {cfg.max_tokens} tokens, {how}"
+
+
 def markdown(cfg, res: dict, cmp: dict, lines: list[str]) -> str:
     out = [f"# kvfill-check: {os.path.basename(os.path.normpath(cfg.model))}", "",
            f"`kvfill-check {' '.join(cfg.argv)}`", "",
            f"{len(res['prompt_tokens'])} prompts of {min(res['prompt_tokens'])}-{max(res['prompt_tokens'])} tokens; "
-           f"{cfg.output_len} greedy tokens (EOS ignored); EOS-honoured run up to {cfg.max_tokens} tokens at "
-           f"temperature {cfg.temperature:g}; bank {'recorded over these prompts' if res['bank_recorded'] else res['bank']}"
+           f"{cfg.output_len} greedy tokens (EOS ignored); "
+           f"{_eos_run(cfg)}; bank {'recorded over these prompts' if res['bank_recorded'] else res['bank']}"
            f"; {res['runtime_s']:.0f} s in all.", "", "## Verdicts", ""]
     out += [f"- {line}" for line in lines]
     out += ["", "## Runs", "", "| run | tokens = real | EOS mean length | at EOS | acceptance | expert TV | "

@@ -82,9 +82,14 @@ def run_all(cfg: CheckConfig, log=print) -> dict:
     n_steps = made + 1 + split + len(cfg.fills)
     spec = cfg.engine.get("speculative_config")
     engine = engine_kwargs(cfg, len(ids), max_len)
+    if cfg.temperature > 0 and cfg.max_tokens and "max_num_batched_tokens" not in cfg.engine and _on_cpu():
+        # vLLM CPU cannot rewind a seeded request's generator after a step that sampled for a prompt
+        # still in prefill ("CPU Generator does not use offset"): prefill every prompt in one step
+        engine["max_num_batched_tokens"] = max(sum(map(len, ids)), max_len, 2048)
     moe = probes.moe_shape(cfg.model) if engine.get("enforce_eager") else None
     base = {"kind": "run", "ids": ids, "engine": engine, "output_len": cfg.output_len,
-            "max_tokens": cfg.max_tokens, "temperature": cfg.temperature, "moe": moe, "spec": bool(spec)}
+            "max_tokens": cfg.max_tokens, "temperature": cfg.temperature, "moe": moe, "spec": bool(spec),
+            "spec_tokens": _spec_tokens(spec)}
     runs = ["prefill", *(["prefill_split"] if split else []), *cfg.fills]
     fills = {}
     for i, run in enumerate(runs, 1 + made):
@@ -100,6 +105,20 @@ def run_all(cfg: CheckConfig, log=print) -> dict:
     return {"prompt_tokens": [len(t) for t in ids], "max_model_len": max_len, "bank": bank, "bank_recorded": made,
             "bank_stats": stats, "moe": moe, "moe_note": _moe_note(cfg, moe), "speculative_config": spec,
             "fills": fills, "steps": steps, "runtime_s": round(time.perf_counter() - t_start, 1)}
+
+
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def _spec_tokens(spec) -> int:
+    """num_speculative_tokens of a --speculative-config (a dict as parsed, or vLLM's object)."""
+    if not spec:
+        return 0
+    value = spec.get("num_speculative_tokens") if isinstance(spec, dict) else getattr(spec, "num_speculative_tokens", 0)
+    return int(value or 0)
 
 
 def _moe_note(cfg: CheckConfig, moe) -> str | None:

@@ -73,8 +73,8 @@ def test_tokens_count_up_to_each_prompts_first_difference():
 
 
 def test_the_expert_load_floor_is_real_prefills_halves_and_a_tv_lies_in_0_1():
-    # 4 prompts, 1 layer, 2 experts: halves route (3, 1) and (1, 3); a fill routes everything to expert 1
-    ref = [[[3, 1]], [[3, 1]], [[1, 3]], [[1, 3]]]
+    # 4 prompts, 1 layer, 2 experts: the even prompts route (3, 1), the odd (1, 3); a fill routes all to expert 1
+    ref = [[[3, 1]], [[1, 3]], [[3, 1]], [[1, 3]]]
     floor = compare.moe_floor(ref)
     assert floor["tv_per_layer"] == [0.5] and floor["tv_to_uniform_mean"] == 0.0
     assert compare.expert_load(ref, [[[0, 4]]] * 4)["tv_per_layer"] == [0.5]
@@ -95,7 +95,7 @@ def _step(run, tokens, lengths, eos, counters, counts=None, ms=2.0):
 
 def test_verdicts_tell_replay_from_a_distorting_fill_and_report_a_failed_run(tmp_path):
     real = {"num_drafts": 10, "num_draft_tokens": 30, "num_accepted_tokens": 20}
-    ref_counts = [[[3, 1]], [[2, 2]], [[3, 1]], [[2, 2]]]
+    ref_counts = [[[8, 0]], [[7, 1]], [[8, 0]], [[7, 1]]]  # floor 0.125, distance to a uniform load 0.4375
     steps = {"prefill": _step("prefill", [[1, 2], [3, 4]] * 2, [10, 20, 12, 18], [True] * 4, real, ref_counts),
              "replay": _step("replay", [[1, 2], [3, 4]] * 2, [10, 20, 12, 18], [True] * 4, real, ref_counts),
              "normal": _step("normal", [[1, 9], [7, 4]] * 2, [64, 64, 64, 64], [False] * 4,
@@ -120,9 +120,19 @@ def test_verdicts_tell_replay_from_a_distorting_fill_and_report_a_failed_run(tmp
     os.makedirs(cfg.out)
     paths = report.write(cfg.out, cfg, res, cmp, lines)
     saved = json.loads(open(paths[0]).read())
-    assert saved["verdicts"] == lines and saved["comparison"]["normal"]["expert_load"]["tv_mean"] == 0.625
+    assert saved["verdicts"] == lines and saved["comparison"]["normal"]["expert_load"]["tv_mean"] == 0.9375
     md = open(paths[1]).read()
     assert "| zeros | failed |" in md and "| replay | 8/8 |" in md
+
+
+def test_an_expert_load_sample_too_small_to_tell_loads_apart_is_inconclusive_not_valid(tmp_path):
+    ref_counts = [[[3, 1]], [[2, 2]], [[3, 1]], [[2, 2]]]  # halves 0.25 apart, the whole 0.125 from uniform
+    steps = {run: _step(run, [[1, 2]] * 4, [], [], {}, counts) for run, counts in
+             (("prefill", ref_counts), ("normal", [[[2, 2]]] * 4))}
+    res = _res(steps)
+    lines = report.verdicts(res, compare.compare_all(res), str(tmp_path))
+    assert "normal: expert load TV 0.125, floor 0.250 (0.5x) - inconclusive" in "\n".join(lines)
+    assert "=> normal: not shown valid (expert load inconclusive on this sample)" in lines
 
 
 def test_without_real_prefill_there_is_nothing_to_compare_with(tmp_path):
@@ -171,7 +181,8 @@ def test_check_on_a_tiny_moe_counts_every_decode_tokens_experts_and_measures_eac
                                      "--output-len", "5"])
     assert rc == 0, data["verdicts"]
     for run in ("prefill", "replay", "normal", "constant", "zeros"):
-        counts = data["steps"][run]["expert_counts"]
+        with open(data["raw"][run]) as f:  # what the run measured, beside the report
+            counts = json.load(f)["expert_counts"]
         assert [[sum(layer) for layer in prompt] for prompt in counts] == [[(5 - 1) * 2] * 4] * 6, run
     floor = data["comparison"]["prefill"]["moe_floor"]
     assert len(floor["tv_per_layer"]) == 4
@@ -179,3 +190,57 @@ def test_check_on_a_tiny_moe_counts_every_decode_tokens_experts_and_measures_eac
         tv = data["comparison"][run]["expert_load"]["tv_per_layer"]
         assert len(tv) == 4 and all(0.0 <= x <= 1.0 for x in tv), run
         assert any(line.startswith(f"{run}: expert load TV") and "floor" in line for line in data["verdicts"])
+
+
+@pytest.mark.usefixtures("leaves_nothing")
+def test_check_with_a_self_drafting_model_finds_replays_drafts_and_counters_real_and_a_normal_fills_not(tmp_path):
+    """The tiny Llama drafting for itself (its weights as a draft model, 3
+    speculative tokens): the check's recording, with the runs'
+    --speculative-config, holds the drafter's 4 KV layers with the target's
+    4; replay's greedy tokens, vLLM's counters and every draft proposed equal
+    real prefill's, a normal fill's acceptance differs and its verdict says
+    to use replay."""
+    from safetensors import safe_open
+
+    from kvfill.kernels import BankIndex
+
+    rc, data, work = _preset(tmp_path, ["spec", "--lens", "70", "110", "--", "--output-len", "12", "--fills",
+                                        "replay", "normal"])
+    assert rc == 0, data["verdicts"]
+    cmp = data["comparison"]
+    assert cmp["replay"]["tokens"]["identical"] and cmp["replay"]["tokens"]["total"] == 24
+    assert cmp["replay"]["spec"] == cmp["prefill"]["spec"] and cmp["prefill"]["spec"]["accepted"] > 0
+    drafts = cmp["replay"]["drafts_equal"]  # every draft proposed, watched in vLLM's worker
+    assert drafts["equal"] == drafts["total"] >= 6 and cmp["normal"]["drafts_equal"]["equal"] < drafts["total"]
+    assert cmp["normal"]["spec"] != cmp["prefill"]["spec"]
+    assert any(line.startswith("normal: acceptance") and line.endswith("use replay") for line in data["verdicts"])
+    with safe_open(data["bank"], "pt") as f:
+        layers = sorted(f.keys())
+        meta = f.metadata()
+    assert sum(n.startswith("draft_model.model.layers.") for n in layers) == 4 and len(layers) == 8, layers
+    assert json.loads(meta["speculative_config"])["method"] == "draft_model"
+    assert list(BankIndex.read(data["bank"]).lengths) == [70, 110]
+
+
+@pytest.mark.e2e  # its steps import vLLM
+def test_a_step_that_fails_or_overruns_is_reported_with_its_log_and_leaves_no_process(tiny, tmp_path):
+    """A step's failure comes back as one error naming the exit and the
+    log's last error line; a step past --run-timeout is stopped (its process
+    group) and reported so; progress lines name each step."""
+    import psutil
+
+    from kvfill.check.runner import step
+
+    model, prompts = tiny
+    cfg = check_config(["--model", model, "--prompts", prompts, "--out", str(tmp_path / "r")])
+    os.makedirs(tmp_path / "r" / "logs")
+    lines = []
+    got = step("prefill", {"kind": "run", "run": "prefill"}, cfg, 1, 2, lines.append)  # no prompts: KeyError
+    assert got["error"].startswith("exit 1: KeyError: 'ids' (log ") and got["step_s"] >= 0, got
+    assert lines[0].startswith("[1/2] prefill: starting (log ") and lines[-1].startswith("[1/2] prefill: FAILED")
+    cfg.run_timeout = 0.5
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    got = step("replay", {"kind": "run", "run": "replay"}, cfg, 2, 2, lines.append)
+    assert got["error"].startswith("stopped after --run-timeout 0.5 s"), got
+    assert {p.pid for p in psutil.Process().children(recursive=True)} <= before
+    assert not os.path.exists(tmp_path / "r" / "logs" / "replay.job")
