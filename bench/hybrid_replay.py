@@ -99,10 +99,9 @@ def run_one(a, run: str) -> dict:
 
 def _prefix_hits(llm) -> int | None:
     """vLLM's prefix cache hits of this engine, in tokens (its metrics)."""
-    for m in llm.get_metrics():
-        if m.name == "vllm:prefix_cache_hits":
-            return int(getattr(m, "value", 0))
-    return None
+    from kvfill.check.probes import counters
+
+    return counters(llm).get("prefix_cache_hit_tokens")
 
 
 def write_nested_prompts(path: str, lengths: list[int], seed: int) -> None:

@@ -49,10 +49,11 @@ from kvfill.bench.parallel_replay import child_env as _parallel_env
 from kvfill.bench.models import make_model, make_tokenizer
 from kvfill.bench.replay_e2e import PEAKED_STD, compare, greedy_rows, prompt_ids, write_real_prompts
 from kvfill.bench.spec_models import make_draft, make_eagle_head, make_mtp_model
+from kvfill.check import probes
 
 RUNS = ("prefill", "replay", "normal", "constant")
 METHODS = ("draft_model", "eagle", "mtp", "ngram")
-COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+COUNTERS = probes.SPEC_COUNTERS
 
 
 def child_env(tp: int) -> dict:
@@ -86,35 +87,8 @@ def connector_config(run: str, bank: str) -> dict | None:
 
 def counters(llm) -> dict:
     """vLLM's speculative-decoding counters of this engine (its metrics)."""
-    out = {}
-    for m in llm.get_metrics():
-        name = m.name.removeprefix("vllm:spec_decode_")
-        if name in COUNTERS:
-            out[name] = int(getattr(m, "value", 0))
-    return out
-
-
-def _watch_drafts(worker) -> bool:
-    """In vLLM's worker: keep every step's drafts per request (the token ids
-    the drafter proposed), so runs compare what the drafter read, not only
-    what was accepted (a random head is accepted nowhere)."""
-    runner = worker.model_runner
-    log = runner.__dict__.setdefault("_kvfill_drafts", {})
-    propose = runner.propose_draft_token_ids
-
-    def watched(*args, **kwargs):
-        out = propose(*args, **kwargs)
-        rows = out.tolist() if hasattr(out, "tolist") else [list(r) for r in out]
-        for req_id, row in zip(runner.input_batch.req_ids, rows):
-            log.setdefault(req_id, []).append([int(t) for t in row])
-        return out
-
-    runner.propose_draft_token_ids = watched
-    return True
-
-
-def _drafts(worker) -> dict:
-    return worker.model_runner.__dict__.get("_kvfill_drafts", {})
+    got = probes.counters(llm)
+    return {k: got[k] for k in COUNTERS if k in got}
 
 
 def run_one(a, run: str) -> dict:
@@ -134,13 +108,12 @@ def run_one(a, run: str) -> dict:
     with llm_engine(model=a.model, tokenizer=a.tokenizer, dtype=a.dtype, enforce_eager=True,
                     max_model_len=a.max_model_len, disable_log_stats=False, enable_prefix_caching=False, seed=0,
                     max_num_seqs=len(ids), tensor_parallel_size=a.tp, speculative_config=spec_config(a), **kw) as llm:
-        watched = a.method != "ngram" and all(llm.collective_rpc(_watch_drafts))
+        watched = a.method != "ngram" and all(llm.collective_rpc(probes.watch_drafts))
         outs = llm.generate([TokensPrompt(prompt_token_ids=t) for t in ids], params, use_tqdm=False)
         rows = greedy_rows(outs)
         if watched:  # per prompt, in prompt order: every draft its requests got (TP rank 0's: all ranks agree)
-            log = {k.rsplit("-", 1)[0]: v for k, v in llm.collective_rpc(_drafts)[0].items()}  # id + "-<suffix>"
-            for r, o in zip(rows, outs):
-                r["drafts"] = log.get(o.request_id, [])
+            for r, d in zip(rows, probes.by_prompt(llm.collective_rpc(probes.stop_drafts)[0], outs)):
+                r["drafts"] = d or []
         got = counters(llm)
     return {"run": run, "outputs": rows, "counters": got}
 

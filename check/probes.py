@@ -106,8 +106,11 @@ def watch_drafts(worker) -> bool:
         out = propose(*args, **kwargs)
         rows = out.tolist() if hasattr(out, "tolist") else [list(r) for r in out]
         if runner.__dict__.get("_kvfill_watching", True):
-            for req_id, row in zip(runner.input_batch.req_ids, rows):
-                log.setdefault(req_id, []).append([int(t) for t in row])
+            # a request whose prompt is still being prefilled (a chunk) has its draft discarded by vLLM
+            partial = getattr(getattr(runner, "discard_request_mask", None), "np", None)
+            for i, (req_id, row) in enumerate(zip(runner.input_batch.req_ids, rows)):
+                if partial is None or not partial[i]:
+                    log.setdefault(req_id, []).append([int(t) for t in row])
         return out
 
     runner.propose_draft_token_ids = watched

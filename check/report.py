@@ -54,8 +54,9 @@ def verdicts(res: dict, cmp: dict, model: str) -> list[str]:
     split = cmp.get("prefill_split")
     if split:
         t = split["tokens_vs_prefill"]
+        what = "the split alone changes nothing here" if t["identical"] else "replay is held to the split"
         lines.append(f"split reference: real prefill split as a fill splits it keeps {t['equal']}/{t['total']} of "
-                     f"unsplit prefill's greedy tokens - {'no floor' if t['identical'] else 'the floor replay is held to'}")
+                     f"unsplit prefill's greedy tokens ({what})")
     for run, step in res["steps"].items():
         if run in ("record", REFERENCE, "prefill_split"):
             continue
@@ -107,7 +108,9 @@ def verdicts(res: dict, cmp: dict, model: str) -> list[str]:
             tv, floor = row["expert_load"]["tv_mean"], ref["moe_floor"]["tv_mean"]
             what = f"{run}: expert load TV {tv:.3f}, floor {floor:.3f}" + (f" ({tv / floor:.1f}x)" if floor else "")
             scale = ref["moe_floor"]["tv_to_uniform_mean"]
-            if floor >= MOE_SCALE * scale:
+            if not any(row["expert_load"]["tv_per_layer"]):
+                lines.append(f"{run}: expert load = real prefill's, every layer (TV 0)")
+            elif floor >= MOE_SCALE * scale:
                 lines.append(f"{what} - inconclusive: real prefill's own halves differ as much as its load differs "
                              f"from a uniform one ({scale:.3f}); more prompts or --output-len")
                 unknown.append("expert load")
