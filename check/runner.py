@@ -67,6 +67,8 @@ def run_all(cfg: CheckConfig, log=print) -> dict:
     logs = os.path.join(cfg.out, "logs")
     os.makedirs(logs, exist_ok=True)
     ids = token_ids(cfg)
+    for key, value in child_env(cfg).items():
+        log(f"vLLM CPU with several workers: {key}={value} (one share of this process's cores each; set it to choose)")
     max_len = cfg.engine.get("max_model_len") or max(map(len, ids)) + max(cfg.output_len, cfg.max_tokens) + 16
     steps: dict[str, dict] = {}
     bank, made = cfg.bank, cfg.bank is None
@@ -95,6 +97,7 @@ def run_all(cfg: CheckConfig, log=print) -> dict:
     for i, run in enumerate(runs, 1 + made):
         if run == "replay" and bank is None:
             steps[run] = {"run": run, "error": "not run: no bank (the recording failed; see above)"}
+            log(f"[{i}/{n_steps}] replay: not run - no bank (the recording failed)")
             continue
         connector = None
         if run in cfg.fills:
@@ -127,6 +130,22 @@ def _moe_note(cfg: CheckConfig, moe) -> str | None:
     return "not measured: the runs are compiled (--no-enforce-eager or -O), and router hooks do not fire in a graph"
 
 
+def child_env(cfg: CheckConfig) -> dict:
+    """On vLLM CPU with several workers (TP x PP) and no ``VLLM_CPU_OMP_THREADS_BIND``:
+    this process's cores split evenly between them.  vLLM's own binding
+    ("auto") gives each worker a NUMA node and refuses more workers than
+    nodes; ``VLLM_CPU_OMP_THREADS_BIND`` set by the user is kept."""
+    workers = int(cfg.engine.get("tensor_parallel_size") or 1) * int(cfg.engine.get("pipeline_parallel_size") or 1)
+    if workers < 2 or "VLLM_CPU_OMP_THREADS_BIND" in os.environ or not _on_cpu():
+        return {}
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < workers:
+        return {}  # vLLM says why it cannot bind
+    per = len(cores) // workers
+    return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(",".join(map(str, cores[w * per:(w + 1) * per]))
+                                                  for w in range(workers))}
+
+
 def step(name: str, job: dict, cfg: CheckConfig, i: int, n: int, log) -> dict:
     """One step in a child process, bounded by ``--run-timeout``; its result,
     or ``{"error": ...}`` naming how it failed and its log."""
@@ -136,7 +155,7 @@ def step(name: str, job: dict, cfg: CheckConfig, i: int, n: int, log) -> dict:
         pickle.dump(job, f)
     if os.path.exists(result_file):
         os.unlink(result_file)
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # the hooks live in the engine's process
+    env = {**os.environ, **child_env(cfg), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # the hooks live in this process
     log(f"[{i}/{n}] {name}: starting (log {log_file})")
     t0 = time.perf_counter()
     with open(log_file, "w") as out:

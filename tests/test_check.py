@@ -244,3 +244,19 @@ def test_a_step_that_fails_or_overruns_is_reported_with_its_log_and_leaves_no_pr
     assert got["error"].startswith("stopped after --run-timeout 0.5 s"), got
     assert {p.pid for p in psutil.Process().children(recursive=True)} <= before
     assert not os.path.exists(tmp_path / "r" / "logs" / "replay.job")
+
+
+def test_several_vllm_cpu_workers_get_a_share_of_the_cores_each_unless_the_user_binds_them(tiny, monkeypatch):
+    """vLLM CPU's own binding gives each worker a NUMA node and refuses more
+    workers than nodes: the check splits this process's cores between TP x PP
+    workers, and keeps a VLLM_CPU_OMP_THREADS_BIND the user set."""
+    from kvfill.check.runner import child_env
+
+    model, prompts = tiny
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {4, 5, 6, 7, 9})
+    tp2 = check_config(["--model", model, "--prompts", prompts, "--tensor-parallel-size", "2"])
+    assert child_env(tp2) == {"VLLM_CPU_OMP_THREADS_BIND": "4,5|6,7"}
+    assert child_env(check_config(["--model", model, "--prompts", prompts])) == {}
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    assert child_env(tp2) == {}
