@@ -29,7 +29,7 @@ def main(argv=None) -> int:
         print("kvfill-check: interrupted; the running step was stopped", file=sys.stderr)
         return 130
     cmp = compare_all(res)
-    lines = verdicts(res, cmp, cfg.model)
+    lines = verdicts(res, cmp)
     paths = write(cfg.out, cfg, res, cmp, lines)
     print("\n".join(["", *lines, "", "wrote " + ", ".join(paths)]), flush=True)
     return 1 if "reference_failed" in cmp else 0

@@ -16,15 +16,24 @@ SPEC_COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
 EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 
 
-def moe_shape(model: str) -> tuple[int, int] | None:
-    """(experts, experts per token) of an MoE model folder's config.json
-    (its text config for a multimodal one), None for a dense model or a
-    model name that is not a local folder."""
+def model_config(model: str, trust_remote_code: bool = False) -> dict:
+    """The model's config.json as a dict: a local folder's file, else what
+    transformers resolves for a hub name (its cache; {} when it cannot)."""
     path = os.path.join(model, "config.json")
-    if not os.path.isfile(path):
-        return None
-    with open(path) as f:
-        cfg = json.load(f)
+    if os.path.isfile(path):
+        with open(path) as f:
+            return json.load(f)
+    try:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code).to_dict()
+    except Exception:  # no such model here, or a config transformers cannot read: vLLM says more
+        return {}
+
+
+def moe_shape(cfg: dict) -> tuple[int, int] | None:
+    """(experts, experts per token) of an MoE model's config (its text
+    config for a multimodal one), None for a dense model."""
     for c in (cfg, cfg.get("text_config") or {}):
         experts = next((c[k] for k in EXPERT_KEYS if isinstance(c.get(k), int) and c[k] > 1), None)
         if experts and isinstance(c.get("num_experts_per_tok"), int):

@@ -32,21 +32,16 @@ def _pct(x: float) -> str:
     return f"{100 * x:.0f} %"
 
 
-def indexer_line(model: str) -> str:
+def indexer_line(res: dict) -> str:
     """The sparse-attention indexer observable: never measured in an engine yet, and why."""
-    path = os.path.join(model, "config.json")
-    cfg = {}
-    if os.path.isfile(path):
-        with open(path) as f:
-            cfg = json.load(f)
-    if not any(k in cfg for k in ("index_topk", "index_n_heads")):
+    if not res.get("indexer"):
         return "indexer top-k: not measured - the model has no sparse-attention indexer"
     return ("indexer top-k: not measured - vLLM CPU does not run sparse attention, and the check does not yet hook "
             "the indexer of a GPU engine; bench/indexer_scores.py measures each fill's top-k agreement on vLLM "
             "CPU's indexer ops")
 
 
-def verdicts(res: dict, cmp: dict, model: str) -> list[str]:
+def verdicts(res: dict, cmp: dict) -> list[str]:
     """One line per fill and observable, then one summary line per fill."""
     if "reference_failed" in cmp:
         return [f"real prefill failed ({cmp['reference_failed']}): nothing to compare with"]
@@ -131,7 +126,7 @@ def verdicts(res: dict, cmp: dict, model: str) -> list[str]:
                          f"prefill's or within its floor")
     if res.get("moe_note"):
         lines.append(f"expert load: {res['moe_note']}")
-    lines.append(indexer_line(model))
+    lines.append(indexer_line(res))
     return lines
 
 

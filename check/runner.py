@@ -88,7 +88,8 @@ def run_all(cfg: CheckConfig, log=print) -> dict:
         # vLLM CPU cannot rewind a seeded request's generator after a step that sampled for a prompt
         # still in prefill ("CPU Generator does not use offset"): prefill every prompt in one step
         engine["max_num_batched_tokens"] = max(sum(map(len, ids)), max_len, 2048)
-    moe = probes.moe_shape(cfg.model) if engine.get("enforce_eager") else None
+    config = probes.model_config(cfg.model, bool(cfg.engine.get("trust_remote_code", False)))
+    moe = probes.moe_shape(config) if engine.get("enforce_eager") else None
     base = {"kind": "run", "ids": ids, "engine": engine, "output_len": cfg.output_len,
             "max_tokens": cfg.max_tokens, "temperature": cfg.temperature, "moe": moe, "spec": bool(spec),
             "spec_tokens": _spec_tokens(spec)}
@@ -106,7 +107,8 @@ def run_all(cfg: CheckConfig, log=print) -> dict:
                          "kv_connector_extra_config": fills[run]}
         steps[run] = step(run, {**base, "run": run, "connector": connector}, cfg, i, n_steps, log)
     return {"prompt_tokens": [len(t) for t in ids], "max_model_len": max_len, "bank": bank, "bank_recorded": made,
-            "bank_stats": stats, "moe": moe, "moe_note": _moe_note(cfg, moe), "speculative_config": spec,
+            "bank_stats": stats, "moe": moe, "moe_note": _moe_note(config, moe), "speculative_config": spec,
+            "indexer": any(k in config for k in ("index_topk", "index_n_heads")),
             "fills": fills, "steps": steps, "runtime_s": round(time.perf_counter() - t_start, 1)}
 
 
@@ -124,10 +126,11 @@ def _spec_tokens(spec) -> int:
     return int(value or 0)
 
 
-def _moe_note(cfg: CheckConfig, moe) -> str | None:
-    if moe or probes.moe_shape(cfg.model) is None:
+def _moe_note(config: dict, moe) -> str | None:
+    if moe or probes.moe_shape(config) is None:
         return None
-    return "not measured: the runs are compiled (--no-enforce-eager or -O), and router hooks do not fire in a graph"
+    return ("not measured: the runs are compiled (--no-enforce-eager, -O, or pipeline parallelism on vLLM CPU), and "
+            "router hooks do not fire in a graph")
 
 
 def child_env(cfg: CheckConfig) -> dict:

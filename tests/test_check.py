@@ -104,7 +104,7 @@ def test_verdicts_tell_replay_from_a_distorting_fill_and_report_a_failed_run(tmp
              "zeros": {"run": "zeros", "error": "exit 1: RuntimeError: boom (log x.log)", "step_s": 2.0}}
     res = _res(steps)
     cmp = compare.compare_all(res)
-    lines = report.verdicts(res, cmp, str(tmp_path))
+    lines = report.verdicts(res, cmp)
     text = "\n".join(lines)
     assert "replay: greedy tokens = real prefill's (8/8" in text
     assert "replay: EOS-honoured output length 15 vs 15 real tokens, ending at EOS 100 % vs 100 % - every length" in text
@@ -130,7 +130,7 @@ def test_an_expert_load_sample_too_small_to_tell_loads_apart_is_inconclusive_not
     steps = {run: _step(run, [[1, 2]] * 4, [], [], {}, counts) for run, counts in
              (("prefill", ref_counts), ("normal", [[[2, 2]]] * 4))}
     res = _res(steps)
-    lines = report.verdicts(res, compare.compare_all(res), str(tmp_path))
+    lines = report.verdicts(res, compare.compare_all(res))
     assert "normal: expert load TV 0.125, floor 0.250 (0.5x) - inconclusive" in "\n".join(lines)
     assert "=> normal: not shown valid (expert load inconclusive on this sample)" in lines
 
@@ -138,7 +138,7 @@ def test_an_expert_load_sample_too_small_to_tell_loads_apart_is_inconclusive_not
 def test_without_real_prefill_there_is_nothing_to_compare_with(tmp_path):
     res = _res({"prefill": {"run": "prefill", "error": "exit 1: OOM"}})
     cmp = compare.compare_all(res)
-    assert report.verdicts(res, cmp, str(tmp_path)) == ["real prefill failed (exit 1: OOM): nothing to compare with"]
+    assert report.verdicts(res, cmp) == ["real prefill failed (exit 1: OOM): nothing to compare with"]
 
 
 def _preset(tmp_path, argv):
@@ -260,3 +260,17 @@ def test_several_vllm_cpu_workers_get_a_share_of_the_cores_each_unless_the_user_
     assert child_env(check_config(["--model", model, "--prompts", prompts])) == {}
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
     assert child_env(tp2) == {}
+
+
+def test_moe_and_indexer_are_read_off_the_models_config_and_an_indexer_is_said_not_measured(tmp_path):
+    from kvfill.check.probes import model_config, moe_shape
+
+    assert moe_shape({"num_local_experts": 8, "num_experts_per_tok": 2}) == (8, 2)
+    assert moe_shape({"text_config": {"n_routed_experts": 256, "num_experts_per_tok": 8}}) == (256, 8)
+    assert moe_shape({"num_experts": 1, "num_experts_per_tok": 1}) is None and moe_shape({}) is None
+    (tmp_path / "config.json").write_text(json.dumps({"num_experts": 4, "num_experts_per_tok": 1}))
+    assert moe_shape(model_config(str(tmp_path))) == (4, 1)
+    assert model_config(str(tmp_path / "no-such-model")) == {}
+    res = {**_res({"prefill": _step("prefill", [[1]], [], [], {})}), "indexer": True}
+    line = report.verdicts(res, compare.compare_all(res))[-1]
+    assert line.startswith("indexer top-k: not measured - vLLM CPU does not run sparse attention")
