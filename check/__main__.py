@@ -25,6 +25,9 @@ def main(argv=None) -> int:
 
     try:
         res = run_all(cfg, log=lambda line: print(line, flush=True))
+    except ValueError as exc:  # CheckError, or kvfill-record's RecordError about the prompts file: before any step
+        print(f"kvfill-check: error: {exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("kvfill-check: interrupted; the running step was stopped", file=sys.stderr)
         return 130

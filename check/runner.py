@@ -17,7 +17,7 @@ import sys
 import time
 
 from . import probes
-from .cli import CheckConfig, engine_kwargs, record_call
+from .cli import CheckConfig, CheckError, engine_kwargs, record_call
 
 HEARTBEAT_S = 30
 
@@ -26,11 +26,15 @@ def token_ids(cfg: CheckConfig) -> list[list[int]]:
     """The prompts' token ids, read and tokenized as kvfill-record does (so replay finds their rows)."""
     from transformers import AutoTokenizer
 
-    from kvfill.record.inputs import read_prompts
+    from kvfill.record.inputs import read_prompts, unresolved
 
     trust = bool(cfg.engine.get("trust_remote_code", False))
-    tok = AutoTokenizer.from_pretrained(cfg.engine.get("tokenizer") or cfg.model, trust_remote_code=trust)
-    return [list(tok(p).input_ids) for p in read_prompts(cfg.prompts)]
+    prompts = read_prompts(cfg.prompts)  # RecordError (a ValueError) naming the file and line
+    try:
+        tok = AutoTokenizer.from_pretrained(cfg.engine.get("tokenizer") or cfg.model, trust_remote_code=trust)
+    except Exception as exc:  # OSError, the hub's errors
+        raise CheckError(unresolved(exc, model=cfg.model, tokenizer=cfg.engine.get("tokenizer"))) from None
+    return [list(tok(p).input_ids) for p in prompts]
 
 
 def bank_stats(path: str) -> dict | None:
@@ -64,9 +68,8 @@ def fill_config(fill: str, cfg: CheckConfig, bank: str | None, stats: dict | Non
 def run_all(cfg: CheckConfig, log=print) -> dict:
     """Every step; what ``compare`` and ``report`` read."""
     t_start = time.perf_counter()
-    logs = os.path.join(cfg.out, "logs")
-    os.makedirs(logs, exist_ok=True)
     ids = token_ids(cfg)
+    os.makedirs(os.path.join(cfg.out, "logs"), exist_ok=True)
     for key, value in child_env(cfg).items():
         log(f"vLLM CPU with several workers: {key}={value} (one share of this process's cores each; set it to choose)")
     max_len = cfg.engine.get("max_model_len") or max(map(len, ids)) + max(cfg.output_len, cfg.max_tokens) + 16

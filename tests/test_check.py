@@ -274,3 +274,20 @@ def test_moe_and_indexer_are_read_off_the_models_config_and_an_indexer_is_said_n
     res = {**_res({"prefill": _step("prefill", [[1]], [], [], {})}), "indexer": True}
     line = report.verdicts(res, compare.compare_all(res))[-1]
     assert line.startswith("indexer top-k: not measured - vLLM CPU does not run sparse attention")
+
+
+def test_a_prompts_file_or_tokenizer_the_check_cannot_read_exits_2_naming_it_before_any_step(tiny, tmp_path, capsys):
+    from kvfill.check.__main__ import main
+
+    model, _ = tiny
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n\n")
+    assert main(["--model", model, "--prompts", str(empty), "--out", str(tmp_path / "a")]) == 2
+    assert "holds no prompt" in capsys.readouterr().err and not (tmp_path / "a").exists()  # nothing written
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("w5 w6\n")
+    os.unlink(os.path.join(model, "tokenizer.json"))
+    os.unlink(os.path.join(model, "tokenizer_config.json"))
+    assert main(["--model", model, "--prompts", str(prompts), "--out", str(tmp_path / "b")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvfill-check: error: ") and model in err and not (tmp_path / "b").exists(), err
