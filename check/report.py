@@ -186,6 +186,11 @@ def markdown(cfg, res: dict, cmp: dict, lines: list[str]) -> str:
         out.append(f"| {run} | {tok} | {e['mean'] if e else ''} | {_pct(e['eos_share']) if e else ''} "
                    f"| {_pct(s['acceptance']) if s else ''} | {tv_cell} | {row.get('decode_ms_per_token') or ''} "
                    f"| {step.get('step_s', '')} |")
+    if res.get("samples"):
+        out += ["", "## What each run wrote", "", "The first prompt's first greedy tokens:", "",
+                "| run | text |", "|---|---|"]
+        out += [f"| {run} | {json.dumps(text, ensure_ascii=False)[1:-1].replace('|', '¦')} |"
+                for run, text in res["samples"].items()]
     return "\n".join(out) + "\n"
 
 

@@ -20,10 +20,12 @@ from . import probes
 from .cli import CheckConfig, CheckError, engine_kwargs, record_call
 
 HEARTBEAT_S = 30
+SAMPLE_TOKENS = 16
 
 
-def token_ids(cfg: CheckConfig) -> list[list[int]]:
-    """The prompts' token ids, read and tokenized as kvfill-record does (so replay finds their rows)."""
+def token_ids(cfg: CheckConfig) -> tuple[object, list[list[int]]]:
+    """The tokenizer, and the prompts' token ids read and tokenized as
+    kvfill-record does (so replay finds their rows)."""
     from transformers import AutoTokenizer
 
     from kvfill.record.inputs import read_prompts, unresolved
@@ -34,7 +36,7 @@ def token_ids(cfg: CheckConfig) -> list[list[int]]:
         tok = AutoTokenizer.from_pretrained(cfg.engine.get("tokenizer") or cfg.model, trust_remote_code=trust)
     except Exception as exc:  # OSError, the hub's errors
         raise CheckError(unresolved(exc, model=cfg.model, tokenizer=cfg.engine.get("tokenizer"))) from None
-    return [list(tok(p).input_ids) for p in prompts]
+    return tok, [list(tok(p).input_ids) for p in prompts]
 
 
 def bank_stats(path: str) -> dict | None:
@@ -68,7 +70,7 @@ def fill_config(fill: str, cfg: CheckConfig, bank: str | None, stats: dict | Non
 def run_all(cfg: CheckConfig, log=print) -> dict:
     """Every step; what ``compare`` and ``report`` read."""
     t_start = time.perf_counter()
-    ids = token_ids(cfg)
+    tok, ids = token_ids(cfg)
     os.makedirs(os.path.join(cfg.out, "logs"), exist_ok=True)
     for key, value in child_env(cfg).items():
         log(f"vLLM CPU with several workers: {key}={value} (one share of this process's cores each; set it to choose)")
@@ -112,7 +114,14 @@ def run_all(cfg: CheckConfig, log=print) -> dict:
     return {"prompt_tokens": [len(t) for t in ids], "max_model_len": max_len, "bank": bank, "bank_recorded": made,
             "bank_stats": stats, "moe": moe, "moe_note": _moe_note(config, moe), "speculative_config": spec,
             "indexer": any(k in config for k in ("index_topk", "index_n_heads")),
-            "fills": fills, "steps": steps, "runtime_s": round(time.perf_counter() - t_start, 1)}
+            "fills": fills, "steps": steps, "samples": samples(tok, steps),
+            "runtime_s": round(time.perf_counter() - t_start, 1)}
+
+
+def samples(tok, steps: dict) -> dict:
+    """What each run wrote for the first prompt: its first SAMPLE_TOKENS greedy tokens as text."""
+    return {run: tok.decode(step["greedy"][0]["tokens"][:SAMPLE_TOKENS]) for run, step in steps.items()
+            if step.get("greedy")}
 
 
 def _on_cpu() -> bool:

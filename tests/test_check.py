@@ -102,7 +102,7 @@ def test_verdicts_tell_replay_from_a_distorting_fill_and_report_a_failed_run(tmp
                              {"num_drafts": 30, "num_draft_tokens": 90, "num_accepted_tokens": 3},
                              [[[0, 4]]] * 4, ms=3.0),
              "zeros": {"run": "zeros", "error": "exit 1: RuntimeError: boom (log x.log)", "step_s": 2.0}}
-    res = _res(steps)
+    res = {**_res(steps), "samples": {"prefill": "one | two", "normal": "x\ny"}}
     cmp = compare.compare_all(res)
     lines = report.verdicts(res, cmp)
     text = "\n".join(lines)
@@ -123,6 +123,7 @@ def test_verdicts_tell_replay_from_a_distorting_fill_and_report_a_failed_run(tmp
     assert saved["verdicts"] == lines and saved["comparison"]["normal"]["expert_load"]["tv_mean"] == 0.9375
     md = open(paths[1]).read()
     assert "| zeros | failed |" in md and "| replay | 8/8 |" in md
+    assert "| prefill | one ¦ two |" in md and "| normal | x\\ny |" in md  # one table row each
 
 
 def test_an_expert_load_sample_too_small_to_tell_loads_apart_is_inconclusive_not_valid(tmp_path):
@@ -164,7 +165,7 @@ def test_check_on_a_trained_model_with_ngram_drafts_finds_replay_exact_and_a_con
     cmp, v = data["comparison"], "\n".join(data["verdicts"])
     assert len(set(data["prompt_tokens"])) == 3 and min(data["prompt_tokens"]) > 400, data["prompt_tokens"]
     assert cmp["replay"]["tokens"]["identical"] and cmp["replay"]["tokens"]["max_abs_logprob_diff"] <= 1e-3
-    assert cmp["replay"]["eos_lengths_identical"]
+    assert cmp["replay"]["eos_lengths_identical"] and data["samples"]["replay"] == data["samples"]["prefill"]
     assert cmp["replay"]["spec"] == cmp["prefill"]["spec"] and cmp["prefill"]["spec"]["draft_tokens"] > 0
     assert all(f is not None for f in cmp["constant"]["tokens"]["first_divergence"]), cmp["constant"]["tokens"]
     assert "=> replay: valid for this benchmark" in v
