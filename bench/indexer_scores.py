@@ -60,6 +60,10 @@ def fill(kind: str, requests: int, length: int, rows: torch.Tensor) -> torch.Ten
 def measure(cache, requests, length, repeat) -> dict:
     from vllm import _custom_ops as ops
 
+    if not hasattr(torch.ops._C, "fp8_paged_mqa_logits_cpu"):
+        raise SystemExit("vLLM CPU's kernels for this CPU have no fp8_paged_mqa_logits_cpu: vLLM loads the build "
+                         "that holds its sparse-indexer ops on CPUs with AVX-512 BF16 only")
+
     g = torch.Generator(device="cpu").manual_seed(3)
     q8, qs = quant_indexer(torch.randn(requests * HEADS, D, generator=g, device="cpu"))
     q8 = q8.view(requests, HEADS, D)

@@ -91,13 +91,18 @@ def test_a_budget_the_state_section_exceeds_is_refused_before_any_worker_starts(
     from kvfill.bench.models import make_hybrid_model
     from kvfill.record import RecordError, record, run
 
+    from kvfill.record.inputs import estimate
+
     model = make_hybrid_model(os.path.join(ROOT, "out", "tiny-hybrid-gdn"), "gdn")
     prompts = tmp_path / "prompts.txt"
     write_prompts(str(prompts), [40, 60], seed=3)
     monkeypatch.setattr(run, "llm_engine", lambda **kw: pytest.fail("a worker started"))
+    # the rows and one sequence's state fit, the two sequences' states do not (vLLM picks the state's
+    # dtype by CPU feature: float32 on AVX-512 BF16, bf16 elsewhere, so the bytes are read from vLLM)
+    budget = (estimate(model, 2, 100, "bfloat16").nbytes + state_bytes_per_sequence(engine_config(model))) / 2**30
     lines = []
     with pytest.raises(RecordError, match="with its recurrent state, over --budget-gib") as err:
-        record(model, str(prompts), str(tmp_path / "b.safetensors"), dtype="bfloat16", budget_gib=1 / 1024,
+        record(model, str(prompts), str(tmp_path / "b.safetensors"), dtype="bfloat16", budget_gib=budget,
                log=lines.append)
     assert "recurrent state" in str(err.value)
     first = next(line for line in lines if line.startswith("bank estimate: "))

@@ -106,11 +106,25 @@ def twin(cache: torch.Tensor) -> torch.Tensor:
     return _buffer(cache).clone().as_strided(cache.shape, cache.stride())
 
 
+def indexer_ops():
+    """vLLM's ops module, or a skip where vLLM CPU's kernels for this CPU have
+    no sparse-indexer ops: vLLM loads one of three builds by CPU feature
+    (``CpuPlatform.import_kernels``), and only the one for AVX-512 BF16
+    (``_C``) holds ``fp8_paged_mqa_logits_cpu``; the AVX-512 and AVX2 builds
+    do not (an AMD EPYC with AVX2 only ran these as skips)."""
+    from vllm import _custom_ops as ops
+
+    if not hasattr(torch.ops._C, "fp8_paged_mqa_logits_cpu"):
+        pytest.skip("vLLM CPU's kernels for this CPU have no fp8_paged_mqa_logits_cpu (only its AVX-512 BF16 "
+                    "build has)")
+    return ops
+
+
 @pytest.mark.needs_vllm
 def test_vllm_cpus_indexer_reader_scores_replayed_pages_bit_for_bit_as_the_real_ones(backend):
     """``fp8_paged_mqa_logits_cpu`` (what vLLM CPU's sparse indexer reads)
     over the real pages and over the replayed ones: identical logits."""
-    from vllm import _custom_ops as ops
+    ops = indexer_ops()
 
     k, rows = recorded_indexer(backend)
     real = kernel_cache(D + 4, seed=1)
@@ -179,7 +193,7 @@ def test_a_synthetic_indexer_fill_writes_scaled_fp8_keys_that_score_apart(backen
 
 @pytest.mark.needs_vllm
 def test_vllm_cpus_indexer_reader_scores_synthetic_keys_apart_where_zeros_tie(backend):
-    from vllm import _custom_ops as ops
+    ops = indexer_ops()
 
     spec = V.ValueSpec(mean=0.0, std=0.1, seed=2)
     logits = {}
