@@ -11,19 +11,23 @@ import pickle
 import sys
 
 
-def main(argv=None) -> int:
-    job_file, result_file = sys.argv[1:3] if argv is None else argv
-    with open(job_file, "rb") as f:
-        job = pickle.load(f)
+def execute(job: dict) -> dict:
+    """The step ``job`` describes; its result (here, or in-process with ``--in-process``)."""
     if job["kind"] == "record":
         from kvfill.record import record
 
         record(**job["call"], log=lambda line: print(line, flush=True))
-        result = {"bank": job["call"]["out"]}
-    else:
-        from .measure import run
+        return {"bank": job["call"]["out"]}
+    from .measure import run
 
-        result = run(job)
+    return run(job)
+
+
+def main(argv=None) -> int:
+    job_file, result_file = sys.argv[1:3] if argv is None else argv
+    with open(job_file, "rb") as f:
+        job = pickle.load(f)
+    result = execute(job)
     with open(result_file, "w") as f:
         json.dump(result, f)
     return 0

@@ -36,6 +36,12 @@ RUN_ONLY = ("enable_prefix_caching", "enable_chunked_prefill", "max_num_batched_
             "long_prefill_token_threshold", "max_num_scheduled_tokens", "max_num_seqs")
 
 
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
 class CheckError(ValueError):
     """Bad input to kvfill-check: printed as one line, exit 2, nothing run."""
 
@@ -57,6 +63,7 @@ class CheckConfig:
     run_timeout: float
     engine: dict  # the engine flags given, by LLM(**kwargs) name
     argv: list[str]
+    in_process: bool = False
 
 
 def build_parser() -> RecordArgumentParser:
@@ -96,6 +103,10 @@ def build_parser() -> RecordArgumentParser:
                           "reference")
     own.add_argument("--run-timeout", type=float, default=3600, metavar="SECONDS",
                      help="a run (or the recording) still going after this is stopped and reported as failed")
+    own.add_argument("--in-process", action="store_true",
+                     help="every step in this process, one engine after another: saves each step's start (vLLM's "
+                          "import, seconds); but --run-timeout is not enforced, vLLM's output goes to this terminal, "
+                          "and a step that kills the process (not an exception) ends the check")
     own.add_argument("--config", default=None, help="a YAML file of vLLM engine flags (as `vllm serve --config`)")
     EngineArgs.add_cli_args(p)
     _require_model(p)
@@ -118,6 +129,11 @@ def check_config(argv: Sequence[str] | None = None) -> CheckConfig:
         raise CheckError(f"--temperature {args.temperature}: expected a number >= 0")
     if args.normal is not None and not args.normal[1] > 0:
         raise CheckError(f"--normal {args.normal[0]} {args.normal[1]}: expected a std > 0")
+    spec = args.speculative_config if "speculative_config" in given else None
+    if args.in_process and isinstance(spec, dict) and spec.get("method") == "ngram" and _on_cpu():
+        raise CheckError("--in-process with ngram drafts on vLLM CPU: each engine's start rebinds Triton kernels by "
+                         "scanning every loaded module, and fails on the one numba's ngram proposer loads "
+                         "(llvmlite's library wrapper) - every engine after the first would fail; drop --in-process")
     if not args.run_timeout > 0:
         raise CheckError(f"--run-timeout {args.run_timeout}: expected seconds > 0")
     if args.bank is not None and not os.path.isfile(args.bank):
@@ -135,7 +151,7 @@ def check_config(argv: Sequence[str] | None = None) -> CheckConfig:
                        fills=list(dict.fromkeys(args.fills)), output_len=args.output_len, max_tokens=args.max_tokens,
                        temperature=args.temperature, normal=tuple(args.normal) if args.normal else None,
                        constant=args.constant, split=args.split_reference, run_timeout=args.run_timeout,
-                       engine=engine, argv=list(argv) if argv is not None else [])
+                       engine=engine, argv=list(argv) if argv is not None else [], in_process=args.in_process)
 
 
 def engine_kwargs(cfg: CheckConfig, prompts: int, max_model_len: int) -> dict:

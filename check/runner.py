@@ -162,8 +162,11 @@ def child_env(cfg: CheckConfig) -> dict:
 
 
 def step(name: str, job: dict, cfg: CheckConfig, i: int, n: int, log) -> dict:
-    """One step in a child process, bounded by ``--run-timeout``; its result,
-    or ``{"error": ...}`` naming how it failed and its log."""
+    """One step in a child process, bounded by ``--run-timeout`` (or in this
+    one, ``--in-process``); its result, or ``{"error": ...}`` naming how it
+    failed and its log."""
+    if cfg.in_process:
+        return _in_process(name, job, cfg, i, n, log)
     logs = os.path.join(cfg.out, "logs")
     job_file, result_file, log_file = (os.path.join(logs, f"{name}.{ext}") for ext in ("job", "json", "log"))
     with open(job_file, "wb") as f:
@@ -192,6 +195,39 @@ def step(name: str, job: dict, cfg: CheckConfig, i: int, n: int, log) -> dict:
     error = f"{why}: {_last_error(log_file)} (log {log_file})"
     log(f"[{i}/{n}] {name}: FAILED, {error}")
     return {"run": name, "error": error, "step_s": took}
+
+
+def _in_process(name: str, job: dict, cfg: CheckConfig, i: int, n: int, log) -> dict:
+    """The step here, its exception reported as a child's failure is; the raw result in logs/NAME.json."""
+    import gc
+    import traceback
+
+    from .child import execute
+
+    env = {**child_env(cfg), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    before = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    log(f"[{i}/{n}] {name}: starting (in this process)")
+    t0 = time.perf_counter()
+    try:
+        result = execute(job)
+    except Exception as exc:
+        traceback.print_exc()
+        error = f"{type(exc).__name__}: {str(exc)[:400]}"
+        log(f"[{i}/{n}] {name}: FAILED, {error}")
+        return {"run": name, "error": error, "step_s": round(time.perf_counter() - t0, 1)}
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        gc.collect()  # the engine's memory before the next one's
+    took = round(time.perf_counter() - t0, 1)
+    with open(os.path.join(cfg.out, "logs", f"{name}.json"), "w") as f:
+        json.dump(result, f)
+    log(f"[{i}/{n}] {name}: done in {took:.0f} s")
+    return {**result, "step_s": took}
 
 
 def _wait(proc: subprocess.Popen, name: str, timeout: float, log) -> int | None:
