@@ -166,25 +166,15 @@ def serve_one(a, run: str, bank: str, prompts_file: str, log_dir: str) -> dict:
 
 def compare(ref: dict, other: dict) -> dict:
     """Tokens equal to prefill's (position by position, up to the first
-    difference per prompt) and the largest |logprob difference| over them."""
-    equal = total = 0
-    worst = 0.0
-    prompts_equal = 0
-    per_prompt = []
-    for r, o in zip(ref["outputs"], other["outputs"]):
-        total += len(r["tokens"])
-        same = 0
-        for tr, to, lr, lo in zip(r["tokens"], o["tokens"], r["logprobs"], o["logprobs"]):
-            if tr != to:
-                break
-            same += 1
-            worst = max(worst, abs(lr - lo))
-        equal += same
-        prompts_equal += same == len(r["tokens"])
-        per_prompt.append(same)
-    return {"run": other["run"], "prompts_identical": f"{prompts_equal}/{len(ref['outputs'])}",
-            "tokens_equal_to_prefill": f"{equal}/{total}", "per_prompt": per_prompt,
-            "max_abs_logprob_diff": round(worst, 5), "identical": equal == total}
+    difference per prompt) and the largest |logprob difference| over them
+    (kvfill-check's comparison, in this script's row format)."""
+    from kvfill.check.compare import tokens
+
+    t = tokens(ref["outputs"], other["outputs"])
+    per_prompt = [len(r["tokens"]) if f is None else f for r, f in zip(ref["outputs"], t["first_divergence"])]
+    return {"run": other["run"], "prompts_identical": f"{t['prompts_identical']}/{t['prompts']}",
+            "tokens_equal_to_prefill": f"{t['equal']}/{t['total']}", "per_prompt": per_prompt,
+            "max_abs_logprob_diff": t["max_abs_logprob_diff"], "identical": t["identical"]}
 
 
 def side_by_side(model: str, results: dict, words: int = 8) -> str:

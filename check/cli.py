@@ -36,7 +36,8 @@ RUN_ONLY = ("enable_prefix_caching", "enable_chunked_prefill", "max_num_batched_
             "long_prefill_token_threshold", "max_num_scheduled_tokens", "max_num_seqs")
 
 
-def _on_cpu() -> bool:
+def on_cpu() -> bool:
+    """Whether vLLM runs on its CPU platform here (the runner and the refusals ask)."""
     from vllm.platforms import current_platform
 
     return current_platform.is_cpu()
@@ -130,7 +131,7 @@ def check_config(argv: Sequence[str] | None = None) -> CheckConfig:
     if args.normal is not None and not args.normal[1] > 0:
         raise CheckError(f"--normal {args.normal[0]} {args.normal[1]}: expected a std > 0")
     spec = args.speculative_config if "speculative_config" in given else None
-    if args.in_process and isinstance(spec, dict) and spec.get("method") == "ngram" and _on_cpu():
+    if args.in_process and isinstance(spec, dict) and spec.get("method") == "ngram" and on_cpu():
         raise CheckError("--in-process with ngram drafts on vLLM CPU: each engine's start rebinds Triton kernels by "
                          "scanning every loaded module, and fails on the one numba's ngram proposer loads "
                          "(llvmlite's library wrapper) - every engine after the first would fail; drop --in-process")

@@ -17,7 +17,7 @@ import sys
 import time
 
 from . import probes
-from .cli import CheckConfig, CheckError, engine_kwargs, record_call
+from .cli import CheckConfig, CheckError, on_cpu, engine_kwargs, record_call
 
 HEARTBEAT_S = 30
 SAMPLE_TOKENS = 16
@@ -89,7 +89,7 @@ def run_all(cfg: CheckConfig, log=print) -> dict:
     n_steps = made + 1 + split + len(cfg.fills)
     spec = cfg.engine.get("speculative_config")
     engine = engine_kwargs(cfg, len(ids), max_len)
-    if cfg.temperature > 0 and cfg.max_tokens and "max_num_batched_tokens" not in cfg.engine and _on_cpu():
+    if cfg.temperature > 0 and cfg.max_tokens and "max_num_batched_tokens" not in cfg.engine and on_cpu():
         # vLLM CPU cannot rewind a seeded request's generator after a step that sampled for a prompt
         # still in prefill ("CPU Generator does not use offset"): prefill every prompt in one step
         engine["max_num_batched_tokens"] = max(sum(map(len, ids)), max_len, 2048)
@@ -124,12 +124,6 @@ def samples(tok, steps: dict) -> dict:
             if step.get("greedy")}
 
 
-def _on_cpu() -> bool:
-    from vllm.platforms import current_platform
-
-    return current_platform.is_cpu()
-
-
 def _spec_tokens(spec) -> int:
     """num_speculative_tokens of a --speculative-config (a dict as parsed, or vLLM's object)."""
     if not spec:
@@ -151,7 +145,7 @@ def child_env(cfg: CheckConfig) -> dict:
     ("auto") gives each worker a NUMA node and refuses more workers than
     nodes; ``VLLM_CPU_OMP_THREADS_BIND`` set by the user is kept."""
     workers = int(cfg.engine.get("tensor_parallel_size") or 1) * int(cfg.engine.get("pipeline_parallel_size") or 1)
-    if workers < 2 or "VLLM_CPU_OMP_THREADS_BIND" in os.environ or not _on_cpu():
+    if workers < 2 or "VLLM_CPU_OMP_THREADS_BIND" in os.environ or not on_cpu():
         return {}
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < workers:
