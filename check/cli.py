@@ -65,6 +65,8 @@ class CheckConfig:
     engine: dict  # the engine flags given, by LLM(**kwargs) name
     argv: list[str]
     in_process: bool = False
+    serve: bool = False
+    concurrency: int | None = None
 
 
 def build_parser() -> RecordArgumentParser:
@@ -108,6 +110,12 @@ def build_parser() -> RecordArgumentParser:
                      help="every step in this process, one engine after another: saves each step's start (vLLM's "
                           "import, seconds); but --run-timeout is not enforced, vLLM's output goes to this terminal, "
                           "and a step that kills the process (not an exception) ends the check")
+    own.add_argument("--serve", action="store_true",
+                     help="the EOS-honoured run through `vllm serve` (127.0.0.1, these engine flags, the run's fill) "
+                          "driven by `vllm bench serve` over the prompts, instead of in the engine: also reports "
+                          "request throughput, TPOT and the texts served")
+    own.add_argument("--concurrency", type=int, default=None,
+                     help="--serve: the client's --max-concurrency (default: every prompt at once)")
     own.add_argument("--config", default=None, help="a YAML file of vLLM engine flags (as `vllm serve --config`)")
     EngineArgs.add_cli_args(p)
     _require_model(p)
@@ -135,6 +143,11 @@ def check_config(argv: Sequence[str] | None = None) -> CheckConfig:
         raise CheckError("--in-process with ngram drafts on vLLM CPU: each engine's start rebinds Triton kernels by "
                          "scanning every loaded module, and fails on the one numba's ngram proposer loads "
                          "(llvmlite's library wrapper) - every engine after the first would fail; drop --in-process")
+    if args.serve and args.max_tokens < 1:
+        raise CheckError(f"--serve with --max-tokens {args.max_tokens}: the served run is the EOS-honoured one; "
+                         f"expected --max-tokens >= 1")
+    if args.concurrency is not None and (args.concurrency < 1 or not args.serve):
+        raise CheckError(f"--concurrency {args.concurrency}: expected an int >= 1, with --serve")
     if not args.run_timeout > 0:
         raise CheckError(f"--run-timeout {args.run_timeout}: expected seconds > 0")
     if args.bank is not None and not os.path.isfile(args.bank):
@@ -152,7 +165,31 @@ def check_config(argv: Sequence[str] | None = None) -> CheckConfig:
                        fills=list(dict.fromkeys(args.fills)), output_len=args.output_len, max_tokens=args.max_tokens,
                        temperature=args.temperature, normal=tuple(args.normal) if args.normal else None,
                        constant=args.constant, split=args.split_reference, run_timeout=args.run_timeout,
-                       engine=engine, argv=list(argv) if argv is not None else [], in_process=args.in_process)
+                       engine=engine, argv=list(argv) if argv is not None else [], in_process=args.in_process,
+                       serve=args.serve, concurrency=args.concurrency)
+
+
+def serve_argv(argv: Sequence[str]) -> list[str]:
+    """``argv`` without the check's own options and their values: the engine
+    flags as the user typed them, for ``vllm serve`` (``--config`` is
+    vLLM's too, and stays)."""
+    p = build_parser()
+    group = next(g for g in p._action_groups if g.title == "kvfill-check")
+    own = {s: a for a in group._group_actions if a.dest != "config" for s in a.option_strings}
+    out, i = [], 0
+    while i < len(argv):
+        token = argv[i]
+        action = own.get(token.split("=", 1)[0].replace("_", "-")) if token.startswith("--") else None
+        i += 1
+        if action is None:
+            out.append(token)
+        elif "=" not in token and action.nargs != 0:
+            if isinstance(action.nargs, int) or action.nargs is None:
+                i += action.nargs or 1
+            else:  # nargs "+": the values up to the next option
+                while i < len(argv) and not argv[i].startswith("-"):
+                    i += 1
+    return out
 
 
 def engine_kwargs(cfg: CheckConfig, prompts: int, max_model_len: int) -> dict:

@@ -16,6 +16,9 @@ observable, with real prefill's own floor where a sample has one.
     between real prefill's loads over two halves of the prompts (the even
     and the odd ones: half the sample each: about sqrt 2 above a full-size comparison's noise).
   * time: decode milliseconds per output token, as a ratio to real prefill's.
+  * served (``--serve``): the EOS-honoured outputs are the served ones; the
+    client's request throughput and mean TPOT as ratios to real prefill's
+    served run, and how many served texts equal its.
 """
 from __future__ import annotations
 
@@ -134,10 +137,23 @@ def compare_all(res: dict) -> dict:
             row["decode_time_ratio"] = round(got["decode_ms_per_token"] / ref["decode_ms_per_token"], 3)
         if ref["eos"]:
             row["eos_lengths_identical"] = [r["length"] for r in got["eos"]] == [r["length"] for r in ref["eos"]]
+        if got.get("served") and ref.get("served"):
+            row["served_vs_real"] = served(ref, got)
         out[run] = row
     if split and "error" not in split:
         out["prefill_split"] = {"tokens_vs_prefill": tokens(ref["greedy"], split["greedy"])}
     return out
+
+
+def served(ref: dict, got: dict) -> dict:
+    """``--serve``: the client's request throughput and mean TPOT as ratios to
+    real prefill's served run, and the texts served equal to its."""
+    def ratio(key):
+        return round(got["served"][key] / ref["served"][key], 3) if ref["served"].get(key) else None
+
+    texts = list(zip(ref.get("texts", []), got.get("texts", [])))
+    return {"request_throughput_ratio": ratio("request_throughput"), "tpot_ratio": ratio("mean_tpot_ms"),
+            "same_text": sum(a == b for a, b in texts), "texts": len(texts)}
 
 
 def _own(got: dict) -> dict:
@@ -146,6 +162,8 @@ def _own(got: dict) -> dict:
            "eos_spec": spec(got.get("eos_counters", {}))}
     if got.get("eos"):
         row["eos"] = lengths(got["eos"])
+    if got.get("served"):
+        row["served"] = got["served"]
     if "expert_counts" in got:
         row["expert_load_per_layer"] = load(got["expert_counts"], range(len(got["expert_counts"])))
     return row

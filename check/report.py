@@ -25,7 +25,7 @@ MOE_NOISE = 1.5
 # A floor this large against real prefill's distance to a uniform load: the sample cannot tell loads apart.
 MOE_SCALE = 0.5
 # Per-token and per-prompt lists a run measured: in OUT/logs/RUN.json, summarised in report.json.
-RAW = ("greedy", "eos", "expert_counts")
+RAW = ("greedy", "eos", "expert_counts", "texts")  # --serve: the client's own file, OUT/logs/served-RUN.json
 
 
 def _pct(x: float) -> str:
@@ -70,7 +70,7 @@ def verdicts(res: dict, cmp: dict) -> list[str]:
             lines.append(f"{run}: {t['equal']}/{t['total']} greedy tokens as real prefill's ({_pct(t['share'])}), "
                          f"first divergence at token {min(firsts)} (median {sorted(firsts)[len(firsts) // 2]}) - the "
                          f"model writes other text")
-        if "eos" in row:
+        if "eos" in row and "eos" in ref:
             e, r, floor = row["eos"], ref["eos"], ref.get("eos_floor")
             d = abs(e["mean"] - r["mean"])
             what = (f"EOS-honoured output length {e['mean']:g} vs {r['mean']:g} real tokens, ending at EOS "
@@ -114,6 +114,7 @@ def verdicts(res: dict, cmp: dict) -> list[str]:
             else:
                 lines.append(f"{what} - the fill moves MoE routing")
                 timing.append("expert load")
+        lines += served_lines(run, step, row, ref)
         if row.get("decode_time_ratio"):
             lines.append(f"{run}: decode {row['decode_ms_per_token']:g} ms per output token vs "
                          f"{ref['decode_ms_per_token']:g} real ({row['decode_time_ratio']:g}x)")
@@ -128,6 +129,22 @@ def verdicts(res: dict, cmp: dict) -> list[str]:
         lines.append(f"expert load: {res['moe_note']}")
     lines.append(indexer_line(res))
     return lines
+
+
+def served_lines(run: str, step: dict, row: dict, ref: dict) -> list[str]:
+    """``--serve``: what the client measured, against real prefill's served run."""
+    if step.get("served_error"):
+        return [f"{run}: served run failed - {step['served_error']}"]
+    v, s, r = row.get("served_vs_real"), row.get("served"), ref.get("served")
+    if not (v and s and r):
+        return []
+    rt = f" ({v['request_throughput_ratio']:g}x)" if v["request_throughput_ratio"] else ""
+    tp = f" ({v['tpot_ratio']:g}x)" if v["tpot_ratio"] else ""
+    es, er = row.get("eos_spec"), ref.get("eos_spec")
+    acc = f"; served acceptance {_pct(es['acceptance'])} vs {_pct(er['acceptance'])} real" if es and er else ""
+    return [f"{run}: served (vllm bench serve, concurrency {s['concurrency']}): {s['request_throughput']:.3g} "
+            f"requests/s vs {r['request_throughput']:.3g} real{rt}, mean TPOT {s['mean_tpot_ms']:.3g} vs "
+            f"{r['mean_tpot_ms']:.3g} ms{tp}{acc}; texts = real prefill's served texts {v['same_text']}/{v['texts']}"]
 
 
 def write(out: str, cfg, res: dict, cmp: dict, lines: list[str]) -> list[str]:
@@ -159,6 +176,10 @@ def _jsonable(engine: dict) -> dict:
 def _eos_run(cfg) -> str:
     if not cfg.max_tokens:
         return "no EOS-honoured run (--max-tokens 0)"
+    if cfg.serve:
+        how = f"at temperature {cfg.temperature:g}" if cfg.temperature else "greedy"
+        return (f"EOS-honoured run served (vllm serve + vllm bench serve, concurrency "
+                f"{cfg.concurrency or 'every prompt'}) up to {cfg.max_tokens} tokens, {how}")
     how = f"at temperature {cfg.temperature:g}, each prompt its own seed" if cfg.temperature else "greedy"
     return f"EOS-honoured run up to {cfg.max_tokens} tokens, {how}"
 
@@ -171,8 +192,9 @@ def markdown(cfg, res: dict, cmp: dict, lines: list[str]) -> str:
            f"{_eos_run(cfg)}; bank {'recorded over these prompts' if res['bank_recorded'] else res['bank']}"
            f"; {res['runtime_s']:.0f} s in all.", "", "## Verdicts", ""]
     out += [f"- {line}" for line in lines]
+    served = " served req/s | served TPOT ms |" if cfg.serve else ""
     out += ["", "## Runs", "", "| run | tokens = real | EOS mean length | at EOS | acceptance | expert TV | "
-            "decode ms/token | run s |", "|---|---|---|---|---|---|---|---|"]
+            f"decode ms/token | run s |{served}", "|---|---|---|---|---|---|---|---|" + "---|---|" * cfg.serve]
     for run, step in res["steps"].items():
         if "error" in step:
             out.append(f"| {run} | failed | | | | | | {step.get('step_s', '')} |")
@@ -185,13 +207,18 @@ def markdown(cfg, res: dict, cmp: dict, lines: list[str]) -> str:
         tv_cell = "" if tv is None else (f"floor {tv}" if run == REFERENCE else tv)
         out.append(f"| {run} | {tok} | {e['mean'] if e else ''} | {_pct(e['eos_share']) if e else ''} "
                    f"| {_pct(s['acceptance']) if s else ''} | {tv_cell} | {row.get('decode_ms_per_token') or ''} "
-                   f"| {step.get('step_s', '')} |")
+                   f"| {step.get('step_s', '')} |" + (_served_cells(step) if cfg.serve else ""))
     if res.get("samples"):
         out += ["", "## What each run wrote", "", "The first prompt's first greedy tokens:", "",
                 "| run | text |", "|---|---|"]
         out += [f"| {run} | {json.dumps(text, ensure_ascii=False)[1:-1].replace('|', '¦')} |"
                 for run, text in res["samples"].items()]
     return "\n".join(out) + "\n"
+
+
+def _served_cells(step: dict) -> str:
+    s = step.get("served")
+    return f" {s['request_throughput']:.3g} | {s['mean_tpot_ms']:.3g} |" if s else " failed | |"
 
 
 def plot(path: str, res: dict, cmp: dict, title: str) -> bool:
@@ -212,6 +239,8 @@ def plot(path: str, res: dict, cmp: dict, title: str) -> bool:
     if cmp.get(REFERENCE, {}).get("moe_floor"):
         panels.append(("expert load TV to real prefill (line: floor)",
                        lambda r: 0.0 if r == REFERENCE else cmp[r]["expert_load"]["tv_mean"]))
+    if cmp.get(REFERENCE, {}).get("served"):
+        panels.append(("served requests/s", lambda r: (cmp[r].get("served") or {}).get("request_throughput") or 0.0))
     panels.append(("decode ms per output token", lambda r: cmp[r].get("decode_ms_per_token") or 0.0))
     fig, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels), 3.2), squeeze=False)
     for ax, (name, value) in zip(axes[0], panels):

@@ -77,7 +77,8 @@ def run_all(cfg: CheckConfig, log=print) -> dict:
     max_len = cfg.engine.get("max_model_len") or max(map(len, ids)) + max(cfg.output_len, cfg.max_tokens) + 16
     steps: dict[str, dict] = {}
     bank, made = cfg.bank, cfg.bank is None
-    n_steps = made + 1 + (cfg.split == "on") + len(cfg.fills)  # the split is known once the bank is
+    served = cfg.serve * (1 + len(cfg.fills))
+    n_steps = made + 1 + (cfg.split == "on") + len(cfg.fills) + served  # the split is known once the bank is
     if made:
         bank = os.path.abspath(os.path.join(cfg.out, "bank.safetensors"))
         steps["record"] = step("record", {"kind": "record", "call": record_call(cfg, bank, max_len)}, cfg, 1,
@@ -86,7 +87,7 @@ def run_all(cfg: CheckConfig, log=print) -> dict:
             bank = None
     stats = bank_stats(bank) if bank else None
     split = cfg.split == "on" or (cfg.split == "auto" and bool(stats and stats["has_state"]))
-    n_steps = made + 1 + split + len(cfg.fills)
+    n_steps = made + 1 + split + len(cfg.fills) + served
     spec = cfg.engine.get("speculative_config")
     engine = engine_kwargs(cfg, len(ids), max_len)
     if cfg.temperature > 0 and cfg.max_tokens and "max_num_batched_tokens" not in cfg.engine and on_cpu():
@@ -96,11 +97,13 @@ def run_all(cfg: CheckConfig, log=print) -> dict:
     config = probes.model_config(cfg.model, bool(cfg.engine.get("trust_remote_code", False)))
     moe = probes.moe_shape(config) if engine.get("enforce_eager") else None
     base = {"kind": "run", "ids": ids, "engine": engine, "output_len": cfg.output_len,
-            "max_tokens": cfg.max_tokens, "temperature": cfg.temperature, "moe": moe, "spec": bool(spec),
+            "max_tokens": 0 if cfg.serve else cfg.max_tokens, "temperature": cfg.temperature, "moe": moe, "spec": bool(spec),
             "spec_tokens": _spec_tokens(spec)}
     runs = ["prefill", *(["prefill_split"] if split else []), *cfg.fills]
-    fills = {}
-    for i, run in enumerate(runs, 1 + made):
+    fills, i = {}, made
+    dataset = _served_dataset(cfg) if cfg.serve else None
+    for run in runs:
+        i += 1
         if run == "replay" and bank is None:
             steps[run] = {"run": run, "error": "not run: no bank (the recording failed; see above)"}
             log(f"[{i}/{n_steps}] replay: not run - no bank (the recording failed)")
@@ -111,11 +114,39 @@ def run_all(cfg: CheckConfig, log=print) -> dict:
             connector = {"kv_connector": "KVFillConnector", "kv_role": "kv_both",
                          "kv_connector_extra_config": fills[run]}
         steps[run] = step(run, {**base, "run": run, "connector": connector}, cfg, i, n_steps, log)
+        if dataset and run != "prefill_split":
+            i += 1
+            steps[run].update(serve_step(run, cfg, engine, connector, dataset, len(ids), f"[{i}/{n_steps}]", log))
     return {"prompt_tokens": [len(t) for t in ids], "max_model_len": max_len, "bank": bank, "bank_recorded": made,
             "bank_stats": stats, "moe": moe, "moe_note": _moe_note(config, moe), "speculative_config": spec,
             "indexer": any(k in config for k in ("index_topk", "index_n_heads")),
             "fills": fills, "steps": steps, "samples": samples(tok, steps),
             "runtime_s": round(time.perf_counter() - t_start, 1)}
+
+
+def _served_dataset(cfg: CheckConfig) -> str:
+    from kvfill.record.inputs import read_prompts
+
+    from .serving import served_prompts
+
+    return served_prompts(read_prompts(cfg.prompts), os.path.join(cfg.out, "logs", "served-prompts.jsonl"))
+
+
+def serve_step(run: str, cfg: CheckConfig, engine: dict, connector, dataset: str, prompts: int, at: str,
+               log) -> dict:
+    """``--serve``: the run served and benchmarked (``serving.served``); a
+    failure is the run's ``served_error``, its engine figures stay."""
+    from .serving import served
+
+    log(f"{at} {run} served: starting (logs {os.path.join(cfg.out, 'logs', f'served-{run}-*.log')})")
+    t0 = time.perf_counter()
+    got = served(run, cfg, engine, connector, dataset, prompts, child_env(cfg), log)
+    took = round(time.perf_counter() - t0, 1)
+    if "error" in got:
+        log(f"{at} {run} served: FAILED, {got['error']}")
+        return {"served_error": got["error"], "served_s": took}
+    log(f"{at} {run} served: done in {took:.0f} s, {got['served']['request_throughput']:.2f} requests/s")
+    return {**got, "served_s": took}
 
 
 def samples(tok, steps: dict) -> dict:

