@@ -101,7 +101,7 @@ def preset_args(a, work: str) -> list[str]:
         model = make_tokenizer(make_hybrid_model(os.path.join(OUT, f"tiny-hybrid-{a.kind}"), a.kind))
         prompts = write_lines(os.path.join(work, "prompts.txt"), word_prompts(a.lens or [150, 230, 310], 1))
         return ["--model", model, "--prompts", prompts, "--dtype", "bfloat16", "--output-len", "10",
-                "--max-tokens", "0", "--fills", "replay", "normal", *max_len(a, [310])]
+                "--max-tokens", "0", "--fills", "replay", "normal", *fixed_len(a, [310])]
     from kvfill.bench.spec_models import make_draft, make_eagle_head, make_mtp_model
 
     llama = make_tokenizer(make_model(os.path.join(OUT, "tiny-llama-peaked"), init_std=PEAKED_STD))
@@ -117,12 +117,21 @@ def preset_args(a, work: str) -> list[str]:
         spec = {"method": a.drafter, "model": draft, "num_speculative_tokens": 3}
     return ["--model", model, "--prompts", prompts, "--dtype", "float32", "--output-len", "24", "--max-tokens", "0",
             *(["--speculative-config", json.dumps(spec)] if spec else []), "--tokenizer", llama,
-            *max_len(a, [340])]
+            *fixed_len(a, [340])]
 
 
-def max_len(a, lens: list[int]) -> list[str]:
+def fixed_len(a, lens: list[int]) -> list[str]:
     """With --record-tp: one --max-model-len for the recording and every run (else the check's own choice)."""
     return ["--max-model-len", str(max(a.lens or lens) + 128)] if a.record_tp else []
+
+
+def record_flags(args: list[str]) -> list[str]:
+    """A preset's kvfill-check arguments as kvfill-record's: its engine flags
+    and prompts, without the check's own options (``kvfill.check.cli.serve_argv``)."""
+    from kvfill.check.cli import serve_argv
+
+    prompts = args[args.index("--prompts") + 1]
+    return [*serve_argv(args), "--prompts", prompts]
 
 
 def record_tp(args: list[str], tp: int, work: str) -> list[str]:
@@ -130,18 +139,8 @@ def record_tp(args: list[str], tp: int, work: str) -> list[str]:
     size ``tp`` with the preset's flags (one core per worker on vLLM CPU), the
     check given it with ``--bank``: replay from a bank recorded at another TP
     than the runs'."""
-    own = {"--prompts": 1, "--output-len": 1, "--max-tokens": 1, "--fills": None}
-    flags, i = [], 0
-    while i < len(args):  # the preset's engine flags (the check's own dropped)
-        n = own.get(args[i], 0) if args[i] in own else -1
-        if n == -1:
-            flags.append(args[i])
-            i += 1
-        else:
-            i += 1 + (n or 0)
-    prompts = args[args.index("--prompts") + 1]
     bank = os.path.join(work, f"bank-tp{tp}.safetensors")
-    rec = [sys.executable, "-m", "kvfill.record", *flags, "--prompts", prompts, "--out", bank,
+    rec = [sys.executable, "-m", "kvfill.record", *record_flags(args), "--out", bank,
            "--tensor-parallel-size", str(tp), "--enforce-eager"]
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     if tp > 1:  # one core per worker (vLLM CPU refuses more workers than NUMA nodes otherwise)

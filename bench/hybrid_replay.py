@@ -43,7 +43,7 @@ from kvfill.bench.common import child_result, cpu_features, print_result, run_ch
 from kvfill.bench.models import HYBRID_KINDS, make_hybrid_model
 from kvfill.bench.parallel_replay import child_env as _parallel_env
 from kvfill.bench.replay_e2e import compare, decoys, greedy_rows, prompt_ids
-from kvfill.bench.spec_replay import write_prompts
+from kvfill.bench.check_presets import word_prompts
 
 RUNS = ("prefill", "prefill_split", "replay", "normal")
 
@@ -158,7 +158,8 @@ def main(argv=None) -> int:
     if a.nested:
         write_nested_prompts(a.prompts_file, a.prompt_lens, seed=1)
     else:
-        write_prompts(a.prompts_file, a.prompt_lens, seed=1)
+        with open(a.prompts_file, "w") as f:
+            f.write("\n".join(word_prompts(a.prompt_lens, seed=1)) + "\n")
     lengths = [len(t) for t in prompt_ids(a.model, a.prompts_file)]
     flags = ["--mamba-ssm-cache-dtype", a.ssm_dtype] if a.ssm_dtype != "auto" else []
     rec = run_child([sys.executable, "-m", "kvfill.record", "--model", a.model, "--prompts", a.prompts_file,

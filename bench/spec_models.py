@@ -1,4 +1,4 @@
-"""The drafters of bench/spec_replay.py, made locally with random weights (no
+"""The drafters of ``bench/check_presets.py spec``, made locally with random weights (no
 network): the target's own weights as a separate draft model, an EAGLE head
 for the tiny Llama, and a tiny MiMo-style model with one MTP layer.
 """

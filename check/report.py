@@ -119,7 +119,8 @@ def verdicts(res: dict, cmp: dict) -> list[str]:
             lines.append(f"{run}: decode {row['decode_ms_per_token']:g} ms per output token vs "
                          f"{ref['decode_ms_per_token']:g} real ({row['decode_time_ratio']:g}x)")
         if timing:
-            lines.append(f"=> {run}: not valid for this benchmark ({', '.join(timing)} differ) - use replay")
+            verb = "differ" if len(timing) > 1 else "differs"
+            lines.append(f"=> {run}: not valid for this benchmark ({', '.join(timing)} {verb}) - use replay")
         elif unknown:
             lines.append(f"=> {run}: not shown valid ({', '.join(unknown)} inconclusive on this sample)")
         else:

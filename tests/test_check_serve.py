@@ -24,6 +24,29 @@ def test_a_server_gets_the_users_engine_flags_as_typed_and_none_of_the_checks_ow
                                 "--speculative-config", '{"method": "ngram"}', "-O", "3", "--enforce-eager"]
 
 
+def test_a_presets_report_is_named_by_its_variant_and_its_recording_gets_the_engine_flags_only():
+    """bench/check_presets.py: check-NAME-cpu.* names the drafter, the
+    recording's TP, the runs' TP/PP and --serve; --record-tp's kvfill-record
+    gets the preset's engine flags and prompts, not the check's options."""
+    import argparse
+
+    from kvfill.bench.check_presets import record_flags, result_name
+
+    def name(preset, extra=(), **kw):
+        a = argparse.Namespace(preset=preset, kind="gdn", drafter=None, record_tp=None, serve=False)
+        vars(a).update(kw)
+        return result_name(a, list(extra))
+
+    assert name("spec", drafter="draft_model") == "spec"
+    assert name("spec", drafter="eagle", record_tp=2) == "spec-eagle-rtp2-tp1"
+    assert name("spec", ["--tensor-parallel-size", "2"], drafter="mtp", record_tp=2) == "spec-mtp-rtp2-tp2"
+    assert name("hybrid", ["--pipeline-parallel-size", "2"], kind="mamba2", serve=True) == "hybrid-mamba2-pp2-serve"
+    args = ["--model", "m", "--prompts", "p.txt", "--dtype", "float32", "--output-len", "24", "--max-tokens", "0",
+            "--fills", "replay", "normal", "--speculative-config", "{}", "--max-model-len", "468"]
+    assert record_flags(args) == ["--model", "m", "--dtype", "float32", "--speculative-config", "{}",
+                                  "--max-model-len", "468", "--prompts", "p.txt"]
+
+
 @pytest.mark.parametrize("flags, named", [
     (["--serve", "--max-tokens", "0"], "--serve with --max-tokens 0"),
     (["--concurrency", "2"], "--concurrency 2: expected an int >= 1, with --serve"),

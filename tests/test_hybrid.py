@@ -87,7 +87,7 @@ def test_a_budget_the_state_section_exceeds_is_refused_before_any_worker_starts(
     (vLLM's state shapes for this engine config): a --budget-gib the
     attention rows fit in but the states do not is refused once vLLM's engine
     config is built, before any worker starts; nothing written."""
-    from kvfill.bench.spec_replay import write_prompts
+    from kvfill.bench.check_presets import word_prompts
     from kvfill.bench.models import make_hybrid_model
     from kvfill.record import RecordError, record, run
 
@@ -95,7 +95,7 @@ def test_a_budget_the_state_section_exceeds_is_refused_before_any_worker_starts(
 
     model = make_hybrid_model(os.path.join(ROOT, "out", "tiny-hybrid-gdn"), "gdn")
     prompts = tmp_path / "prompts.txt"
-    write_prompts(str(prompts), [40, 60], seed=3)
+    prompts.write_text("\n".join(word_prompts([40, 60], seed=3)) + "\n")
     monkeypatch.setattr(run, "llm_engine", lambda **kw: pytest.fail("a worker started"))
     # the rows and one sequence's state fit, the two sequences' states do not (vLLM picks the state's
     # dtype by CPU feature: float32 on AVX-512 BF16, bf16 elsewhere, so the bytes are read from vLLM)
