@@ -173,6 +173,9 @@ def serve_argv(argv: Sequence[str]) -> list[str]:
     """``argv`` without the check's own options and their values: the engine
     flags as the user typed them, for ``vllm serve`` (``--config`` is
     vLLM's too, and stays)."""
+    from kvfill.record.cli import _split_config
+
+    argv = _split_config(list(argv))  # vLLM reads --config FILE, not --config=FILE
     p = build_parser()
     group = next(g for g in p._action_groups if g.title == "kvfill-check")
     own = {s: a for a in group._group_actions if a.dest != "config" for s in a.option_strings}

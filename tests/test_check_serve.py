@@ -19,9 +19,10 @@ def test_a_server_gets_the_users_engine_flags_as_typed_and_none_of_the_checks_ow
     argv = ["--model", "m", "--prompts", "p.txt", "--fills", "replay", "normal", "--normal", "-0.5", "2",
             "--serve", "--concurrency=4", "--dtype", "float32", "--max_model_len", "512", "--out", "o",
             "--speculative-config", '{"method": "ngram"}', "--in-process", "--output-len", "3", "-O", "3",
-            "--split-reference", "off", "--enforce-eager"]
+            "--split-reference", "off", "--enforce-eager", "--config=flags.yaml"]
     assert serve_argv(argv) == ["--model", "m", "--dtype", "float32", "--max_model_len", "512",
-                                "--speculative-config", '{"method": "ngram"}', "-O", "3", "--enforce-eager"]
+                                "--speculative-config", '{"method": "ngram"}', "-O", "3", "--enforce-eager",
+                                "--config", "flags.yaml"]
 
 
 def test_a_presets_report_is_named_by_its_variant_and_its_recording_gets_the_engine_flags_only():
