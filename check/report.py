@@ -219,7 +219,9 @@ def markdown(cfg, res: dict, cmp: dict, lines: list[str]) -> str:
 
 def _served_cells(step: dict) -> str:
     s = step.get("served")
-    return f" {s['request_throughput']:.3g} | {s['mean_tpot_ms']:.3g} |" if s else " failed | |"
+    if s:
+        return f" {s['request_throughput']:.3g} | {s['mean_tpot_ms']:.3g} |"
+    return " failed | |" if step.get("served_error") else " | |"  # the recording and the split are not served
 
 
 def plot(path: str, res: dict, cmp: dict, title: str) -> bool:
