@@ -1,11 +1,15 @@
 """kvfill-check on the bench's own models: each preset makes its model and
 prompts (locally, once), runs ``kvfill-check`` and copies the report to
-``bench/results/check-PRESET-cpu.{json,md,png}``.
+``bench/results/check-NAME-cpu.{json,md,png}`` (NAME: the preset and its
+variant, ``result_name``).
 
     python bench/check_presets.py real     # SmolLM2-135M, real text asked to be summarised, ngram drafts
     python bench/check_presets.py moe      # tiny Mixtral: expert load vs real prefill's floor, held-out prompts
     python bench/check_presets.py hybrid   # tiny Qwen3-Next (gated delta-net + attention + MoE): the split reference
     python bench/check_presets.py spec     # tiny Llama drafting for itself (draft_model): acceptance
+    python bench/check_presets.py spec --drafter eagle   # a random EAGLE head (or mtp: a tiny MiMo's MTP layer)
+    python bench/check_presets.py spec --record-tp 2 -- --tensor-parallel-size 2   # bank at TP 2, runs at TP 2
+    python bench/check_presets.py parallel --record-tp 2   # the tiny Llama, no drafter: bank at TP 2, runs at TP 1
     python bench/check_presets.py real --serve   # also each run served: vllm serve + vllm bench serve (check-real-serve-cpu.*)
     python bench/check_presets.py moe --held-out 16 --record 8 -- --output-len 8   # smaller; after --: kvfill-check's
 
@@ -22,7 +26,11 @@ prompts' own KV and its expert load meets real prefill's floor, not zero.
 ``hybrid``: ``models.make_hybrid_model`` (``--kind``), bf16, where real
 prefill split as the fill splits it is the reference.  ``spec``: the tiny
 Llama (weights std 0.15) with its own weights as a draft model, so after
-real prefill the drafter proposes the target's greedy tokens.
+real prefill the drafter proposes the target's greedy tokens; ``--drafter
+eagle`` a random EAGLE head, ``mtp`` a tiny MiMo-style model's own MTP layer
+(``spec_models``).  ``parallel``: the same tiny Llama without a drafter.
+``--record-tp N`` (spec, hybrid, parallel) records the bank at tensor
+parallel size N with kvfill-record first and gives it to the check.
 """
 from __future__ import annotations
 
@@ -107,7 +115,7 @@ def preset_args(a, work: str) -> list[str]:
     llama = make_tokenizer(make_model(os.path.join(OUT, "tiny-llama-peaked"), init_std=PEAKED_STD))
     prompts = write_lines(os.path.join(work, "prompts.txt"), word_prompts(a.lens or [180, 260, 340], 1))
     model, spec = llama, None
-    if a.preset == "parallel" or a.drafter == "none":
+    if a.preset == "parallel":
         pass
     elif a.drafter == "mtp":  # the model's own MTP layer; vLLM's MiMo MTP predicts one token
         model, spec = make_mtp_model(os.path.join(OUT, "tiny-mimo-mtp")), {"method": "mtp", "num_speculative_tokens": 1}
@@ -157,7 +165,8 @@ def result_name(a, extra: list[str]) -> str:
     if a.record_tp:
         name += f"-rtp{a.record_tp}"
     for flags, tag in ((("--tensor-parallel-size", "-tp"), "tp"), (("--pipeline-parallel-size", "-pp"), "pp")):
-        size = next((extra[i + 1] for i, x in enumerate(extra[:-1]) if x in flags), None)
+        words = [w for x in extra for w in (x.split("=", 1) if x.startswith(flags) and "=" in x else [x])]
+        size = next((words[i + 1] for i, x in enumerate(words[:-1]) if x in flags), None)
         if size or a.record_tp and tag == "tp":
             name += f"-{tag}{size or 1}"
     return name + "-serve" * a.serve
@@ -195,7 +204,7 @@ def main(argv=None) -> int:
     work = os.path.abspath(a.work or os.path.join(OUT, f"check-{name}"))
     os.makedirs(work, exist_ok=True)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    served = ["--serve", "--concurrency", "8", *(["--max-tokens", "64"] if a.preset == "spec" else [])]
+    served = ["--serve", "--concurrency", "8", *(["--max-tokens", "64"] if a.preset != "real" else [])]
     args = preset_args(a, work)
     if a.record_tp:
         args = record_tp(args, a.record_tp, work)

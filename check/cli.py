@@ -71,7 +71,7 @@ class CheckConfig:
 
 def build_parser() -> RecordArgumentParser:
     p = RecordArgumentParser(
-        prog="kvfill-check", usage=USAGE,
+        prog="kvfill-check", usage=USAGE, allow_abbrev=False,  # --serve hands the flags as typed to vllm serve
         description="Is a synthetic KV fill good enough for your decode benchmark, or do you need replay? Runs your "
                     "model on your prompts with real prefill, replay and the synthetic fills (one vLLM engine each, "
                     "your engine flags) and reports each fill against real prefill: tokens, EOS lengths, "
@@ -146,6 +146,16 @@ def check_config(argv: Sequence[str] | None = None) -> CheckConfig:
     if args.serve and args.max_tokens < 1:
         raise CheckError(f"--serve with --max-tokens {args.max_tokens}: the served run is the EOS-honoured one; "
                          f"expected --max-tokens >= 1")
+    if args.serve and args.temperature > 0:
+        raise CheckError(f"--serve with --temperature {args.temperature}: vllm bench serve sends no seed per request, "
+                         f"so served lengths would move with batching, not with the fill; expected the default "
+                         f"greedy run (--temperature 0) with --serve")
+    if args.serve:
+        import importlib.util
+
+        if importlib.util.find_spec("pandas") is None:
+            raise CheckError("--serve: vLLM's client reads the prompts (its custom data set) with pandas, which is "
+                             "not installed; pip install pandas (or kvfill[bench])")
     if args.concurrency is not None and (args.concurrency < 1 or not args.serve):
         raise CheckError(f"--concurrency {args.concurrency}: expected an int >= 1, with --serve")
     if not args.run_timeout > 0:

@@ -135,7 +135,7 @@ def compare_all(res: dict) -> dict:
             row["expert_load"] = expert_load(ref["expert_counts"], got["expert_counts"])
         if got.get("decode_ms_per_token") and ref.get("decode_ms_per_token"):
             row["decode_time_ratio"] = round(got["decode_ms_per_token"] / ref["decode_ms_per_token"], 3)
-        if ref["eos"]:
+        if ref["eos"] and got.get("eos"):
             row["eos_lengths_identical"] = [r["length"] for r in got["eos"]] == [r["length"] for r in ref["eos"]]
         if got.get("served") and ref.get("served"):
             row["served_vs_real"] = served(ref, got)

@@ -52,6 +52,8 @@ def verdicts(res: dict, cmp: dict) -> list[str]:
         what = "the split alone changes nothing here" if t["identical"] else "replay is held to the split"
         lines.append(f"split reference: real prefill split as a fill splits it keeps {t['equal']}/{t['total']} of "
                      f"unsplit prefill's greedy tokens ({what})")
+    if res["steps"][REFERENCE].get("served_error"):
+        lines.append(f"prefill: served run failed - {res['steps'][REFERENCE]['served_error']}")
     for run, step in res["steps"].items():
         if run in ("record", REFERENCE, "prefill_split"):
             continue
@@ -105,16 +107,21 @@ def verdicts(res: dict, cmp: dict) -> list[str]:
             scale = ref["moe_floor"]["tv_to_uniform_mean"]
             if not any(row["expert_load"]["tv_per_layer"]):
                 lines.append(f"{run}: expert load = real prefill's, every layer (TV 0)")
+            elif exact["identical"] and tv <= floor:  # the same tokens decoded: only rounding moves the router
+                lines.append(f"{what} - within real prefill's noise: its greedy tokens are real prefill's, routed "
+                             f"alike up to rounding")
             elif floor >= MOE_SCALE * scale:
                 lines.append(f"{what} - inconclusive: real prefill's own halves differ as much as its load differs "
                              f"from a uniform one ({scale:.3f}); more prompts or --output-len")
-                unknown.append("expert load")
+                unknown.append("expert load inconclusive on this sample")
             elif tv <= MOE_NOISE * floor:
                 lines.append(f"{what} - within real prefill's noise")
             else:
                 lines.append(f"{what} - the fill moves MoE routing")
                 timing.append("expert load")
         lines += served_lines(run, step, row, ref)
+        if step.get("served_error") or res["steps"][REFERENCE].get("served_error"):
+            unknown.append("EOS lengths not measured: a served run failed")
         if row.get("decode_time_ratio"):
             lines.append(f"{run}: decode {row['decode_ms_per_token']:g} ms per output token vs "
                          f"{ref['decode_ms_per_token']:g} real ({row['decode_time_ratio']:g}x)")
@@ -122,7 +129,7 @@ def verdicts(res: dict, cmp: dict) -> list[str]:
             verb = "differ" if len(timing) > 1 else "differs"
             lines.append(f"=> {run}: not valid for this benchmark ({', '.join(timing)} {verb}) - use replay")
         elif unknown:
-            lines.append(f"=> {run}: not shown valid ({', '.join(unknown)} inconclusive on this sample)")
+            lines.append(f"=> {run}: not shown valid ({'; '.join(unknown)})")
         else:
             lines.append(f"=> {run}: valid for this benchmark - every observable that sets decode time is real "
                          f"prefill's or within its floor")
@@ -136,6 +143,8 @@ def served_lines(run: str, step: dict, row: dict, ref: dict) -> list[str]:
     """``--serve``: what the client measured, against real prefill's served run."""
     if step.get("served_error"):
         return [f"{run}: served run failed - {step['served_error']}"]
+    if ref.get("served") is None and "served" in row:
+        return [f"{run}: served, but real prefill's served run failed: nothing to compare with"]
     v, s, r = row.get("served_vs_real"), row.get("served"), ref.get("served")
     if not (v and s and r):
         return []
@@ -198,7 +207,7 @@ def markdown(cfg, res: dict, cmp: dict, lines: list[str]) -> str:
             f"decode ms/token | run s |{served}", "|---|---|---|---|---|---|---|---|" + "---|---|" * cfg.serve]
     for run, step in res["steps"].items():
         if "error" in step:
-            out.append(f"| {run} | failed | | | | | | {step.get('step_s', '')} |")
+            out.append(f"| {run} | failed | | | | | | {step.get('step_s', '')} |" + " | |" * cfg.serve)
             continue
         row = cmp.get(run, {})
         t = row.get("tokens") or row.get("tokens_vs_prefill")
@@ -236,7 +245,7 @@ def plot(path: str, res: dict, cmp: dict, title: str) -> bool:
     panels = [("greedy tokens = real prefill's (%)",
                lambda r: 100.0 if r == REFERENCE else 100 * cmp[r]["tokens"]["share"])]
     if cmp.get(REFERENCE, {}).get("eos"):
-        panels.append(("EOS-honoured mean output length", lambda r: cmp[r]["eos"]["mean"]))
+        panels.append(("EOS-honoured mean output length", lambda r: (cmp[r].get("eos") or {}).get("mean", 0.0)))
     if cmp.get(REFERENCE, {}).get("spec"):
         panels.append(("acceptance (%)", lambda r: 100 * (cmp[r]["spec"] or {"acceptance": 0})["acceptance"]))
     if cmp.get(REFERENCE, {}).get("moe_floor"):

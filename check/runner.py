@@ -114,7 +114,7 @@ def run_all(cfg: CheckConfig, log=print) -> dict:
             connector = {"kv_connector": "KVFillConnector", "kv_role": "kv_both",
                          "kv_connector_extra_config": fills[run]}
         steps[run] = step(run, {**base, "run": run, "connector": connector}, cfg, i, n_steps, log)
-        if dataset and run != "prefill_split":
+        if dataset and run != "prefill_split" and "error" not in steps[run]:
             i += 1
             steps[run].update(serve_step(run, cfg, engine, connector, dataset, len(ids), f"[{i}/{n_steps}]", log))
     return {"prompt_tokens": [len(t) for t in ids], "max_model_len": max_len, "bank": bank, "bank_recorded": made,

@@ -165,6 +165,10 @@ def run_client(args: list[str], log_path: str, timeout: float, in_process: bool)
         except (Exception, SystemExit):
             traceback.print_exc()
             return 1
+        finally:
+            import gc
+
+            gc.unfreeze()  # vLLM's client freezes the heap it found (gc.freeze) for its run
     return 0
 
 
@@ -188,18 +192,21 @@ def served(run: str, cfg: CheckConfig, engine: dict, connector: dict | None, dat
         if rc != 0 or not os.path.exists(os.path.join(logs, name)):
             return {"error": f"vllm bench serve exit {rc} (log {client_log})"}
         metrics = server.metrics()
-    except (RuntimeError, TimeoutError, subprocess.TimeoutExpired, OSError) as exc:
+        with open(os.path.join(logs, name)) as f:
+            res = json.load(f)
+    except Exception as exc:  # the server's start, the client, /metrics, the client's file: the run failed
         return {"error": f"{type(exc).__name__}: {str(exc)[:300]} (server log {server_log})"}
     finally:
         server.stop()
-    with open(os.path.join(logs, name)) as f:
-        res = json.load(f)
     if res.get("failed"):
         return {"error": f"{res['failed']} of {prompts} requests failed: {_first_error(res)} (server log {server_log})"}
     lens = list(res["output_lens"])
     spec = {k.removeprefix("vllm:spec_decode_").removesuffix("_total"): int(v) for k, v in metrics.items()
             if k.startswith("vllm:spec_decode_")}
-    return {"eos": [{"length": n, "eos": n < cfg.max_tokens} for n in lens], "eos_counters": spec,
+    # a request shorter than its cap ended at EOS (or a stop token): the server caps max_tokens at what
+    # the prompt leaves of max_model_len
+    caps = [min(cfg.max_tokens, engine["max_model_len"] - n) for n in res.get("input_lens") or [0] * len(lens)]
+    return {"eos": [{"length": n, "eos": n < cap} for n, cap in zip(lens, caps)], "eos_counters": spec,
             "texts": list(res.get("generated_texts", [])),
             "served": {**{k: res.get(k) for k in FIGURES}, "concurrency": cfg.concurrency or prompts,
                        "kvfill": {k.removeprefix("vllm:"): v for k, v in metrics.items() if "kvfill_" in k}}}

@@ -130,12 +130,17 @@ def test_verdicts_tell_replay_from_a_distorting_fill_and_report_a_failed_run(tmp
 
 def test_an_expert_load_sample_too_small_to_tell_loads_apart_is_inconclusive_not_valid(tmp_path):
     ref_counts = [[[3, 1]], [[2, 2]], [[3, 1]], [[2, 2]]]  # halves 0.25 apart, the whole 0.125 from uniform
-    steps = {run: _step(run, [[1, 2]] * 4, [], [], {}, counts) for run, counts in
-             (("prefill", ref_counts), ("normal", [[[2, 2]]] * 4))}
+    steps = {run: _step(run, tokens, [], [], {}, counts) for run, tokens, counts in
+             (("prefill", [[1, 2]] * 4, ref_counts), ("normal", [[1, 3]] * 4, [[[2, 2]]] * 4),
+              ("replay", [[1, 2]] * 4, [[[3, 1]], [[2, 2]], [[3, 1]], [[1, 3]]]))}
     res = _res(steps)
     lines = report.verdicts(res, compare.compare_all(res))
     assert "normal: expert load TV 0.125, floor 0.250 (0.5x) - inconclusive" in "\n".join(lines)
     assert "=> normal: not shown valid (expert load inconclusive on this sample)" in lines
+    # the same greedy tokens as real prefill's, a load within the floor: rounding, not an inconclusive sample
+    assert "replay: expert load TV 0.062, floor 0.250 (0.2x) - within real prefill's noise: its greedy tokens" \
+        in "\n".join(lines)
+    assert any(line.startswith("=> replay: valid for this benchmark") for line in lines)
 
 
 def test_without_real_prefill_there_is_nothing_to_compare_with(tmp_path):

@@ -52,16 +52,40 @@ def test_a_presets_report_is_named_by_its_variant_and_its_recording_gets_the_eng
     (["--serve", "--max-tokens", "0"], "--serve with --max-tokens 0"),
     (["--concurrency", "2"], "--concurrency 2: expected an int >= 1, with --serve"),
     (["--serve", "--concurrency", "0"], "--concurrency 0"),
+    (["--serve", "--temperature", "0.5"], "--serve with --temperature 0.5"),
+    (["--serve", "--conc", "2"], "unrecognized arguments: --conc 2"),
 ])
-def test_serve_options_the_check_cannot_run_with_are_refused_naming_the_value(tmp_path, flags, named):
+def test_serve_options_the_check_cannot_run_with_are_refused_naming_the_value(tmp_path, capsys, flags, named):
     from kvfill.bench.models import make_config_only
 
     model = make_config_only(str(tmp_path / "model"))
     (tmp_path / "p.txt").write_text("w5 w6\n")
-    with pytest.raises(CheckError) as exc:
+    with pytest.raises((CheckError, SystemExit)) as exc:  # argparse's own errors exit 2
         check_config(["--model", model, "--prompts", str(tmp_path / "p.txt"), "--out", str(tmp_path / "o"), *flags])
-    assert named in str(exc.value)
+    assert named in str(exc.value) + capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def test_a_failed_served_run_is_reported_and_leaves_the_fills_eos_lengths_unjudged():
+    """--serve: a fill whose served run failed, or real prefill's, is named;
+    its EOS lengths were not measured, so no fill is called valid on them."""
+    from kvfill.check import compare, report
+
+    rows = [{"tokens": [1, 2], "logprobs": [-1.0, -1.0]}] * 2
+    served = {"request_throughput": 1.0, "mean_tpot_ms": 10.0, "concurrency": 2}
+    eos = [{"length": 5, "eos": True}, {"length": 8, "eos": True}]
+
+    def step(run, **kw):
+        return {"run": run, "greedy": rows, "eos": [], "counters": {}, "eos_counters": {}, "step_s": 1.0, **kw}
+
+    for failed in ("replay", "prefill"):
+        steps = {run: step(run, **({"served_error": "server exited with 1"} if run == failed else
+                                   {"eos": eos, "served": served, "texts": ["a", "b"]}))
+                 for run in ("prefill", "replay")}
+        res = {"steps": steps, "prompt_tokens": [3, 4], "bank_recorded": True, "runtime_s": 1.0, "moe_note": None}
+        lines = report.verdicts(res, compare.compare_all(res))
+        assert f"{failed}: served run failed - server exited with 1" in lines, lines
+        assert "=> replay: not shown valid (EOS lengths not measured: a served run failed)" in lines, lines
 
 
 @pytest.mark.usefixtures("leaves_nothing")
