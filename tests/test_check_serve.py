@@ -88,6 +88,7 @@ def test_a_failed_served_run_is_reported_and_leaves_the_fills_eos_lengths_unjudg
         assert "=> replay: not shown valid (EOS lengths not measured: a served run failed)" in lines, lines
 
 
+@pytest.mark.xdist_group("e2e")  # beside the leaves_nothing group, which holds most of the suite's engine time
 @pytest.mark.usefixtures("leaves_nothing")
 def test_served_replay_writes_real_prefills_served_texts_and_the_servers_are_stopped(tmp_path):
     """The tiny Llama (peaked weights), 2 prompts: replay's engine run and
