@@ -6,7 +6,8 @@ EOS honoured, up to ``--max-tokens`` per request, ``--concurrency`` at a
 time - and stopped by its process group.
 
 What the client measured becomes the run's EOS-honoured outputs (a request
-shorter than ``--max-tokens`` ended at EOS), its texts, request throughput,
+shorter than its cap - ``--max-tokens``, or what its prompt leaves of
+max_model_len - ended at EOS), its texts, request throughput,
 TPOT, ITL and TTFT; the server's /metrics give vLLM's speculative-decoding
 counters and kvfill's own.  Also the server and client the bench scripts
 start (``Server``, ``vllm_command``, ``free_port``).
