@@ -9,7 +9,11 @@ variant, ``result_name``).
     python bench/check_presets.py spec     # tiny Llama drafting for itself (draft_model): acceptance
     python bench/check_presets.py spec --drafter eagle   # a random EAGLE head (or mtp: a tiny MiMo's MTP layer)
     python bench/check_presets.py spec --record-tp 2 -- --tensor-parallel-size 2   # bank at TP 2, runs at TP 2
-    python bench/check_presets.py parallel --record-tp 2   # the tiny Llama, no drafter: bank at TP 2, runs at TP 1
+    python bench/check_presets.py llama --record-tp 2      # the tiny Llama, no drafter: bank at TP 2, runs at TP 1
+    python bench/check_presets.py llama --record-pp 2 -- --tensor-parallel-size 2   # bank at PP 2 (compiled), runs TP 2
+    python bench/check_presets.py llama --lens 300 300 300 -- --enable-prefix-caching --decoys 256   # reused blocks
+    python bench/check_presets.py sliding  # tiny Gemma3: sliding-window (256) and full attention, two KV cache groups
+    python bench/check_presets.py hybrid --nested --lens 80 49 48 -- --verify   # multi-turn prompts, replay verified
     python bench/check_presets.py real --serve   # also each run served: vllm serve + vllm bench serve (check-real-serve-cpu.*)
     python bench/check_presets.py moe --held-out 16 --record 8 -- --output-len 8   # smaller; after --: kvfill-check's
 
@@ -28,9 +32,13 @@ prefill split as the fill splits it is the reference.  ``spec``: the tiny
 Llama (weights std 0.15) with its own weights as a draft model, so after
 real prefill the drafter proposes the target's greedy tokens; ``--drafter
 eagle`` a random EAGLE head, ``mtp`` a tiny MiMo-style model's own MTP layer
-(``spec_models``).  ``parallel``: the same tiny Llama without a drafter.
-``--record-tp N`` (spec, hybrid, parallel) records the bank at tensor
-parallel size N with kvfill-record first and gives it to the check.
+(``spec_models``).  ``llama``: the same tiny Llama without a drafter.
+``sliding``: a tiny Gemma3 alternating sliding-window (256 tokens) and full
+attention layers, float32, 300-token prompts.  ``--record-tp N`` / ``--record-pp N``
+(every preset but real and moe) record the bank at that tensor or pipeline
+parallel size with kvfill-record first (eager; compiled at PP > 1, which
+vLLM CPU's pipeline needs) and give it to the check; ``--nested`` makes each
+prompt the first words of the longest, as a multi-turn chat's turns.
 """
 from __future__ import annotations
 
@@ -41,28 +49,14 @@ import shutil
 import subprocess
 import sys
 
-from kvfill.bench.models import HYBRID_KINDS, make_hybrid_model, make_model, make_moe_model, make_tokenizer, \
-    make_topic_prompts
+from kvfill.bench.models import HYBRID_KINDS, PEAKED_STD, make_hybrid_model, make_model, make_moe_model, \
+    make_tokenizer, make_topic_prompts, nested_prompts, word_prompts, write_lines
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 OUT = os.path.abspath(os.path.join(HERE, "..", "out"))
-PEAKED_STD = 0.15
-PRESETS = ("real", "moe", "hybrid", "spec", "parallel")
+PRESETS = ("real", "moe", "hybrid", "spec", "llama", "sliding")
+RECORDED = ("hybrid", "spec", "llama", "sliding")  # --record-tp / --record-pp
 INSTRUCTION = "Summarize the text above in two sentences."
-
-
-def write_lines(path: str, lines: list[str]) -> str:
-    with open(path, "w") as f:
-        f.write("\n".join(lines) + "\n")
-    return path
-
-
-def word_prompts(lengths: list[int], seed: int) -> list[str]:
-    """Prompts of ``lengths`` random words of the tiny models' tokenizer (one token each)."""
-    import random
-
-    r = random.Random(seed)
-    return [" ".join(f"w{r.randrange(3, 1000)}" for _ in range(n)) for n in lengths]
 
 
 def chat_prompts(model: str, lengths: list[int], path: str) -> str:
@@ -107,15 +101,20 @@ def preset_args(a, work: str) -> list[str]:
                 "--max-tokens", "0", "--max-model-len", max_len]
     if a.preset == "hybrid":
         model = make_tokenizer(make_hybrid_model(os.path.join(OUT, f"tiny-hybrid-{a.kind}"), a.kind))
-        prompts = write_lines(os.path.join(work, "prompts.txt"), word_prompts(a.lens or [150, 230, 310], 1))
+        prompts = write_lines(os.path.join(work, "prompts.txt"), words(a, [150, 230, 310]))
         return ["--model", model, "--prompts", prompts, "--dtype", "bfloat16", "--output-len", "10",
                 "--max-tokens", "0", "--fills", "replay", "normal", *fixed_len(a, [310])]
+    if a.preset == "sliding":
+        model = make_tokenizer(make_model(os.path.join(OUT, "tiny-gemma3-hybrid"), hybrid=True))
+        prompts = write_lines(os.path.join(work, "prompts.txt"), words(a, [300, 300]))
+        return ["--model", model, "--prompts", prompts, "--dtype", "float32", "--output-len", "16",
+                "--max-tokens", "0", *fixed_len(a, [300])]
     from kvfill.bench.spec_models import make_draft, make_eagle_head, make_mtp_model
 
     llama = make_tokenizer(make_model(os.path.join(OUT, "tiny-llama-peaked"), init_std=PEAKED_STD))
-    prompts = write_lines(os.path.join(work, "prompts.txt"), word_prompts(a.lens or [180, 260, 340], 1))
+    prompts = write_lines(os.path.join(work, "prompts.txt"), words(a, [180, 260, 340]))
     model, spec = llama, None
-    if a.preset == "parallel":
+    if a.preset == "llama":
         pass
     elif a.drafter == "mtp":  # the model's own MTP layer; vLLM's MiMo MTP predicts one token
         model, spec = make_mtp_model(os.path.join(OUT, "tiny-mimo-mtp")), {"method": "mtp", "num_speculative_tokens": 1}
@@ -128,9 +127,14 @@ def preset_args(a, work: str) -> list[str]:
             *fixed_len(a, [340])]
 
 
+def words(a, lens: list[int]) -> list[str]:
+    """The tiny models' prompts: ``--lens`` (default ``lens``) random words, or with --nested the longest's first words."""
+    return (nested_prompts if a.nested else word_prompts)(a.lens or lens, 1)
+
+
 def fixed_len(a, lens: list[int]) -> list[str]:
-    """With --record-tp: one --max-model-len for the recording and every run (else the check's own choice)."""
-    return ["--max-model-len", str(max(a.lens or lens) + 128)] if a.record_tp else []
+    """With a recording of the preset's own: one --max-model-len for it and every run (else the check's choice)."""
+    return ["--max-model-len", str(max(a.lens or lens) + 128)] if a.record_tp or a.record_pp else []
 
 
 def record_flags(args: list[str]) -> list[str]:
@@ -142,18 +146,19 @@ def record_flags(args: list[str]) -> list[str]:
     return [*serve_argv(args), "--prompts", prompts]
 
 
-def record_tp(args: list[str], tp: int, work: str) -> list[str]:
-    """``--record-tp``: the bank recorded by kvfill-record at tensor parallel
-    size ``tp`` with the preset's flags (one core per worker on vLLM CPU), the
-    check given it with ``--bank``: replay from a bank recorded at another TP
-    than the runs'."""
-    bank = os.path.join(work, f"bank-tp{tp}.safetensors")
+def record_bank(args: list[str], tp: int, pp: int, work: str) -> list[str]:
+    """``--record-tp`` / ``--record-pp``: the bank recorded by kvfill-record at
+    that parallel size with the preset's flags (each worker an even share of
+    the cores on vLLM CPU; eager, but compiled at PP > 1: vLLM CPU's pipeline
+    fails eager), the check given it with ``--bank``: replay from a bank
+    recorded at another parallel size than the runs'."""
+    from kvfill.check.runner import worker_cores
+
+    bank = os.path.join(work, f"bank-tp{tp}-pp{pp}.safetensors")
     rec = [sys.executable, "-m", "kvfill.record", *record_flags(args), "--out", bank,
-           "--tensor-parallel-size", str(tp), "--enforce-eager"]
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    if tp > 1:  # one core per worker (vLLM CPU refuses more workers than NUMA nodes otherwise)
-        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(c % (os.cpu_count() or 1)) for c in range(tp))
-    print(f"recording the bank at TP {tp}:", " ".join(rec), flush=True)
+           "--tensor-parallel-size", str(tp), "--pipeline-parallel-size", str(pp), *(["--enforce-eager"] * (pp == 1))]
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **worker_cores(tp * pp)}
+    print(f"recording the bank at TP {tp}, PP {pp}:", " ".join(rec), flush=True)
     subprocess.run(rec, check=True, stdout=subprocess.DEVNULL, env=env)
     return [*args, "--bank", bank]
 
@@ -162,14 +167,15 @@ def result_name(a, extra: list[str]) -> str:
     """check-NAME-cpu.*: the preset, its model's variant, the recording's and the runs' parallel sizes."""
     name = {"hybrid": f"hybrid-{a.kind}" if a.kind != "gdn" else "hybrid",
             "spec": "spec" if a.drafter == "draft_model" else f"spec-{a.drafter}"}.get(a.preset, a.preset)
-    if a.record_tp:
-        name += f"-rtp{a.record_tp}"
+    recorded = bool(a.record_tp or a.record_pp)
+    for size, tag in ((a.record_tp, "rtp"), (a.record_pp, "rpp")):
+        name += f"-{tag}{size}" if size else ""
     for flags, tag in ((("--tensor-parallel-size", "-tp"), "tp"), (("--pipeline-parallel-size", "-pp"), "pp")):
         words = [w for x in extra for w in (x.split("=", 1) if x.startswith(flags) and "=" in x else [x])]
         size = next((words[i + 1] for i, x in enumerate(words[:-1]) if x in flags), None)
-        if size or a.record_tp and tag == "tp":
+        if size or recorded and tag == "tp":
             name += f"-{tag}{size or 1}"
-    return name + "-serve" * a.serve
+    return name + (f"-{a.tag}" if getattr(a, "tag", None) else "") + "-serve" * a.serve
 
 
 def main(argv=None) -> int:
@@ -185,11 +191,17 @@ def main(argv=None) -> int:
     p.add_argument("--drafter", choices=("ngram", "draft_model", "eagle", "mtp", "none"), default=None,
                    help="real: ngram (default) or none; spec: draft_model (default), eagle or mtp")
     p.add_argument("--record-tp", type=int, default=None, metavar="N",
-                   help="spec, hybrid, parallel: record the bank at tensor parallel size N first (the runs' TP: "
+                   help=f"{', '.join(RECORDED)}: record the bank at tensor parallel size N first (the runs' TP: "
                         "kvfill-check's --tensor-parallel-size after --)")
+    p.add_argument("--record-pp", type=int, default=None, metavar="N",
+                   help=f"{', '.join(RECORDED)}: record the bank at pipeline parallel size N first (compiled)")
+    p.add_argument("--nested", action="store_true",
+                   help="each prompt the first words of the longest (multi-turn chat), for the word-prompt presets")
     p.add_argument("--serve", action="store_true",
                    help="kvfill-check --serve --concurrency 8: each run's EOS-honoured outputs served by vllm serve "
                         "and driven by vllm bench serve; the report goes to check-PRESET-serve-cpu.*")
+    p.add_argument("--tag", default=None, help="appended to the report's name: check-PRESET[-...]-TAG-cpu.* (a variant "
+                                               "the flags after -- make, e.g. compiled)")
     p.add_argument("--work", default=None, help="the models' prompts, bank, logs and report (default out/check-PRESET)")
     p.add_argument("--results", default=os.path.join(HERE, "results"),
                    help="where check-PRESET-cpu.{json,md,png} go (default bench/results)")
@@ -198,16 +210,19 @@ def main(argv=None) -> int:
     allowed = {"real": ("ngram", "none"), "spec": ("draft_model", "eagle", "mtp")}.get(a.preset, (None,))
     if a.drafter not in allowed:
         p.error(f"--drafter {a.drafter} with preset {a.preset}: expected one of {', '.join(map(str, allowed))}")
-    if a.record_tp is not None and (a.preset not in ("spec", "hybrid", "parallel") or a.record_tp < 1):
-        p.error(f"--record-tp {a.record_tp} with preset {a.preset}: expected N >= 1 with spec, hybrid or parallel")
+    for flag, size in (("--record-tp", a.record_tp), ("--record-pp", a.record_pp)):
+        if size is not None and (a.preset not in RECORDED or size < 1):
+            p.error(f"{flag} {size} with preset {a.preset}: expected N >= 1 with one of {', '.join(RECORDED)}")
+    if a.nested and a.preset not in RECORDED:
+        p.error(f"--nested with preset {a.preset}: expected one of {', '.join(RECORDED)} (word prompts)")
     name = result_name(a, extra)
     work = os.path.abspath(a.work or os.path.join(OUT, f"check-{name}"))
     os.makedirs(work, exist_ok=True)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     served = ["--serve", "--concurrency", "8", *(["--max-tokens", "64"] if a.preset != "real" else [])]
     args = preset_args(a, work)
-    if a.record_tp:
-        args = record_tp(args, a.record_tp, work)
+    if a.record_tp or a.record_pp:
+        args = record_bank(args, a.record_tp or 1, a.record_pp or 1, work)
     args = [*args, "--out", work, *(served if a.serve else []), *extra]
     print("kvfill-check " + " ".join(args), flush=True)
     # kvfill-check in a process of its own, as a user runs it: with --in-process its engines start there,

@@ -16,6 +16,8 @@ import os
 import random
 
 MODEL_LAYERS, KV_HEADS, HEAD_DIM = 4, 8, 128
+# Weights of std 0.15: peaked next-token distributions (std 0.02 gives near-uniform ones whose argmax rounding decides)
+PEAKED_STD = 0.15
 
 
 def make_model(path: str, hybrid: bool = False, init_std: float | None = None) -> str:
@@ -209,6 +211,25 @@ def make_moe_model(path: str, init_std: float, shared: float) -> str:
     with open(recipe_file, "w") as f:
         json.dump(recipe, f)
     return path
+
+
+def word_prompts(lengths: list[int], seed: int) -> list[str]:
+    """Prompts of ``lengths`` random words of the tiny models' tokenizer (one token each)."""
+    r = random.Random(seed)
+    return [" ".join(f"w{r.randrange(3, 1000)}" for _ in range(n)) for n in lengths]
+
+
+def nested_prompts(lengths: list[int], seed: int) -> list[str]:
+    """Prompts of ``lengths`` words, each the first words of the longest, as a
+    multi-turn chat's turns begin with the turns before."""
+    words = word_prompts([max(lengths)], seed)[0].split()
+    return [" ".join(words[:n]) for n in lengths]
+
+
+def write_lines(path: str, lines: list[str]) -> str:
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return str(path)
 
 
 def make_topic_prompts(n: int, length: int, seed: int) -> list[str]:

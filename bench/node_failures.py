@@ -148,15 +148,14 @@ def main(argv=None) -> int:
     p.add_argument("--out-dir", default=None, help="work folder (default out/node-failures)")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
-    from kvfill.bench.models import make_model, make_tokenizer
-    from kvfill.bench.replay_e2e import PEAKED_STD, write_prompts
+    from kvfill.bench.models import PEAKED_STD, make_model, make_tokenizer, word_prompts, write_lines
 
     root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "out")
     work = os.path.abspath(a.out_dir or os.path.join(root, "node-failures"))
     os.makedirs(work, exist_ok=True)
     model = make_tokenizer(make_model(os.path.abspath(os.path.join(root, "tiny-llama-peaked")), init_std=PEAKED_STD))
     prompts = os.path.join(work, "prompts.txt")
-    write_prompts(prompts, a.prompts, 150, seed=3)
+    write_lines(prompts, word_prompts([150] * a.prompts, seed=3))
     rows = []
     for name in a.scenarios:
         row = scenario(name, model, prompts, work, a.node_wait, a.limit)

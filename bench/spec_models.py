@@ -9,7 +9,7 @@ import os
 import shutil
 
 from kvfill.bench.models import KV_HEADS, MODEL_LAYERS
-from kvfill.bench.replay_e2e import PEAKED_STD
+from kvfill.bench.models import PEAKED_STD
 
 
 def make_draft(model: str, draft: str) -> str:

@@ -67,6 +67,8 @@ class CheckConfig:
     in_process: bool = False
     serve: bool = False
     concurrency: int | None = None
+    decoys: int = 0
+    verify: bool = False
 
 
 def build_parser() -> RecordArgumentParser:
@@ -116,6 +118,13 @@ def build_parser() -> RecordArgumentParser:
                           "request throughput, TPOT and the texts served")
     own.add_argument("--concurrency", type=int, default=None,
                      help="--serve: the client's --max-concurrency (default: every prompt at once)")
+    own.add_argument("--decoys", type=int, default=0, metavar="K",
+                     help="with --enable-prefix-caching: before the prompts, every run generates a token from an "
+                          "unrecorded decoy per prompt sharing its first K tokens, so the prompts reuse cached blocks "
+                          "(and states) another request filled - as served requests sharing a system prompt do")
+    own.add_argument("--verify", action="store_true",
+                     help="replay reads back every row and state page it writes and fails the run on a mismatch "
+                          "(the connector's verify: raise; slower)")
     own.add_argument("--config", default=None, help="a YAML file of vLLM engine flags (as `vllm serve --config`)")
     EngineArgs.add_cli_args(p)
     _require_model(p)
@@ -158,6 +167,9 @@ def check_config(argv: Sequence[str] | None = None) -> CheckConfig:
                              "not installed; pip install pandas (or kvfill[bench])")
     if args.concurrency is not None and (args.concurrency < 1 or not args.serve):
         raise CheckError(f"--concurrency {args.concurrency}: expected an int >= 1, with --serve")
+    if args.decoys and (args.decoys < 1 or not args.enable_prefix_caching):
+        raise CheckError(f"--decoys {args.decoys}: expected an int >= 1, with --enable-prefix-caching (without it "
+                         f"no block is reused)")
     if not args.run_timeout > 0:
         raise CheckError(f"--run-timeout {args.run_timeout}: expected seconds > 0")
     if args.bank is not None and not os.path.isfile(args.bank):
@@ -176,7 +188,7 @@ def check_config(argv: Sequence[str] | None = None) -> CheckConfig:
                        temperature=args.temperature, normal=tuple(args.normal) if args.normal else None,
                        constant=args.constant, split=args.split_reference, run_timeout=args.run_timeout,
                        engine=engine, argv=list(argv) if argv is not None else [], in_process=args.in_process,
-                       serve=args.serve, concurrency=args.concurrency)
+                       serve=args.serve, concurrency=args.concurrency, decoys=args.decoys, verify=args.verify)
 
 
 def serve_argv(argv: Sequence[str]) -> list[str]:

@@ -39,6 +39,9 @@ def run(job: dict) -> dict:
     t0 = time.perf_counter()
     with llm_engine(**kw) as llm:
         startup_s = time.perf_counter() - t0
+        if job.get("decoys"):  # --decoys: their blocks cached before the prompts come (before any probe counts)
+            llm.generate([TokensPrompt(prompt_token_ids=t) for t in job["decoys"]],
+                         SamplingParams(max_tokens=1, ignore_eos=True, detokenize=False), use_tqdm=False)
         moe = job.get("moe")
         hooked = llm.collective_rpc(probes.install_expert_counter, args=tuple(moe))[0] if moe else []
         drafts = bool(job.get("spec")) and all(llm.collective_rpc(probes.watch_drafts))

@@ -41,6 +41,17 @@ def indexer_line(res: dict) -> str:
             "CPU's indexer ops")
 
 
+def decoy_line(res: dict) -> str:
+    """``--decoys``: how many prompt tokens each run found cached (vLLM's prefix-cache hits)."""
+    hits = {run: step.get("counters", {}).get("prefix_cache_hit_tokens") for run, step in res["steps"].items()
+            if run not in ("record", "prefill_split") and "error" not in step}
+    line = (f"prefix caching: after unrecorded decoys sharing each prompt's first {res['decoys']} tokens, cached "
+            f"tokens reused - " + ", ".join(f"{run} {n}" for run, n in hits.items()))
+    unused = [run for run, n in hits.items() if not n]
+    return line + (f" (no reuse in {', '.join(unused)}: a block size above --decoys? nothing shown about reuse "
+                   f"there)" if unused else "")
+
+
 def verdicts(res: dict, cmp: dict) -> list[str]:
     """One line per fill and observable, then one summary line per fill."""
     if "reference_failed" in cmp:
@@ -52,6 +63,8 @@ def verdicts(res: dict, cmp: dict) -> list[str]:
         what = "the split alone changes nothing here" if t["identical"] else "replay is held to the split"
         lines.append(f"split reference: real prefill split as a fill splits it keeps {t['equal']}/{t['total']} of "
                      f"unsplit prefill's greedy tokens ({what})")
+    if res.get("decoys"):
+        lines.append(decoy_line(res))
     if res["steps"][REFERENCE].get("served_error"):
         lines.append(f"prefill: served run failed - {res['steps'][REFERENCE]['served_error']}")
     for run, step in res["steps"].items():

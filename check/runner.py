@@ -60,7 +60,7 @@ def bank_stats(path: str) -> dict | None:
 def fill_config(fill: str, cfg: CheckConfig, bank: str | None, stats: dict | None) -> dict:
     """A fill's ``kv_connector_extra_config``."""
     if fill == "replay":
-        return {"fill_mode": "replay", "bank": bank}
+        return {"fill_mode": "replay", "bank": bank, **({"verify": "raise"} if cfg.verify else {})}
     if fill == "normal":
         mean, std = cfg.normal or ((stats["mean"], stats["std"]) if stats else (0.0, 1.0))
         return {"fill_mean": mean, "fill_std": std}
@@ -71,6 +71,9 @@ def run_all(cfg: CheckConfig, log=print) -> dict:
     """Every step; what ``compare`` and ``report`` read."""
     t_start = time.perf_counter()
     tok, ids = token_ids(cfg)
+    if cfg.decoys and cfg.decoys >= min(map(len, ids)) - 1:
+        raise CheckError(f"--decoys {cfg.decoys}: expected fewer than the shortest prompt's tokens less one "
+                         f"({min(map(len, ids)) - 1}): a decoy shares the first K tokens and differs after them")
     os.makedirs(os.path.join(cfg.out, "logs"), exist_ok=True)
     for key, value in child_env(cfg).items():
         log(f"vLLM CPU with several workers: {key}={value} (one share of this process's cores each; set it to choose)")
@@ -98,7 +101,7 @@ def run_all(cfg: CheckConfig, log=print) -> dict:
     moe = probes.moe_shape(config) if engine.get("enforce_eager") else None
     base = {"kind": "run", "ids": ids, "engine": engine, "output_len": cfg.output_len,
             "max_tokens": 0 if cfg.serve else cfg.max_tokens, "temperature": cfg.temperature, "moe": moe, "spec": bool(spec),
-            "spec_tokens": _spec_tokens(spec)}
+            "spec_tokens": _spec_tokens(spec), "decoys": decoys(ids, cfg.decoys) if cfg.decoys else None}
     runs = ["prefill", *(["prefill_split"] if split else []), *cfg.fills]
     fills, i = {}, made
     dataset = _served_dataset(cfg) if cfg.serve else None
@@ -121,7 +124,12 @@ def run_all(cfg: CheckConfig, log=print) -> dict:
             "bank_stats": stats, "moe": moe, "moe_note": _moe_note(config, moe), "speculative_config": spec,
             "indexer": any(k in config for k in ("index_topk", "index_n_heads")),
             "fills": fills, "steps": steps, "samples": samples(tok, steps),
-            "runtime_s": round(time.perf_counter() - t_start, 1)}
+            "decoys": cfg.decoys, "runtime_s": round(time.perf_counter() - t_start, 1)}
+
+
+def decoys(ids: list[list[int]], shared: int) -> list[list[int]]:
+    """Per prompt an unrecorded one: its first ``shared`` tokens, then its other tokens reversed."""
+    return [t[:shared] + t[shared:][::-1] for t in ids]
 
 
 def _served_dataset(cfg: CheckConfig) -> str:
@@ -172,11 +180,17 @@ def _moe_note(config: dict, moe) -> str | None:
 
 def child_env(cfg: CheckConfig) -> dict:
     """On vLLM CPU with several workers (TP x PP) and no ``VLLM_CPU_OMP_THREADS_BIND``:
-    this process's cores split evenly between them.  vLLM's own binding
-    ("auto") gives each worker a NUMA node and refuses more workers than
-    nodes; ``VLLM_CPU_OMP_THREADS_BIND`` set by the user is kept."""
+    this process's cores split evenly between them (``worker_cores``)."""
     workers = int(cfg.engine.get("tensor_parallel_size") or 1) * int(cfg.engine.get("pipeline_parallel_size") or 1)
-    if workers < 2 or "VLLM_CPU_OMP_THREADS_BIND" in os.environ or not on_cpu():
+    return worker_cores(workers) if on_cpu() else {}
+
+
+def worker_cores(workers: int) -> dict:
+    """``VLLM_CPU_OMP_THREADS_BIND`` giving each of ``workers`` vLLM CPU workers
+    an even share of this process's cores, unless the user set it.  vLLM's
+    own binding ("auto") gives each worker a NUMA node and refuses more
+    workers than nodes."""
+    if workers < 2 or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
         return {}
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < workers:

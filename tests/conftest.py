@@ -141,7 +141,10 @@ def nothing_left(folder):
 
     def watch_ids():  # a rendezvous file lives while its workers run; its segments may outlive it
         while True:
-            ids.update(p.name for p in pathlib.Path(own).rglob("vllm_dist_*"))
+            try:
+                ids.update(p.name for p in pathlib.Path(own).rglob("vllm_dist_*"))
+            except FileNotFoundError:  # a folder removed while it was listed: the next pass sees the rest
+                pass
             if done.wait(0.1):
                 return
 
@@ -173,6 +176,24 @@ def nothing_left(folder):
         import shutil
 
         shutil.rmtree(own, ignore_errors=True)
+
+
+def check_preset(tmp_path, argv: list[str]):
+    """``python bench/check_presets.py PRESET ...`` in a process of its own, as a user runs it (``--in-process``
+    runs vLLM's engines there: a test process's modules trip vLLM CPU's kernel rebinding), its work and
+    results in ``tmp_path``: exit code, the one report.json it published (check-NAME-cpu.json), work folder."""
+    import json
+    import subprocess
+    import sys
+
+    work, results = tmp_path / "work", tmp_path / "results"
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "check_presets.py")
+    out = subprocess.run([sys.executable, script, *argv[:1], "--work", str(work), "--results", str(results),
+                          *argv[1:]], capture_output=True, text=True, timeout=900)
+    published = sorted(results.glob("check-*-cpu.json")) if results.exists() else []
+    assert len(published) == 1, out.stdout[-3000:] + out.stderr[-3000:]
+    assert published[0].with_suffix(".md").read_text().startswith("# kvfill-check")
+    return out.returncode, json.loads(published[0].read_text()), work
 
 
 @pytest.fixture

@@ -10,6 +10,7 @@ import pytest
 vllm = pytest.importorskip("vllm")
 pytestmark = pytest.mark.cpu_only
 
+from conftest import check_preset  # noqa: E402
 from kvfill.check import compare, report  # noqa: E402
 from kvfill.check.cli import CheckError, check_config  # noqa: E402
 
@@ -35,6 +36,7 @@ def tiny(tmp_path):
     (["--in-process", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2, '
       '"prompt_lookup_max": 3}'], "--in-process with ngram drafts on vLLM CPU"),
     (["--bank", "missing.safetensors"], "--bank 'missing.safetensors'"),
+    (["--decoys", "2"], "--decoys 2: expected an int >= 1, with --enable-prefix-caching"),
 ])
 def test_bad_input_is_refused_naming_the_value_before_anything_runs(tiny, tmp_path, flags, named):
     model, prompts = tiny
@@ -149,24 +151,6 @@ def test_without_real_prefill_there_is_nothing_to_compare_with(tmp_path):
     assert report.verdicts(res, cmp) == ["real prefill failed (exit 1: OOM): nothing to compare with"]
 
 
-def _preset(tmp_path, argv):
-    """``python bench/check_presets.py`` in a process of its own, as a user runs it (``--in-process``
-    runs vLLM's engines there: this test process's modules trip vLLM CPU's kernel rebinding)."""
-    import subprocess
-    import sys
-
-    work, results = tmp_path / "work", tmp_path / "results"
-    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "check_presets.py")
-    out = subprocess.run([sys.executable, script, *argv[:1], "--work", str(work), "--results", str(results),
-                          *argv[1:]], capture_output=True, text=True, timeout=900)
-    rc = out.returncode
-    assert (results / f"check-{argv[0]}-cpu.json").exists(), out.stdout[-3000:] + out.stderr[-3000:]
-    name = argv[0]
-    data = json.loads((results / f"check-{name}-cpu.json").read_text())
-    assert (results / f"check-{name}-cpu.md").read_text().startswith("# kvfill-check")
-    return rc, data, work
-
-
 @pytest.mark.usefixtures("leaves_nothing")
 def test_check_on_a_trained_model_finds_replay_exact_and_a_constant_fill_distorting(tmp_path):
     """SmolLM2-135M-Instruct (float32) on 3 real-text chat prompts of
@@ -175,7 +159,7 @@ def test_check_on_a_trained_model_finds_replay_exact_and_a_constant_fill_distort
     prefill's; a constant fill's tokens differ on every prompt and its
     verdict says so.  (The preset's ngram drafts: bench/results/check-real-cpu;
     counters and drafts in a test: the self-draft below.)"""
-    rc, data, work = _preset(tmp_path, ["real", "--lens", "480", "520", "560", "--drafter", "none", "--",
+    rc, data, work = check_preset(tmp_path, ["real", "--lens", "480", "520", "560", "--drafter", "none", "--",
                                         "--output-len", "8", "--max-tokens", "24", "--fills", "replay", "constant",
                                         "--in-process"])
     assert rc == 0, data["verdicts"]
@@ -194,7 +178,7 @@ def test_check_on_a_tiny_moe_counts_every_decode_tokens_experts_and_measures_eac
     """The tiny Mixtral, small: every run counted prompts x decode steps x
     top-k expert picks per layer, each fill's TV to real prefill lies in
     [0, 1] with real prefill's halves floor beside it."""
-    rc, data, _ = _preset(tmp_path, ["moe", "--held-out", "6", "--record", "3", "--prompt-len", "48", "--",
+    rc, data, _ = check_preset(tmp_path, ["moe", "--held-out", "6", "--record", "3", "--prompt-len", "48", "--",
                                      "--output-len", "5", "--fills", "replay", "zeros", "--in-process"])
     assert rc == 0, data["verdicts"]
     for run in ("prefill", "replay", "zeros"):
@@ -221,7 +205,7 @@ def test_check_with_a_self_drafting_model_finds_replays_drafts_and_counters_real
 
     from kvfill.kernels import BankIndex
 
-    rc, data, work = _preset(tmp_path, ["spec", "--lens", "70", "110", "--", "--output-len", "12", "--fills",
+    rc, data, work = check_preset(tmp_path, ["spec", "--lens", "70", "110", "--", "--output-len", "12", "--fills",
                                         "replay", "normal", "--in-process"])
     assert rc == 0, data["verdicts"]
     cmp = data["comparison"]
@@ -313,3 +297,15 @@ def test_a_prompts_file_or_tokenizer_the_check_cannot_read_exits_2_naming_it_bef
     assert main(["--model", model, "--prompts", str(prompts), "--out", str(tmp_path / "b")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("kvfill-check: error: ") and model in err and not (tmp_path / "b").exists(), err
+
+
+def test_decoys_as_long_as_a_prompt_exit_2_naming_the_value_before_any_step(tiny, tmp_path, capsys):
+    """A decoy shares a prompt's first K tokens and differs after them: K must leave two tokens."""
+    from kvfill.check.__main__ import main
+
+    model, prompts = tiny  # one prompt of 3 words
+    assert main(["--model", model, "--prompts", prompts, "--out", str(tmp_path / "a"), "--enable-prefix-caching",
+                 "--decoys", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "--decoys 3: expected fewer than the shortest prompt's tokens less one" in err, err
+    assert not (tmp_path / "a").exists()

@@ -34,7 +34,8 @@ def test_a_presets_report_is_named_by_its_variant_and_its_recording_gets_the_eng
     from kvfill.bench.check_presets import record_flags, result_name
 
     def name(preset, extra=(), **kw):
-        a = argparse.Namespace(preset=preset, kind="gdn", drafter=None, record_tp=None, serve=False)
+        a = argparse.Namespace(preset=preset, kind="gdn", drafter=None, record_tp=None, record_pp=None,
+                               serve=False)
         vars(a).update(kw)
         return result_name(a, list(extra))
 
@@ -42,6 +43,8 @@ def test_a_presets_report_is_named_by_its_variant_and_its_recording_gets_the_eng
     assert name("spec", drafter="eagle", record_tp=2) == "spec-eagle-rtp2-tp1"
     assert name("spec", ["--tensor-parallel-size", "2"], drafter="mtp", record_tp=2) == "spec-mtp-rtp2-tp2"
     assert name("hybrid", ["--pipeline-parallel-size", "2"], kind="mamba2", serve=True) == "hybrid-mamba2-pp2-serve"
+    assert name("llama", record_pp=2) == "llama-rpp2-tp1"
+    assert name("llama", ["--pipeline-parallel-size=2"], record_tp=2) == "llama-rtp2-tp1-pp2"
     args = ["--model", "m", "--prompts", "p.txt", "--dtype", "float32", "--output-len", "24", "--max-tokens", "0",
             "--fills", "replay", "normal", "--speculative-config", "{}", "--max-model-len", "468"]
     assert record_flags(args) == ["--model", "m", "--dtype", "float32", "--speculative-config", "{}",

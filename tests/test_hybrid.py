@@ -2,7 +2,6 @@
 recurrent state (the bank's state section) beside the attention rows, and
 replay decodes as real prefill does - gated delta-net (a tiny Qwen3-Next)
 and Mamba-2 (a tiny Granite-4-H: the bench), bf16 models."""
-import json
 import os
 
 import pytest
@@ -11,6 +10,7 @@ import torch
 pytestmark = [pytest.mark.cpu_only, pytest.mark.usefixtures("leaves_nothing")]
 vllm = pytest.importorskip("vllm")
 
+from conftest import check_preset  # noqa: E402
 from kvfill.connector.states import state_bytes_per_sequence  # noqa: E402  (imports vLLM)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -33,29 +33,25 @@ def test_a_gated_delta_net_hybrid_recorded_with_its_state_replays_real_prefill(t
     (first N - 1 tokens, then the last), every written row and state page
     verified, each state block's sequence by the rule; a synthetic fill
     (zero state) differs from the first token.
-    Mamba-2 (a tiny Granite-4-H) and TP 2: ``bench/hybrid_replay.py``."""
+    Mamba-2, fp32 state, prefix caching and TP 2: the ``hybrid`` preset of
+    kvfill-check (bench/check_presets.py; docs/replay.md)."""
     from kvfill.bank import Bank
-    from kvfill.bench import hybrid_replay
 
-    out = tmp_path / "hybrid.json"
-    rc = hybrid_replay.main(["--nested", "--prompt-lens", "80", "49", "48", "--output-len", "5",
-                             "--runs", "prefill_split", "replay", "normal",
-                             "--out-dir", str(tmp_path / "run"), "--json", str(out)])
-    report = json.loads(out.read_text())
-    rows = {r["run"]: r for r in report["rows"]}
-    assert rc == 0, rows
-    assert rows["replay"]["tokens_equal_to_prefill"] == "15/15", rows  # against prefill_split, the reference
-    assert rows["replay"]["max_abs_logprob_diff"] <= 1e-3
-    assert rows["normal"]["per_prompt"] == [0, 0, 0]
-    bank = Bank.load(tmp_path / "run" / "bank.safetensors")
+    rc, data, _ = check_preset(tmp_path, ["hybrid", "--nested", "--lens", "80", "49", "48", "--", "--output-len",
+                                          "5", "--verify", "--in-process"])
+    cmp = data["comparison"]
+    assert rc == 0, data["verdicts"]
+    assert data["fills"]["replay"]["verify"] == "raise" and "prefill_split" in data["steps"], data["fills"]
+    replay = cmp["replay"]["tokens_vs_split"]  # the reference: real prefill split as the fill splits it
+    assert (replay["equal"], replay["total"]) == (15, 15) and replay["max_abs_logprob_diff"] <= 1e-3, replay
+    assert cmp["normal"]["tokens_vs_split"]["first_divergence"] == [0, 0, 0], cmp["normal"]
+    bank = Bank.load(data["bank"])
     assert bank.lengths == (79, 48, 47) and sorted(bank.states) == STATE_LAYERS
-    config = engine_config(report["args"]["model"])
+    config = engine_config(data["model"])
     conv, recurrent = state_dtypes(config)
     for name in STATE_LAYERS:
         assert [(tuple(t.shape), t.dtype) for t in bank.states[name]] == [((3, 3, 1024), conv),
                                                                           ((3, 4, 128, 128), recurrent)]
-    assert report["state_dtypes"][STATE_LAYERS[0]] == [str(conv).removeprefix("torch."),
-                                                     str(recurrent).removeprefix("torch.")]
     # the recorder's estimate of the state section (vLLM's state shapes) is what was written
     assert state_bytes_per_sequence(config) * 3 == bank.state_bytes
 
@@ -68,17 +64,16 @@ def test_a_short_conv_hybrid_recorded_with_its_state_replays_real_prefills_token
     first. (vLLM CPU's own chunked prefill of this model is not exact, so
     no split reference is asserted: docs/replay.md.)"""
     from kvfill.bank import Bank
-    from kvfill.bench import hybrid_replay
 
-    out = tmp_path / "lfm2.json"
-    rc = hybrid_replay.main(["--kind", "short_conv", "--dtype", "float32", "--runs", "prefill", "replay", "normal", "--prompt-lens", "48",
-                             "80", "--output-len", "5", "--out-dir", str(tmp_path / "run"), "--json", str(out)])
-    rows = {r["run"]: r for r in json.loads(out.read_text())["rows"]}
-    assert rc == 0, rows
-    assert rows["replay"]["tokens_equal_to_prefill"] == "10/10" and rows["normal"]["per_prompt"] == [0, 0]
-    bank = Bank.load(tmp_path / "run" / "bank.safetensors")
+    rc, data, _ = check_preset(tmp_path, ["hybrid", "--kind", "short_conv", "--lens", "48", "80", "--", "--dtype",
+                                          "float32", "--output-len", "5", "--split-reference", "off", "--in-process"])
+    cmp = data["comparison"]
+    assert rc == 0, data["verdicts"]
+    assert "prefill_split" not in data["steps"] and cmp["replay"]["tokens"]["identical"], cmp["replay"]
+    assert cmp["replay"]["tokens"]["total"] == 10 and cmp["normal"]["tokens"]["first_divergence"] == [0, 0], cmp
+    bank = Bank.load(data["bank"])
     assert bank.lengths == (47, 79) and sorted(bank.states) == [f"model.layers.{i}.short_conv" for i in (0, 1, 3)]
-    config = engine_config(json.loads(out.read_text())["args"]["model"], dtype="float32")
+    config = engine_config(data["model"], dtype="float32")
     assert state_bytes_per_sequence(config) * 2 == bank.state_bytes  # vLLM's conv state shape, what was written
 
 
@@ -87,7 +82,7 @@ def test_a_budget_the_state_section_exceeds_is_refused_before_any_worker_starts(
     (vLLM's state shapes for this engine config): a --budget-gib the
     attention rows fit in but the states do not is refused once vLLM's engine
     config is built, before any worker starts; nothing written."""
-    from kvfill.bench.check_presets import word_prompts
+    from kvfill.bench.models import word_prompts
     from kvfill.bench.models import make_hybrid_model
     from kvfill.record import RecordError, record, run
 

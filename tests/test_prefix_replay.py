@@ -273,14 +273,16 @@ def test_replay_after_prefix_cached_decoys_equals_real_prefill_end_to_end(tmp_pa
     recorded prompt's first 256 tokens (two 128-token blocks) run first; the
     recorded prompts then reuse the decoys' blocks and still decode exactly as
     real prefill does (with a whole-prompt sequence choice: 0/3 here)."""
-    import json
-
     pytest.importorskip("vllm")
-    from kvfill.bench import replay_e2e
+    from conftest import check_preset
 
-    out = tmp_path / "prefix.json"
-    rc = replay_e2e.main(["--prompts", "3", "--prompt-len", "300", "--output-len", "4", "--shared-prefix", "256",
-                          "--runs", "replay", "--tolerance", "1e-4", "--json", str(out)])
-    rows = {r["run"]: r for r in json.loads(out.read_text())["rows"]}
-    assert rc == 0, rows
-    assert rows["replay"]["tokens_equal_to_prefill"] == "12/12" and rows["replay"]["max_abs_logprob_diff"] <= 1e-4
+    rc, data, _ = check_preset(tmp_path, ["llama", "--lens", "300", "300", "300", "--", "--output-len", "4",
+                                          "--fills", "replay", "--enable-prefix-caching", "--decoys", "256",
+                                          "--in-process"])
+    replay = data["comparison"]["replay"]["tokens"]
+    assert rc == 0, data["verdicts"]
+    assert (replay["equal"], replay["total"]) == (12, 12) and replay["max_abs_logprob_diff"] <= 1e-4, replay
+    hits = {run: data["steps"][run]["counters"]["prefix_cache_hit_tokens"] for run in ("prefill", "replay")}
+    assert hits["prefill"] == hits["replay"] >= 3 * 256, hits  # each prompt found the decoy's blocks of 256 tokens
+    assert any(line.startswith("prefix caching: after unrecorded decoys sharing each prompt's first 256 tokens")
+               for line in data["verdicts"]), data["verdicts"]

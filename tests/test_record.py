@@ -50,23 +50,23 @@ def test_the_recorder_prints_its_estimate_and_refuses_a_bank_over_budget(tmp_pat
 
 @pytest.fixture(scope="module")
 def tp2_recording(tmp_path_factory):
-    """One TP 2 recording for the module (two tests read it): bench/parallel_replay.py
-    records 3 prompts at TP 2 and replays the bank at TP 2 and TP 1; its exit
-    code, JSON report and work folder (``bank-tp2.safetensors``, ``prompts.txt``),
-    with nothing left behind (as ``leaves_nothing`` checks each test)."""
-    import json
-
-    from conftest import nothing_left
-
-    from kvfill.bench import parallel_replay
+    """One TP 2 recording for the module (two tests read it): the ``llama``
+    preset of bench/check_presets.py records 3 prompts of 64 tokens at TP 2
+    (kvfill-record) and kvfill-check replays the bank at TP 2; a second check
+    replays it at TP 1.  Per TP: its exit code and report; the work folder
+    (``bank-tp2-pp1.safetensors``, ``prompts.txt``); nothing left behind (as
+    ``leaves_nothing`` checks each test)."""
+    from conftest import check_preset, nothing_left
 
     base = tmp_path_factory.mktemp("tp2-recording")
-    out, work = base / "parallel.json", base / "work"
+    common = ["--output-len", "6", "--fills", "replay", "--max-model-len", "192", "--in-process"]
     with nothing_left(base):
-        rc = parallel_replay.main(["--record", "tp2", "--replay", "tp2", "tp1", "--prompts", "3", "--prompt-len",
-                                   "64", "--output-len", "6", "--no-constant", "--tolerance", "1e-3", "--out-dir",
-                                   str(work), "--json", str(out)])
-    return rc, json.loads(out.read_text()), work
+        tp2 = check_preset(base / "tp2", ["llama", "--record-tp", "2", "--lens", "64", "64", "64", "--",
+                                          "--tensor-parallel-size", "2", *common])
+        work = tp2[2]
+        bank = work / "bank-tp2-pp1.safetensors"
+        tp1 = check_preset(base / "tp1", ["llama", "--lens", "64", "64", "64", "--", "--bank", str(bank), *common])
+    return {"tp2": tp2[:2], "tp1": tp1[:2], "work": work, "bank": bank, "model": tp2[1]["model"]}
 
 
 def test_a_bank_recorded_at_tp_2_replays_at_tp_1_and_tp_2_as_real_prefill_decodes(tp2_recording):
@@ -77,29 +77,30 @@ def test_a_bank_recorded_at_tp_2_replays_at_tp_1_and_tp_2_as_real_prefill_decode
     the replaying size, logprobs within 1e-3 (TP 2's reduction order)."""
     from kvfill.kernels import Bank
 
-    rc, report, work = tp2_recording
-    rows = report["rows"]
-    assert rc == 0, rows
-    assert [(r["run"], r["tokens_equal_to_prefill"]) for r in rows] == [
-        ("bank recorded tp2, replayed tp2", "18/18"), ("bank recorded tp2, replayed tp1", "18/18")]
-    bank = Bank.load(work / "bank-tp2.safetensors")
+    for tp in ("tp2", "tp1"):
+        rc, data = tp2_recording[tp]
+        replay = data["comparison"]["replay"]["tokens"]
+        assert rc == 0 and (replay["equal"], replay["total"]) == (18, 18), (tp, data["verdicts"])
+        assert replay["max_abs_logprob_diff"] <= 1e-3, (tp, replay)
+        assert data["bank"] == str(tp2_recording["bank"]) and not data["bank_recorded"], tp
+    assert tp2_recording["tp2"][1]["engine_flags"]["tensor_parallel_size"] == 2
+    bank = Bank.load(tp2_recording["bank"])
     assert set(bank.kv.values()) == {(8, 128, 128)} and len(bank.layers) == 4 and bank.lengths == (64, 64, 64)
 
 
 def test_replay_on_a_sliding_window_hybrid_model_equals_real_prefill(tmp_path):
     """Gemma3 alternating sliding-window (256 tokens) and full attention - two
-    KV cache groups - with 300-token prompts: both groups replayed, greedy
-    tokens and logprobs equal real prefill's."""
-    import json
+    KV cache groups - with a 300-token prompt (kvfill-check's ``sliding``
+    preset): both groups replayed, greedy tokens and logprobs equal real
+    prefill's; a constant fill's differ."""
+    from conftest import check_preset
 
-    from kvfill.bench import replay_e2e
-
-    out = tmp_path / "hybrid.json"
-    rc = replay_e2e.main(["--hybrid", "--prompts", "1", "--prompt-len", "300", "--output-len", "4",
-                          "--runs", "replay", "constant", "--tolerance", "1e-4", "--json", str(out)])
-    rows = {r["run"]: r for r in json.loads(out.read_text())["rows"]}
-    assert rc == 0, rows
-    assert rows["replay"]["tokens_equal_to_prefill"] == "4/4" and not rows["constant"]["identical"]
+    rc, data, _ = check_preset(tmp_path, ["sliding", "--lens", "300", "--", "--output-len", "4", "--fills", "replay",
+                                          "constant", "--in-process"])
+    cmp = data["comparison"]
+    assert rc == 0, data["verdicts"]
+    assert cmp["replay"]["tokens"]["identical"] and cmp["replay"]["tokens"]["max_abs_logprob_diff"] <= 1e-4, cmp
+    assert not cmp["constant"]["tokens"]["identical"], cmp
 
 
 def _worker_config(tmp_path, **parallel):
@@ -290,8 +291,7 @@ def test_a_recording_over_two_nodes_on_loopback_writes_the_one_node_bank_and_ref
 
     from kvfill.record.__main__ import main
 
-    _, report, work = tp2_recording
-    model, prompts = report["args"]["model"], report["args"]["prompts_file"]
+    model, prompts = tp2_recording["model"], tp2_recording["work"] / "prompts.txt"
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     monkeypatch.setenv("VLLM_TARGET_DEVICE", "cpu")
 
@@ -317,8 +317,7 @@ def test_a_recording_over_two_nodes_on_loopback_writes_the_one_node_bank_and_ref
     assert "node 1: the first node ended the recording; this node's workers stopped" in log1, log1
     assert not (tmp_path / "n1").exists()
 
-    two, one = safe_open(str(tmp_path / "two-nodes.safetensors"), "pt"), safe_open(str(work / "bank-tp2.safetensors"),
-                                                                                   "pt")
+    two, one = safe_open(str(tmp_path / "two-nodes.safetensors"), "pt"), safe_open(str(tp2_recording["bank"]), "pt")
     assert sorted(two.keys()) == sorted(one.keys()) and len(two.keys()) == 4
     for key in two.keys():
         assert torch.equal(two.get_tensor(key), one.get_tensor(key)), key
@@ -342,13 +341,11 @@ def test_a_two_node_recording_fails_on_the_other_node_within_seconds_when_one_st
     it used to wait for torch's rendezvous for 30 minutes.  No bank either
     time (``bench/node_failures.py`` measures every way)."""
     from kvfill.bench import node_failures
-    from kvfill.bench.replay_e2e import write_prompts
+    from kvfill.bench.models import word_prompts, write_lines
     from kvfill.record.liveness import LOST_AFTER_S
 
-    _, report, _ = tp2_recording
-    prompts = str(tmp_path / "prompts.txt")
-    write_prompts(prompts, 30, 150, seed=3)  # node 0 is still prefilling when node 1 goes
-    model = report["args"]["model"]
+    model = tp2_recording["model"]
+    prompts = write_lines(tmp_path / "prompts.txt", word_prompts([150] * 30, seed=3))  # node 0 still prefills
     crashed = node_failures.scenario("further-killed", model, prompts, str(tmp_path), node_wait=60, limit=120)
     assert crashed["triggered"] and crashed["rc"] == 2, crashed
     assert crashed["seconds"] is not None and crashed["seconds"] < LOST_AFTER_S + 20, crashed
