@@ -71,8 +71,8 @@ spec-replay: venv
 	$(PY) -c "import matplotlib" 2>/dev/null || $(PIP) install -e '.[bench]'
 	$(PY) bench/check_presets.py spec --serve $(SPEC_ARGS)
 
-# The exactness studies as kvfill-check presets (each a report in bench/results/check-*-cpu.*, about 40 min
-# on 2 cores): the tiny Llama eager, compiled, from an eager bank, bf16, after prefix-cached decoys; the
+# The exactness studies as kvfill-check presets (each a report in bench/results/check-*-cpu.*, about 50 min
+# on 2 cores): the tiny Llama eager, compiled, from an eager bank, in bf16, after prefix-cached decoys; the
 # sliding-window Gemma3; banks recorded at TP 1/TP 2/PP 2 replayed at each; the hybrids' state dtypes,
 # prefix caching and a TP 2 recording.
 L4 := --lens 256 256 256 256
@@ -83,7 +83,9 @@ check-studies: venv
 	$(PY) bench/check_presets.py llama $(L4) -- --output-len 16 --in-process
 	$(PY) bench/check_presets.py llama $(L4) --tag compiled -- --output-len 16 --no-enforce-eager --in-process
 	$(PY) bench/check_presets.py llama $(L4) --record-tp 1 --tag compiled -- --output-len 16 --no-enforce-eager --in-process
-	$(PY) bench/check_presets.py llama $(L4) --tag bf16 -- --output-len 16 --dtype bfloat16 --in-process
+	$(PY) bench/check_presets.py llama $(L4) --dtype bfloat16 --tag bf16 -- --output-len 16 --in-process
+	$(PY) bench/check_presets.py llama $(L4) --dtype bfloat16 --tag compiled-bf16 -- --output-len 16 --no-enforce-eager --in-process
+	$(PY) bench/check_presets.py llama $(L4) --dtype bfloat16 --record-tp 1 --tag compiled-bf16 -- --output-len 16 --no-enforce-eager --in-process
 	$(PY) bench/check_presets.py llama --lens 300 300 300 --tag prefix-caching -- --output-len 16 --enable-prefix-caching --decoys 256 --in-process
 	$(PY) bench/check_presets.py sliding -- --in-process
 	$(PY) bench/check_presets.py llama $(P4) --tag par -- $(PAR)
@@ -99,7 +101,7 @@ check-studies: venv
 	$(PY) bench/check_presets.py hybrid --kind mamba2 --tag fp32state -- --mamba-ssm-cache-dtype float32 --in-process
 	@# vLLM CPU's own prefill of this one fails (docs/replay.md): the check exits 1 with the split as the reference
 	-$(PY) bench/check_presets.py hybrid --kind mamba2 --lens 300 420 --tag prefix-caching -- --enable-prefix-caching --decoys 270 --in-process
-	$(PY) bench/check_presets.py hybrid --kind short_conv --tag fp32 -- --dtype float32 --in-process
+	$(PY) bench/check_presets.py hybrid --kind short_conv --dtype float32 --tag fp32 -- --in-process
 
 # Bounded soak: 256 concurrent requests, a small KV cache forcing preemptions, verify on.
 soak: venv

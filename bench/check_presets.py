@@ -38,7 +38,11 @@ attention layers, float32, 300-token prompts.  ``--record-tp N`` / ``--record-pp
 (every preset but real and moe) record the bank at that tensor or pipeline
 parallel size with kvfill-record first (eager; compiled at PP > 1, which
 vLLM CPU's pipeline needs) and give it to the check; ``--nested`` makes each
-prompt the first words of the longest, as a multi-turn chat's turns.
+prompt the first words of the longest, as a multi-turn chat's turns;
+``--dtype`` sets the model's dtype for the recording and every run; ``--tag``
+names a variant that the flags after ``--`` make (``compiled``).  ``make
+check-studies`` runs the exactness studies (eager/compiled banks, prefix
+caching, sliding window, TP/PP pairings, hybrid state dtypes) as presets.
 """
 from __future__ import annotations
 
@@ -78,6 +82,7 @@ def chat_prompts(model: str, lengths: list[int], path: str) -> str:
 
 def preset_args(a, work: str) -> list[str]:
     """The preset's model and prompts, made; its kvfill-check arguments."""
+    dtype = a.dtype or ("bfloat16" if a.preset == "hybrid" else "float32")
     if a.preset == "real":
         from kvfill.bench.real_model import REAL_MODEL_PATH, make_real_model
 
@@ -85,7 +90,7 @@ def preset_args(a, work: str) -> list[str]:
         prompts = chat_prompts(model, a.lens or list(range(300, 721, 60)), os.path.join(work, "prompts.jsonl"))
         spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
         drafts = ["--speculative-config", json.dumps(spec)] if a.drafter == "ngram" else []
-        return ["--model", model, "--prompts", prompts, "--dtype", "float32", "--output-len", "48",
+        return ["--model", model, "--prompts", prompts, "--dtype", dtype, "--output-len", "48",
                 "--max-tokens", "256", *drafts]
     if a.preset == "moe":
         model = make_tokenizer(make_moe_model(os.path.join(OUT, "tiny-mixtral"), init_std=0.1, shared=1.0))
@@ -94,20 +99,20 @@ def preset_args(a, work: str) -> list[str]:
         bank = os.path.join(work, "bank.safetensors")
         max_len = str(a.prompt_len + 64 + 16)
         rec = [sys.executable, "-m", "kvfill.record", "--model", model, "--prompts", recorded, "--out", bank,
-               "--dtype", "float32", "--max-model-len", max_len, "--enforce-eager"]
+               "--dtype", dtype, "--max-model-len", max_len, "--enforce-eager"]
         print("recording the bank over other prompts:", " ".join(rec), flush=True)
         subprocess.run(rec, check=True, stdout=subprocess.DEVNULL)
-        return ["--model", model, "--prompts", prompts, "--bank", bank, "--dtype", "float32", "--output-len", "64",
+        return ["--model", model, "--prompts", prompts, "--bank", bank, "--dtype", dtype, "--output-len", "64",
                 "--max-tokens", "0", "--max-model-len", max_len]
     if a.preset == "hybrid":
         model = make_tokenizer(make_hybrid_model(os.path.join(OUT, f"tiny-hybrid-{a.kind}"), a.kind))
         prompts = write_lines(os.path.join(work, "prompts.txt"), words(a, [150, 230, 310]))
-        return ["--model", model, "--prompts", prompts, "--dtype", "bfloat16", "--output-len", "10",
+        return ["--model", model, "--prompts", prompts, "--dtype", dtype, "--output-len", "10",
                 "--max-tokens", "0", "--fills", "replay", "normal", *fixed_len(a, [310])]
     if a.preset == "sliding":
         model = make_tokenizer(make_model(os.path.join(OUT, "tiny-gemma3-hybrid"), hybrid=True))
         prompts = write_lines(os.path.join(work, "prompts.txt"), words(a, [300, 300]))
-        return ["--model", model, "--prompts", prompts, "--dtype", "float32", "--output-len", "16",
+        return ["--model", model, "--prompts", prompts, "--dtype", dtype, "--output-len", "16",
                 "--max-tokens", "0", *fixed_len(a, [300])]
     from kvfill.bench.spec_models import make_draft, make_eagle_head, make_mtp_model
 
@@ -122,7 +127,7 @@ def preset_args(a, work: str) -> list[str]:
         make = make_eagle_head if a.drafter == "eagle" else make_draft
         draft = make(llama, llama + ("-eagle" if a.drafter == "eagle" else "-draft"))
         spec = {"method": a.drafter, "model": draft, "num_speculative_tokens": 3}
-    return ["--model", model, "--prompts", prompts, "--dtype", "float32", "--output-len", "24", "--max-tokens", "0",
+    return ["--model", model, "--prompts", prompts, "--dtype", dtype, "--output-len", "24", "--max-tokens", "0",
             *(["--speculative-config", json.dumps(spec)] if spec else []), "--tokenizer", llama,
             *fixed_len(a, [340])]
 
@@ -195,6 +200,8 @@ def main(argv=None) -> int:
                         "kvfill-check's --tensor-parallel-size after --)")
     p.add_argument("--record-pp", type=int, default=None, metavar="N",
                    help=f"{', '.join(RECORDED)}: record the bank at pipeline parallel size N first (compiled)")
+    p.add_argument("--dtype", default=None, help="the model's dtype for the recording and every run (default: the "
+                                                 "preset's: bfloat16 for hybrid, else float32)")
     p.add_argument("--nested", action="store_true",
                    help="each prompt the first words of the longest (multi-turn chat), for the word-prompt presets")
     p.add_argument("--serve", action="store_true",

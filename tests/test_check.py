@@ -130,6 +130,28 @@ def test_verdicts_tell_replay_from_a_distorting_fill_and_report_a_failed_run(tmp
     assert "| prefill | one ¦ two |" in md and "| normal | x\\ny |" in md  # one table row each
 
 
+def test_decoys_report_each_runs_prefix_cache_hits_and_name_a_run_without_reuse(tiny, tmp_path):
+    """--decoys: one line with every run's cached tokens reused; a run with none is named (nothing shown
+    about reuse there).  --verify puts the connector's verify: raise in replay's config only."""
+    from kvfill.check.runner import decoys, fill_config
+
+    assert decoys([[1, 2, 3, 4, 5]], 2) == [[1, 2, 5, 4, 3]]
+    steps = {"prefill": {"counters": {"prefix_cache_hit_tokens": 512}},
+             "replay": {"counters": {"prefix_cache_hit_tokens": 512}},
+             "normal": {"counters": {"prefix_cache_hit_tokens": 0}}, "zeros": {"error": "exit 1"}}
+    line = report.decoy_line({"decoys": 256, "steps": steps})
+    assert line == ("prefix caching: after unrecorded decoys sharing each prompt's first 256 tokens, cached tokens "
+                    "reused - prefill 512, replay 512, normal 0 (no reuse in normal: a block size above --decoys? "
+                    "nothing shown about reuse there)"), line
+    model, prompts = tiny
+    cfg = check_config(["--model", model, "--prompts", prompts, "--verify", "--enable-prefix-caching",
+                        "--decoys", "1"])
+    assert cfg.decoys == 1 and cfg.engine["enable_prefix_caching"] is True
+    assert fill_config("replay", cfg, "b.safetensors", None) == {"fill_mode": "replay", "bank": "b.safetensors",
+                                                                  "verify": "raise"}
+    assert "verify" not in fill_config("normal", cfg, "b.safetensors", None)
+
+
 def test_an_expert_load_sample_too_small_to_tell_loads_apart_is_inconclusive_not_valid(tmp_path):
     ref_counts = [[[3, 1]], [[2, 2]], [[3, 1]], [[2, 2]]]  # halves 0.25 apart, the whole 0.125 from uniform
     steps = {run: _step(run, tokens, [], [], {}, counts) for run, tokens, counts in

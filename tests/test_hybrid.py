@@ -65,8 +65,8 @@ def test_a_short_conv_hybrid_recorded_with_its_state_replays_real_prefills_token
     no split reference is asserted: docs/replay.md.)"""
     from kvfill.bank import Bank
 
-    rc, data, _ = check_preset(tmp_path, ["hybrid", "--kind", "short_conv", "--lens", "48", "80", "--", "--dtype",
-                                          "float32", "--output-len", "5", "--split-reference", "off", "--in-process"])
+    rc, data, _ = check_preset(tmp_path, ["hybrid", "--kind", "short_conv", "--dtype", "float32", "--lens", "48", "80",
+                                          "--", "--output-len", "5", "--split-reference", "off", "--in-process"])
     cmp = data["comparison"]
     assert rc == 0, data["verdicts"]
     assert "prefill_split" not in data["steps"] and cmp["replay"]["tokens"]["identical"], cmp["replay"]
