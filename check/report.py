@@ -75,11 +75,14 @@ def verdicts(res: dict, cmp: dict) -> list[str]:
             continue
         row, timing, unknown = cmp[run], [], []
         t = row["tokens"]
-        exact = row.get("tokens_vs_split", t)
+        split_t = row.get("tokens_vs_split", t)
+        exact = split_t if split_t["identical"] or not t["identical"] else t  # the reference it equals, if any
         if exact["identical"]:
-            to = " split as the fill splits it" if "tokens_vs_split" in row else ""
+            to = " split as the fill splits it" if exact is not t else ""
+            other = (f"; {split_t['equal']}/{split_t['total']} of the split reference's (vLLM's own prefill split "
+                     f"there differs)" if exact is t and split_t is not t else "")
             lines.append(f"{run}: greedy tokens = real prefill's{to} ({exact['equal']}/{exact['total']}, |Δlogprob| "
-                         f"<= {exact['max_abs_logprob_diff']:g})")
+                         f"<= {exact['max_abs_logprob_diff']:g}){other}")
         else:
             firsts = [f for f in t["first_divergence"] if f is not None]
             lines.append(f"{run}: {t['equal']}/{t['total']} greedy tokens as real prefill's ({_pct(t['share'])}), "

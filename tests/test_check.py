@@ -130,6 +130,20 @@ def test_verdicts_tell_replay_from_a_distorting_fill_and_report_a_failed_run(tmp
     assert "| prefill | one ¦ two |" in md and "| normal | x\\ny |" in md  # one table row each
 
 
+def test_a_fill_equal_to_unsplit_prefill_but_not_to_the_split_is_called_equal_naming_the_split():
+    """Where vLLM's own prefill split there is not exact (a short-conv model), a fill whose tokens are unsplit
+    real prefill's is real prefill's equal; the line gives its share of the split's, and does not crash."""
+    steps = {"prefill": _step("prefill", [[1, 2], [3, 4]], [], [], {}),
+             "prefill_split": {"run": "prefill_split", "greedy": _rows([[1, 2], [3, 9]])},
+             "replay": _step("replay", [[1, 2], [3, 4]], [], [], {}),
+             "normal": _step("normal", [[5, 2], [3, 9]], [], [], {})}
+    res = _res(steps)
+    lines = report.verdicts(res, compare.compare_all(res))
+    assert "replay: greedy tokens = real prefill's (4/4, |Δlogprob| <= 0); 3/4 of the split reference's (vLLM's " \
+           "own prefill split there differs)" in lines, lines
+    assert any(line.startswith("normal: 1/4 greedy tokens as real prefill's") for line in lines), lines
+
+
 def test_decoys_report_each_runs_prefix_cache_hits_and_name_a_run_without_reuse(tiny, tmp_path):
     """--decoys: one line with every run's cached tokens reused; a run with none is named (nothing shown
     about reuse there).  --verify puts the connector's verify: raise in replay's config only."""
