@@ -88,6 +88,7 @@ def test_a_bank_recorded_at_tp_2_replays_at_tp_1_and_tp_2_as_real_prefill_decode
     assert set(bank.kv.values()) == {(8, 128, 128)} and len(bank.layers) == 4 and bank.lengths == (64, 64, 64)
 
 
+@pytest.mark.xdist_group("e2e")  # beside the leaves_nothing group, which holds most of the suite's engine time
 def test_replay_on_a_sliding_window_hybrid_model_equals_real_prefill(tmp_path):
     """Gemma3 alternating sliding-window (256 tokens) and full attention - two
     KV cache groups - with a 300-token prompt (kvfill-check's ``sliding``
