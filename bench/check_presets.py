@@ -180,7 +180,7 @@ def result_name(a, extra: list[str]) -> str:
         size = next((words[i + 1] for i, x in enumerate(words[:-1]) if x in flags), None)
         if size or recorded and tag == "tp":
             name += f"-{tag}{size or 1}"
-    return name + (f"-{a.tag}" if getattr(a, "tag", None) else "") + "-serve" * a.serve
+    return name + (f"-{a.tag}" if a.tag else "") + "-serve" * a.serve
 
 
 def main(argv=None) -> int:

@@ -35,7 +35,7 @@ def test_a_presets_report_is_named_by_its_variant_and_its_recording_gets_the_eng
 
     def name(preset, extra=(), **kw):
         a = argparse.Namespace(preset=preset, kind="gdn", drafter=None, record_tp=None, record_pp=None,
-                               serve=False)
+                               tag=None, serve=False)
         vars(a).update(kw)
         return result_name(a, list(extra))
 
