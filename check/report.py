@@ -42,12 +42,16 @@ def indexer_line(res: dict) -> str:
 
 
 def decoy_line(res: dict) -> str:
-    """``--decoys``: how many prompt tokens each run found cached (vLLM's prefix-cache hits)."""
-    hits = {run: step.get("counters", {}).get("prefix_cache_hit_tokens") for run, step in res["steps"].items()
-            if run not in ("record", "prefill_split") and "error" not in step}
+    """``--decoys``: how many prompt tokens each run found cached (vLLM's
+    prefix-cache hits), in its engine and, with ``--serve``, on its server."""
+    ran = {run: step for run, step in res["steps"].items() if run not in ("record", "prefill_split") and
+           "error" not in step}
+    hits = {run: step.get("counters", {}).get("prefix_cache_hit_tokens") for run, step in ran.items()}
+    served = {f"{run} served": step["served"].get("prefix_cache_hit_tokens") for run, step in ran.items()
+              if "served" in step}
     line = (f"prefix caching: after unrecorded decoys sharing each prompt's first {res['decoys']} tokens, cached "
-            f"tokens reused - " + ", ".join(f"{run} {n}" for run, n in hits.items()))
-    unused = [run for run, n in hits.items() if not n]
+            f"tokens reused - " + ", ".join(f"{run} {n}" for run, n in {**hits, **served}.items()))
+    unused = [run for run, n in {**hits, **served}.items() if not n]
     return line + (f" (no reuse in {', '.join(unused)}: a block size above --decoys? nothing shown about reuse "
                    f"there)" if unused else "")
 

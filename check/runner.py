@@ -119,7 +119,8 @@ def run_all(cfg: CheckConfig, log=print) -> dict:
         steps[run] = step(run, {**base, "run": run, "connector": connector}, cfg, i, n_steps, log)
         if dataset and run != "prefill_split" and "error" not in steps[run]:
             i += 1
-            steps[run].update(serve_step(run, cfg, engine, connector, dataset, len(ids), f"[{i}/{n_steps}]", log))
+            steps[run].update(serve_step(run, cfg, engine, connector, dataset, base["decoys"], len(ids),
+                                         f"[{i}/{n_steps}]", log))
     return {"prompt_tokens": [len(t) for t in ids], "max_model_len": max_len, "bank": bank, "bank_recorded": made,
             "bank_stats": stats, "moe": moe, "moe_note": _moe_note(config, moe), "speculative_config": spec,
             "indexer": any(k in config for k in ("index_topk", "index_n_heads")),
@@ -140,7 +141,7 @@ def _served_dataset(cfg: CheckConfig) -> str:
     return served_prompts(read_prompts(cfg.prompts), os.path.join(cfg.out, "logs", "served-prompts.jsonl"))
 
 
-def serve_step(run: str, cfg: CheckConfig, engine: dict, connector, dataset: str, prompts: int, at: str,
+def serve_step(run: str, cfg: CheckConfig, engine: dict, connector, dataset: str, decoys, prompts: int, at: str,
                log) -> dict:
     """``--serve``: the run served and benchmarked (``serving.served``); a
     failure is the run's ``served_error``, its engine figures stay."""
@@ -148,7 +149,7 @@ def serve_step(run: str, cfg: CheckConfig, engine: dict, connector, dataset: str
 
     log(f"{at} {run} served: starting (logs {os.path.join(cfg.out, 'logs', f'served-{run}-*.log')})")
     t0 = time.perf_counter()
-    got = served(run, cfg, engine, connector, dataset, prompts, child_env(cfg), log)
+    got = served(run, cfg, engine, connector, dataset, prompts, child_env(cfg), log, decoys)
     took = round(time.perf_counter() - t0, 1)
     if "error" in got:
         log(f"{at} {run} served: FAILED, {got['error']}")

@@ -9,7 +9,9 @@ What the client measured becomes the run's EOS-honoured outputs (a request
 shorter than its cap - ``--max-tokens``, or what its prompt leaves of
 max_model_len - ended at EOS), its texts, request throughput,
 TPOT, ITL and TTFT; the server's /metrics give vLLM's speculative-decoding
-counters and kvfill's own.  Also the server and client the bench scripts
+counters and kvfill's own.  With ``--decoys`` each server first completes
+the decoys, one token each, and the run counts the client's prefix-cache
+hits after them.  Also the server and client the bench scripts
 start (``Server``, ``vllm_command``, ``free_port``).
 """
 from __future__ import annotations
@@ -29,6 +31,7 @@ from .cli import CheckConfig, serve_argv
 
 FIGURES = ("completed", "failed", "duration", "request_throughput", "output_throughput", "mean_ttft_ms",
            "mean_tpot_ms", "p99_tpot_ms", "mean_itl_ms", "p99_itl_ms")
+CACHE_HITS = "vllm:prefix_cache_hits_total"  # prompt tokens found in vLLM's prefix cache
 
 
 def vllm_command(*args: str) -> list[str]:
@@ -75,10 +78,17 @@ class Server:
         with urllib.request.urlopen(self.url("/metrics"), timeout=30) as r:
             text = r.read().decode()
         out: dict[str, float] = {}
-        names = r"kvfill_\w+_total|num_preemptions_total|spec_decode_\w+_total"
+        names = r"kvfill_\w+_total|num_preemptions_total|spec_decode_\w+_total|prefix_cache_hits_total"
         for name, value in re.findall(rf"^(vllm:(?:{names}))\{{[^}}]*\}} (\S+)$", text, flags=re.M):
             out[name] = out.get(name, 0.0) + float(value)
         return out
+
+    def complete(self, model: str, ids: list[int], timeout: float) -> None:
+        """One /v1/completions request: the prompt's token ids, one token out."""
+        body = json.dumps({"model": model, "prompt": ids, "max_tokens": 1, "temperature": 0.0}).encode()
+        req = urllib.request.Request(self.url("/v1/completions"), body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=max(1.0, timeout)) as r:
+            json.load(r)
 
     def stop(self) -> None:
         """SIGTERM, then SIGKILL, to the whole group: also when the leader has
@@ -98,8 +108,6 @@ class Server:
         from kvfill.record.engine import remove_vllm_tempdir
 
         remove_vllm_tempdir(self.tmp)
-
-
 
 
 def served_prompts(prompts: list[str], path: str) -> str:
@@ -125,6 +133,12 @@ def server_flags(cfg: CheckConfig, engine: dict, connector: dict | None, port: i
     return args
 
 
+def served_name(cfg: CheckConfig) -> str:
+    """The name requests give the model: the first --served-model-name, else --model."""
+    model = cfg.engine.get("served_model_name")
+    return (model[0] if isinstance(model, list) else model) if model else cfg.model
+
+
 def client_flags(cfg: CheckConfig, url: str, dataset: str, prompts: int, result_dir: str, name: str) -> list[str]:
     """One bounded ``vllm bench serve`` run over every prompt, EOS honoured."""
     model = cfg.engine.get("served_model_name")
@@ -135,7 +149,7 @@ def client_flags(cfg: CheckConfig, url: str, dataset: str, prompts: int, result_
             "--seed", "0", "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
             "--save-result", "--save-detailed", "--result-dir", result_dir, "--result-filename", name]
     if model:
-        args += ["--served-model-name", model[0] if isinstance(model, list) else model]
+        args += ["--served-model-name", served_name(cfg)]
     if cfg.engine.get("tokenizer"):
         args += ["--tokenizer", cfg.engine["tokenizer"]]
     if cfg.engine.get("trust_remote_code"):
@@ -174,10 +188,13 @@ def run_client(args: list[str], log_path: str, timeout: float, in_process: bool)
 
 
 def served(run: str, cfg: CheckConfig, engine: dict, connector: dict | None, dataset: str, prompts: int,
-           env: dict, log) -> dict:
+           env: dict, log, decoys: list[list[int]] | None = None) -> dict:
     """One run served and benchmarked: ``eos`` rows and ``eos_counters`` as
     the engine's EOS run gives them, and the client's figures under
-    ``served``; or ``{"error": ...}`` naming how it failed and its log."""
+    ``served``; or ``{"error": ...}`` naming how it failed and its log.
+    ``decoys`` (``--decoys``): each completed to one token, one at a time,
+    before the client runs; ``served["prefix_cache_hit_tokens"]`` counts the
+    client's requests' cached tokens (vLLM's /metrics) after them."""
     logs = os.path.join(cfg.out, "logs")
     port, name = free_port(), f"served-{run}.json"
     server_log = os.path.join(logs, f"served-{run}-server.log")
@@ -186,6 +203,9 @@ def served(run: str, cfg: CheckConfig, engine: dict, connector: dict | None, dat
     deadline = time.monotonic() + cfg.run_timeout
     try:
         server.wait_ready(cfg.run_timeout)
+        for ids in decoys or ():
+            server.complete(served_name(cfg), ids, deadline - time.monotonic())
+        cached = server.metrics().get(CACHE_HITS, 0.0)
         log(f"      {run}: server ready; vllm bench serve, {prompts} prompts, concurrency {cfg.concurrency or prompts}")
         client_log = os.path.join(logs, f"served-{run}-client.log")
         rc = run_client(client_flags(cfg, server.url(), dataset, prompts, logs, name), client_log,
@@ -210,6 +230,7 @@ def served(run: str, cfg: CheckConfig, engine: dict, connector: dict | None, dat
     return {"eos": [{"length": n, "eos": n < cap} for n, cap in zip(lens, caps)], "eos_counters": spec,
             "texts": list(res.get("generated_texts", [])),
             "served": {**{k: res.get(k) for k in FIGURES}, "concurrency": cfg.concurrency or prompts,
+                       "prefix_cache_hit_tokens": int(metrics.get(CACHE_HITS, 0.0) - cached),
                        "kvfill": {k.removeprefix("vllm:"): v for k, v in metrics.items() if "kvfill_" in k}}}
 
 

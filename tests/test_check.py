@@ -157,6 +157,11 @@ def test_decoys_report_each_runs_prefix_cache_hits_and_name_a_run_without_reuse(
     assert line == ("prefix caching: after unrecorded decoys sharing each prompt's first 256 tokens, cached tokens "
                     "reused - prefill 512, replay 512, normal 0 (no reuse in normal: a block size above --decoys? "
                     "nothing shown about reuse there)"), line
+    steps["prefill"]["served"] = {"prefix_cache_hit_tokens": 512}  # --serve: each server's own count
+    steps["replay"]["served"] = {"prefix_cache_hit_tokens": 0}
+    assert report.decoy_line({"decoys": 256, "steps": steps}).endswith(
+        "normal 0, prefill served 512, replay served 0 (no reuse in normal, replay served: a block size above "
+        "--decoys? nothing shown about reuse there)")
     model, prompts = tiny
     cfg = check_config(["--model", model, "--prompts", prompts, "--verify", "--enable-prefix-caching",
                         "--decoys", "1"])

@@ -91,13 +91,62 @@ def test_a_failed_served_run_is_reported_and_leaves_the_fills_eos_lengths_unjudg
         assert "=> replay: not shown valid (EOS lengths not measured: a served run failed)" in lines, lines
 
 
+def test_a_server_completes_a_decoys_token_ids_and_its_prefix_cache_hits_are_read_from_metrics():
+    """--serve --decoys: each decoy goes to the server's /v1/completions as
+    token ids, one token out, under the name requests give the model; /metrics'
+    prefix-cache hits (summed over engines) are among the figures read."""
+    import http.server
+    import threading
+
+    from kvfill.check.serving import CACHE_HITS, Server, served_name
+
+    bodies = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            bodies.append((self.path, json.loads(self.rfile.read(int(self.headers["Content-Length"])))))
+            self._send(json.dumps({"choices": [{"text": "x"}]}))
+
+        def do_GET(self):
+            self._send('vllm:prefix_cache_hits_total{engine="0",model_name="m"} 48.0\n'
+                       'vllm:prefix_cache_hits_total{engine="1",model_name="m"} 16.0\n'
+                       'vllm:prefix_cache_queries_total{engine="0",model_name="m"} 99.0\n')
+
+        def _send(self, text):
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(text.encode())
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        server = object.__new__(Server)  # the client side only: no vLLM process
+        server.port = httpd.server_address[1]
+        from types import SimpleNamespace
+
+        assert served_name(SimpleNamespace(model="org/m", engine={})) == "org/m"
+        server.complete(served_name(SimpleNamespace(model="m", engine={"served_model_name": ["chat", "tiny"]})),
+                        [5, 6, 7], 10.0)
+        assert bodies == [("/v1/completions", {"model": "chat", "prompt": [5, 6, 7], "max_tokens": 1,
+                                               "temperature": 0.0})]
+        assert server.metrics() == {CACHE_HITS: 64.0}
+    finally:
+        httpd.shutdown()
+        thread.join(timeout=10)
+
+
 @pytest.mark.xdist_group("e2e")  # beside the leaves_nothing group, which holds most of the suite's engine time
 @pytest.mark.usefixtures("leaves_nothing")
 def test_served_replay_writes_real_prefills_served_texts_and_the_servers_are_stopped(tmp_path):
-    """The tiny Llama (peaked weights), 2 prompts: replay's engine run and
-    its server's texts equal real prefill's; the replay server counted
-    kvfill's fills on /metrics and real prefill's server none; each run's
-    client figures are in the report; no server is left (leaves_nothing)."""
+    """The tiny Llama (peaked weights), 2 prompts, prefix caching after
+    decoys: replay's engine run and its server's texts equal real prefill's;
+    the replay server counted kvfill's fills on /metrics and real prefill's
+    server none; each server reused the decoys' blocks; each run's client
+    figures are in the report; no server is left (leaves_nothing)."""
     from kvfill.bench.models import make_model, make_tokenizer
 
     model = make_tokenizer(make_model(str(tmp_path / "tiny-llama"), init_std=0.15))
@@ -107,7 +156,8 @@ def test_served_replay_writes_real_prefills_served_texts_and_the_servers_are_sto
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
     run = subprocess.run([sys.executable, "-m", "kvfill.check", "--model", model, "--prompts", str(prompts),
                           "--out", str(out), "--dtype", "float32", "--output-len", "4", "--max-tokens", "12",
-                          "--fills", "replay", "--serve", "--in-process"],
+                          "--fills", "replay", "--serve", "--in-process", "--enable-prefix-caching", "--decoys", "64",
+                          "--block-size", "32"],
                          capture_output=True, text=True, timeout=900, env=env)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     data = json.loads((out / "report.json").read_text())
@@ -122,6 +172,9 @@ def test_served_replay_writes_real_prefills_served_texts_and_the_servers_are_sto
         assert cmp[name]["eos"]["lengths"] == lens and all(1 <= n <= 12 for n in lens), name
     assert any(v > 0 for v in steps["replay"]["served"]["kvfill"].values()), steps["replay"]["served"]
     assert not any(steps["prefill"]["served"]["kvfill"].values())
+    # --decoys: each server completed the decoys first, and each prompt found its first 64 tokens cached there
+    assert [steps[name]["served"]["prefix_cache_hit_tokens"] for name in ("prefill", "replay")] == [128, 128], steps
+    assert [steps[name]["counters"]["prefix_cache_hit_tokens"] for name in ("prefill", "replay")] == [128, 128], steps
     assert any(line.startswith("replay: served (vllm bench serve, concurrency 2)") and line.endswith("2/2")
                for line in data["verdicts"]), data["verdicts"]
     assert "served req/s" in (out / "report.md").read_text()
