@@ -2,12 +2,18 @@
 
     python bench/fill_bench.py                      # CPU: torch backend, small sizes
     python bench/fill_bench.py --device cuda --sizes 64 256 1024   # GPU: Triton
+    python bench/fill_bench.py --values [--tokens 65536] [--row 1024]  # what the normal fill writes
 
 Caches are vLLM-standard ``[B, H, N, C]`` bf16 views (LBNHC by default) of
 ``--layers`` layers; each step fills ``--requests`` requests whose blocks are
 scattered randomly over a pool twice the fill's size.  Figures per implementation:
 median time, GB/s written, % of the memset's bandwidth, kvfill's speedup over the
 in-tree path, fill calls per step, peak extra device memory (CUDA).
+
+``--values`` times nothing: it fills two layers of ``--tokens`` token rows of
+``--row`` fp32 elements with the normal fill (mean 0, std 1) and prints the
+sample mean and std and the Pearson correlation between neighbouring
+elements of a row, neighbouring tokens, tokens 4096 apart and the two layers.
 """
 from __future__ import annotations
 
@@ -19,7 +25,8 @@ import torch
 
 from kvfill.bench import common as C  # noqa: E402
 
-from kvfill.kernels import CacheGroup, FillEngine, GroupFill  # noqa: E402
+from kvfill.kernels import CacheGroup, FillEngine, GroupFill, fill_blocks  # noqa: E402
+from kvfill.kernels.testing import STANDARD_LAYOUTS  # noqa: E402
 
 MiB = 1 << 20
 
@@ -104,6 +111,31 @@ def run_case(device, *, fill_bytes, num_layers, num_requests, mode, layout="LBNH
     return rows
 
 
+def corr(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double().flatten(), b.double().flatten()
+    a, b = a - a.mean(), b - b.mean()
+    return float((a * b).sum() / (a.norm() * b.norm()))
+
+
+def value_stats(tokens: int, row: int, block_size: int = 16) -> dict:
+    """The normal fill's values (mean 0, std 1) over two layers of ``tokens`` rows of ``row`` fp32 elements."""
+    layer0 = torch.zeros(tokens // block_size, 1, block_size, row)
+    layer1 = torch.zeros_like(layer0)
+    fill_blocks([layer0, layer1], list(range(tokens // block_size)), mean=0.0, std=1.0, seed=0)
+    x, y = layer0.reshape(tokens, row), layer1.reshape(tokens, row)  # [token, element]
+    n = x.numel()
+    return {
+        "samples": n,
+        "mean": float(x.double().mean()),
+        "std": float(x.double().std()),
+        "sampling error of the mean (1/sqrt(n))": n**-0.5,
+        "corr(element e, e+1)": corr(x[:, 1:], x[:, :-1]),
+        "corr(token t, t+1)": corr(x[1:], x[:-1]),
+        "corr(token t, t+4096)": corr(x[4096:], x[:-4096]) if tokens > 4096 else float("nan"),
+        "corr(layer 0, layer 1)": corr(x, y),
+    }
+
+
 COLUMNS = ["case", "mode", "impl", "MiB", "ms", "GB/s", "%memset", "x in-tree", "calls", "extra MiB", "verified"]
 
 
@@ -114,10 +146,18 @@ def main(argv=None):
     p.add_argument("--layers", type=int, default=None)
     p.add_argument("--requests", type=int, default=16)
     p.add_argument("--modes", nargs="+", default=["constant", "normal"])
-    p.add_argument("--layout", default="LBNHC", choices=sorted(C.STANDARD_LAYOUTS))
+    p.add_argument("--layout", default="LBNHC", choices=sorted(STANDARD_LAYOUTS))
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--json", default=None, help="write results here")
+    p.add_argument("--values", action="store_true", help="the normal fill's value statistics instead of timings")
+    p.add_argument("--tokens", type=int, default=65536, help="--values: token rows per layer")
+    p.add_argument("--row", type=int, default=1024, help="--values: fp32 elements per row")
     a = p.parse_args(argv)
+    if a.values:
+        figures = value_stats(a.tokens, a.row)
+        for k, v in figures.items():
+            print(f"{k:>40}: {v:.5f}" if isinstance(v, float) else f"{k:>40}: {v}")
+        return figures
     gpu = torch.device(a.device).type == "cuda"
     sizes = a.sizes or ([64, 256, 1024] if gpu else [16, 64])
     layers = a.layers or (32 if gpu else 8)

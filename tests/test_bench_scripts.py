@@ -114,6 +114,19 @@ def test_fill_bench_rows_compare_three_implementations():
     assert rows[0]["verified"] is True and rows[0]["MiB"] > 0
 
 
+def test_fill_bench_runs_as_a_script_and_prints_the_normal_fills_value_statistics(capsys):
+    """Its command line (a table of the three implementations), and --values:
+    the normal fill's mean, std and neighbour correlations at 2^19 samples."""
+    rows = fill_bench.main(["--sizes", "1", "--layers", "2", "--requests", "2", "--modes", "constant",
+                            "--repeat", "1", "--layout", "LHBNC"])
+    assert [r["impl"] for r in rows] == ["kvfill", "in-tree", "memset"] and rows[0]["verified"] is True
+    figures = fill_bench.main(["--values", "--tokens", "8192", "--row", "64"])
+    assert figures["samples"] == 8192 * 64 and "corr(layer 0, layer 1)" in capsys.readouterr().out
+    assert abs(figures["mean"]) < 5 * figures["sampling error of the mean (1/sqrt(n))"]
+    assert abs(figures["std"] - 1) < 0.01
+    assert max(abs(v) for k, v in figures.items() if k.startswith("corr")) < 0.02, figures
+
+
 def test_demo_small_run_verifies(capsys):
     assert demo.main(["--requests", "2", "--prompt-len", "300", "--layers", "2"]) == 0
     assert "demo OK" in capsys.readouterr().out
