@@ -56,6 +56,23 @@ def decoy_line(res: dict) -> str:
                    f"there)" if unused else "")
 
 
+def token_verdict(run: str, row: dict) -> tuple[str, bool]:
+    """The greedy-token line of a fill, and whether its tokens equal a
+    reference's: the split reference's (a fill splits real prefill so on a
+    model with recurrent state) where they do, else unsplit prefill's."""
+    t = row["tokens"]
+    split_t = row.get("tokens_vs_split", t)
+    for ref, to in ((split_t, " split as the fill splits it" if split_t is not t else ""), (t, "")):
+        if ref["identical"]:
+            other = (f"; {split_t['equal']}/{split_t['total']} of the split reference's (vLLM's own prefill split "
+                     f"there differs)" if ref is t and split_t is not t else "")
+            return (f"{run}: greedy tokens = real prefill's{to} ({ref['equal']}/{ref['total']}, |Δlogprob| "
+                    f"<= {ref['max_abs_logprob_diff']:g}){other}"), True
+    firsts = [f for f in t["first_divergence"] if f is not None]
+    return (f"{run}: {t['equal']}/{t['total']} greedy tokens as real prefill's ({_pct(t['share'])}), first divergence "
+            f"at token {min(firsts)} (median {sorted(firsts)[len(firsts) // 2]}) - the model writes other text"), False
+
+
 def verdicts(res: dict, cmp: dict) -> list[str]:
     """One line per fill and observable, then one summary line per fill."""
     if "reference_failed" in cmp:
@@ -78,20 +95,8 @@ def verdicts(res: dict, cmp: dict) -> list[str]:
             lines.append(f"{run}: run failed - {step['error']}")
             continue
         row, timing, unknown = cmp[run], [], []
-        t = row["tokens"]
-        split_t = row.get("tokens_vs_split", t)
-        exact = split_t if split_t["identical"] or not t["identical"] else t  # the reference it equals, if any
-        if exact["identical"]:
-            to = " split as the fill splits it" if exact is not t else ""
-            other = (f"; {split_t['equal']}/{split_t['total']} of the split reference's (vLLM's own prefill split "
-                     f"there differs)" if exact is t and split_t is not t else "")
-            lines.append(f"{run}: greedy tokens = real prefill's{to} ({exact['equal']}/{exact['total']}, |Δlogprob| "
-                         f"<= {exact['max_abs_logprob_diff']:g}){other}")
-        else:
-            firsts = [f for f in t["first_divergence"] if f is not None]
-            lines.append(f"{run}: {t['equal']}/{t['total']} greedy tokens as real prefill's ({_pct(t['share'])}), "
-                         f"first divergence at token {min(firsts)} (median {sorted(firsts)[len(firsts) // 2]}) - the "
-                         f"model writes other text")
+        line, exact = token_verdict(run, row)
+        lines.append(line)
         if "eos" in row and "eos" in ref:
             e, r, floor = row["eos"], ref["eos"], ref.get("eos_floor")
             d = abs(e["mean"] - r["mean"])
@@ -127,7 +132,7 @@ def verdicts(res: dict, cmp: dict) -> list[str]:
             scale = ref["moe_floor"]["tv_to_uniform_mean"]
             if not any(row["expert_load"]["tv_per_layer"]):
                 lines.append(f"{run}: expert load = real prefill's, every layer (TV 0)")
-            elif exact["identical"] and tv <= floor:  # the same tokens decoded: only rounding moves the router
+            elif exact and tv <= floor:  # the same tokens decoded: only rounding moves the router
                 lines.append(f"{what} - within real prefill's noise: its greedy tokens are real prefill's, routed "
                              f"alike up to rounding")
             elif floor >= MOE_SCALE * scale:
