@@ -192,6 +192,21 @@ def test_without_real_prefill_there_is_nothing_to_compare_with(tmp_path):
     assert report.verdicts(res, cmp) == ["real prefill failed (exit 1: OOM): nothing to compare with"]
 
 
+def test_a_decode_time_ratio_no_observable_explains_is_called_a_timing_to_rerun():
+    """Time is reported, never judged: a valid fill 3x slower by the clock is still valid, and its time line
+    says nothing measured sets it apart; within 1.5x, or beside a distortion, the line is the figures alone."""
+    steps = {"prefill": _step("prefill", [[1, 2]] * 2, [], [], {}),
+             "replay": _step("replay", [[1, 2]] * 2, [], [], {}, ms=6.0),
+             "zeros": _step("zeros", [[1, 2]] * 2, [], [], {}, ms=2.9)}
+    res = _res(steps)
+    lines = report.verdicts(res, compare.compare_all(res))
+    slow = next(line for line in lines if line.startswith("replay: decode 6 ms"))
+    assert slow.endswith("rerun before reading it as the fill's") and "(3x)" in slow
+    assert "zeros: decode 2.9 ms per output token vs 2 real (1.45x)" in lines
+    assert "=> replay: valid for this benchmark - every observable that sets decode time is real prefill's or " \
+        "within its floor" in lines
+
+
 @pytest.mark.usefixtures("leaves_nothing")
 def test_check_on_a_trained_model_finds_replay_exact_and_a_constant_fill_distorting(tmp_path):
     """SmolLM2-135M-Instruct (float32) on 3 real-text chat prompts of
