@@ -13,6 +13,7 @@ rounds differently with another).
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from typing import Sequence
 
@@ -145,8 +146,10 @@ def check_config(argv: Sequence[str] | None = None) -> CheckConfig:
             raise CheckError(f"{name} {value}: expected an int >= {low}")
     if not args.temperature >= 0:
         raise CheckError(f"--temperature {args.temperature}: expected a number >= 0")
-    if args.normal is not None and not args.normal[1] > 0:
-        raise CheckError(f"--normal {args.normal[0]} {args.normal[1]}: expected a std > 0")
+    if args.normal is not None and not (math.isfinite(args.normal[0]) and 0 < args.normal[1] < math.inf):
+        raise CheckError(f"--normal {args.normal[0]} {args.normal[1]}: expected a finite mean and a finite std > 0")
+    if not math.isfinite(args.constant):
+        raise CheckError(f"--constant {args.constant}: expected a finite number (the value every row is filled with)")
     spec = args.speculative_config if "speculative_config" in given else None
     if args.in_process and isinstance(spec, dict) and spec.get("method") == "ngram" and on_cpu():
         raise CheckError("--in-process with ngram drafts on vLLM CPU: each engine's start rebinds Triton kernels by "

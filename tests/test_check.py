@@ -32,6 +32,9 @@ def tiny(tmp_path):
     (["--max-tokens", "-1"], "--max-tokens -1"),
     (["--temperature=-0.5"], "--temperature -0.5"),
     (["--normal", "0", "0"], "--normal 0.0 0.0"),
+    (["--normal", "nan", "1"], "--normal nan 1.0: expected a finite mean"),
+    (["--normal", "0", "inf"], "--normal 0.0 inf"),
+    (["--constant", "inf"], "--constant inf: expected a finite number"),
     (["--run-timeout", "0"], "--run-timeout 0"),
     (["--in-process", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2, '
       '"prompt_lookup_max": 3}'], "--in-process with ngram drafts on vLLM CPU"),
