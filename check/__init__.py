@@ -7,6 +7,7 @@ engine flags, one engine per run, and reports each fill against real
 prefill (docs/replay.md, "Is my benchmark valid?").
 
 - ``cli.py``: the command line (vLLM's engine flags plus the check's) and each run's engine arguments.
+- ``inputs.py``: the inputs checked before anything is written (token ids, max_model_len, a given bank).
 - ``runner.py``: the one runner: the recording, real prefill, the split reference and each fill, each a process.
 - ``child.py``: one step in its process; ``measure.py``: what a run measures; ``probes.py``: its hooks in vLLM.
 - ``compare.py``: the one comparison, with real prefill's own floors.

@@ -20,14 +20,17 @@ def main(argv=None) -> int:
         print(f"kvfill-check: error: {exc}", file=sys.stderr)
         return 2
     from .compare import compare_all
+    from .inputs import prepare
     from .report import verdicts, write
     from .runner import run_all
 
     try:
-        res = run_all(cfg, log=lambda line: print(line, flush=True))
-    except ValueError as exc:  # CheckError, or kvfill-record's RecordError about the prompts file: before any step
+        inputs = prepare(cfg)
+    except ValueError as exc:  # CheckError, or kvfill-record's RecordError about the prompts file: nothing written
         print(f"kvfill-check: error: {exc}", file=sys.stderr)
         return 2
+    try:
+        res = run_all(cfg, inputs, log=lambda line: print(line, flush=True))
     except KeyboardInterrupt:
         print("kvfill-check: interrupted; the running step was stopped", file=sys.stderr)
         return 130

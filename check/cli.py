@@ -19,6 +19,7 @@ from typing import Sequence
 
 from vllm.engine.arg_utils import EngineArgs
 
+from kvfill.record.cli import REFUSED as RECORD_REFUSED
 from kvfill.record.cli import RecordArgumentParser, _check_engine_args, _require_model, parse
 
 USAGE = "kvfill-check --model MODEL --prompts FILE [--bank BANK] [--out DIR] [check options] [vLLM engine options]"
@@ -32,6 +33,9 @@ REFUSED = {
     "kv_offloading_size": "KV offloading is a KV connector of its own, in the place each run's fill takes",
     "disable_log_stats": "vLLM's stats are what the check reads (speculative-decoding counters, per-token times)",
 }
+# kvfill-record's refusals that hold for the check's runs too (the check tokenizes the prompts itself with
+# transformers at the default revision; every run generates); the others only where the check records.
+RECORDING_ALWAYS = ("tokenizer_mode", "revision", "tokenizer_revision", "runner", "convert")
 # Recording prefills each prompt whole in one step: these go to the runs, not to the recording.
 RUN_ONLY = ("enable_prefix_caching", "enable_chunked_prefill", "max_num_batched_tokens",
             "long_prefill_token_threshold", "max_num_scheduled_tokens", "max_num_seqs")
@@ -144,8 +148,17 @@ def check_config(argv: Sequence[str] | None = None) -> CheckConfig:
     for name, value, low in (("--output-len", args.output_len, 1), ("--max-tokens", args.max_tokens, 0)):
         if value < low:
             raise CheckError(f"{name} {value}: expected an int >= {low}")
-    if not args.temperature >= 0:
-        raise CheckError(f"--temperature {args.temperature}: expected a number >= 0")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise CheckError(f"--temperature {args.temperature}: expected a finite number >= 0")
+    found = [f"{flags[r.dest]} {p.typed.get(r.dest, getattr(args, r.dest))}: {r.reason}" + (
+        "" if r.dest in RECORDING_ALWAYS else " (without --bank the check records its own)")
+        for r in RECORD_REFUSED if r.dest in given and r.dest not in REFUSED and r.dest not in RUN_ONLY
+        and r.dest != "max_model_len" and (args.bank is None or r.dest in RECORDING_ALWAYS)
+        and r.applies(getattr(args, r.dest))]
+    if found:
+        raise CheckError("kvfill-check cannot honour these vLLM flags:\n  " + "\n  ".join(found))
+    _check_config_file(p, argv)
+    _check_out(args.out)
     if args.normal is not None and not (math.isfinite(args.normal[0]) and 0 < args.normal[1] < math.inf):
         raise CheckError(f"--normal {args.normal[0]} {args.normal[1]}: expected a finite mean and a finite std > 0")
     if not math.isfinite(args.constant):
@@ -192,6 +205,41 @@ def check_config(argv: Sequence[str] | None = None) -> CheckConfig:
                        constant=args.constant, split=args.split_reference, run_timeout=args.run_timeout,
                        engine=engine, argv=list(argv) if argv is not None else [], in_process=args.in_process,
                        serve=args.serve, concurrency=args.concurrency, decoys=args.decoys, verify=args.verify)
+
+
+def _check_config_file(p: RecordArgumentParser, argv: Sequence[str] | None) -> None:
+    """``--config FILE`` holds vLLM engine flags (``vllm serve --config``,
+    which ``--serve`` hands it to): a key of the check's own would be read
+    here and refused by ``vllm serve``."""
+    import sys
+
+    import yaml
+
+    from kvfill.record.cli import _split_config
+
+    argv = _split_config(list(sys.argv[1:] if argv is None else argv))
+    own = {a.dest for g in p._action_groups if g.title == "kvfill-check" for a in g._group_actions} - {"config"}
+    for i, token in enumerate(argv[:-1]):
+        if token == "--config":
+            with open(argv[i + 1]) as f:  # vLLM's parser read it already: it exists and is YAML
+                keys = list(yaml.safe_load(f) or {})
+            mine = [k for k in keys if str(k).replace("-", "_") in own]
+            if mine:
+                raise CheckError(f"--config {argv[i + 1]!r}: {', '.join(map(str, mine))} - kvfill-check's own "
+                                 f"option(s), not vLLM engine flags; expected them on the command line")
+
+
+def _check_out(out: str) -> None:
+    """``--out`` is a folder the check makes or writes into."""
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise CheckError(f"--out {out!r} exists and is not a folder; expected a folder for the report (made if "
+                         f"missing)")
+    parent = os.path.abspath(out)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        raise CheckError(f"--out {out!r}: {parent!r} is not a writable folder; expected --out in a folder the "
+                         f"check can write")
 
 
 def serve_argv(argv: Sequence[str]) -> list[str]:

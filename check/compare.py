@@ -78,7 +78,7 @@ def drafts_equal(ref: list[dict], rows: list[dict]) -> dict | None:
     for r, o in zip(ref, rows):
         total += len(r["drafts"])
         if len(r["drafts"]) == len(o.get("drafts", [])):
-            same += sum(x == y for x, y in zip(r["drafts"], o["drafts"]))
+            same += sum(x == y for x, y in zip(r["drafts"], o.get("drafts", [])))
     return {"equal": same, "total": total}
 
 
@@ -149,7 +149,8 @@ def served(ref: dict, got: dict) -> dict:
     """``--serve``: the client's request throughput and mean TPOT as ratios to
     real prefill's served run, and the texts served equal to its."""
     def ratio(key):
-        return round(got["served"][key] / ref["served"][key], 3) if ref["served"].get(key) else None
+        mine = got["served"].get(key)
+        return round(mine / ref["served"][key], 3) if ref["served"].get(key) and mine is not None else None
 
     texts = list(zip(ref.get("texts", []), got.get("texts", [])))
     return {"request_throughput_ratio": ratio("request_throughput"), "tpot_ratio": ratio("mean_tpot_ms"),

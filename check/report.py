@@ -14,6 +14,7 @@ whatever they are.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 
@@ -196,7 +197,7 @@ def write(out: str, cfg, res: dict, cmp: dict, lines: list[str]) -> list[str]:
     payload = {"command": ["kvfill-check", *cfg.argv], "model": cfg.model, "engine_flags": _jsonable(cfg.engine),
                "verdicts": lines, "comparison": cmp, **res, "steps": steps,
                "raw": {run: os.path.join(out, "logs", f"{run}.json") for run in steps if "error" not in steps[run]}}
-    text = json.dumps(payload, indent=1, default=str)
+    text = json.dumps(_finite(payload), indent=1, default=str, allow_nan=False)
     # lists of numbers on one line each (tokens, logprobs, expert counts)
     text = re.sub(r"\[\s*([-+0-9.e,\s]+?)\s*\]", lambda m: "[" + " ".join(m.group(1).split()) + "]", text)
     with open(paths[0], "w") as f:
@@ -207,7 +208,20 @@ def write(out: str, cfg, res: dict, cmp: dict, lines: list[str]) -> list[str]:
         paths[2] = "no report.png (real prefill failed: nothing to compare)"
     elif not plot(paths[2], res, cmp, os.path.basename(os.path.normpath(cfg.model))):
         paths[2] = "no report.png (matplotlib is not installed: pip install 'kvfill[bench]')"
+    if paths[2].startswith("no ") and os.path.exists(os.path.join(out, "report.png")):
+        os.remove(os.path.join(out, "report.png"))  # an earlier check's, beside this one's report
     return paths
+
+
+def _finite(obj):
+    """``obj`` with each NaN or infinite float as its name (strict JSON has no such number)."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return str(obj)
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
 
 
 def _jsonable(engine: dict) -> dict:
@@ -282,7 +296,7 @@ def plot(path: str, res: dict, cmp: dict, title: str) -> bool:
         panels.append(("acceptance (%)", lambda r: 100 * (cmp[r]["spec"] or {"acceptance": 0})["acceptance"]))
     if cmp.get(REFERENCE, {}).get("moe_floor"):
         panels.append(("expert load TV to real prefill (line: floor)",
-                       lambda r: 0.0 if r == REFERENCE else cmp[r]["expert_load"]["tv_mean"]))
+                       lambda r: 0.0 if r == REFERENCE else cmp[r].get("expert_load", {}).get("tv_mean", 0.0)))
     if cmp.get(REFERENCE, {}).get("served"):
         panels.append(("served requests/s", lambda r: (cmp[r].get("served") or {}).get("request_throughput") or 0.0))
     panels.append(("decode ms per output token", lambda r: cmp[r].get("decode_ms_per_token") or 0.0))

@@ -17,44 +17,11 @@ import sys
 import time
 
 from . import probes
-from .cli import CheckConfig, CheckError, on_cpu, engine_kwargs, record_call
+from .cli import CheckConfig, on_cpu, engine_kwargs, record_call
+from .inputs import Inputs, bank_stats, prepare
 
 HEARTBEAT_S = 30
 SAMPLE_TOKENS = 16
-
-
-def token_ids(cfg: CheckConfig) -> tuple[object, list[list[int]]]:
-    """The tokenizer, and the prompts' token ids read and tokenized as
-    kvfill-record does (so replay finds their rows)."""
-    from transformers import AutoTokenizer
-
-    from kvfill.record.inputs import read_prompts, unresolved
-
-    trust = bool(cfg.engine.get("trust_remote_code", False))
-    prompts = read_prompts(cfg.prompts)  # RecordError (a ValueError) naming the file and line
-    try:
-        tok = AutoTokenizer.from_pretrained(cfg.engine.get("tokenizer") or cfg.model, trust_remote_code=trust)
-    except Exception as exc:  # OSError, the hub's errors
-        raise CheckError(unresolved(exc, model=cfg.model, tokenizer=cfg.engine.get("tokenizer"))) from None
-    return tok, [list(tok(p).input_ids) for p in prompts]
-
-
-def bank_stats(path: str) -> dict | None:
-    """Mean and std of a bank's attention KV values (its float rows; K and V
-    apart: a row's first half is K), None when it holds no float rows."""
-    import torch
-
-    from kvfill.bank import Bank
-
-    bank = Bank.load(path)
-    rows = [t for t in bank.layers.values() if t.dtype.is_floating_point and t.element_size() > 1]
-    if not rows:
-        return None
-    k = torch.cat([t[..., : t.shape[-1] // 2].float().flatten() for t in rows])
-    v = torch.cat([t[..., t.shape[-1] // 2:].float().flatten() for t in rows])
-    kv = torch.cat([k, v])
-    return {"mean": kv.mean().item(), "std": kv.std().item(), "k_std": k.std().item(), "v_std": v.std().item(),
-            "sequences": bank.num_sequences, "has_state": bool(bank.states)}
 
 
 def fill_config(fill: str, cfg: CheckConfig, bank: str | None, stats: dict | None) -> dict:
@@ -67,17 +34,16 @@ def fill_config(fill: str, cfg: CheckConfig, bank: str | None, stats: dict | Non
     return {"fill_mean": cfg.constant if fill == "constant" else 0.0, "fill_std": 0.0}
 
 
-def run_all(cfg: CheckConfig, log=print) -> dict:
-    """Every step; what ``compare`` and ``report`` read."""
+def run_all(cfg: CheckConfig, inputs: Inputs | None = None, log=print) -> dict:
+    """Every step; what ``compare`` and ``report`` read.  ``inputs``:
+    ``inputs.prepare(cfg)``'s (made here when not given: its CheckError
+    comes before anything is written)."""
     t_start = time.perf_counter()
-    tok, ids = token_ids(cfg)
-    if cfg.decoys and cfg.decoys >= min(map(len, ids)) - 1:
-        raise CheckError(f"--decoys {cfg.decoys}: expected fewer than the shortest prompt's tokens less one "
-                         f"({min(map(len, ids)) - 1}): a decoy shares the first K tokens and differs after them")
+    inputs = inputs or prepare(cfg)
+    tok, ids, max_len = inputs.tok, inputs.ids, inputs.max_len
     os.makedirs(os.path.join(cfg.out, "logs"), exist_ok=True)
     for key, value in child_env(cfg).items():
         log(f"vLLM CPU with several workers: {key}={value} (one share of this process's cores each; set it to choose)")
-    max_len = cfg.engine.get("max_model_len") or max(map(len, ids)) + max(cfg.output_len, cfg.max_tokens) + 16
     steps: dict[str, dict] = {}
     bank, made = cfg.bank, cfg.bank is None
     served = cfg.serve * (1 + len(cfg.fills))
@@ -88,7 +54,14 @@ def run_all(cfg: CheckConfig, log=print) -> dict:
                                n_steps, log)
         if "error" in steps["record"]:
             bank = None
-    stats = bank_stats(bank) if bank else None
+    stats = inputs.stats
+    if made and bank:
+        try:
+            stats = bank_stats(bank)
+        except (ValueError, OSError) as exc:  # the recording wrote what kvfill cannot read back
+            steps["record"] = {**steps["record"], "error": f"its bank cannot be read: {exc}"}
+            log(f"record: its bank cannot be read - {exc}")
+            bank = None
     split = cfg.split == "on" or (cfg.split == "auto" and bool(stats and stats["has_state"]))
     n_steps = made + 1 + split + len(cfg.fills) + served
     spec = cfg.engine.get("speculative_config")
@@ -129,8 +102,15 @@ def run_all(cfg: CheckConfig, log=print) -> dict:
 
 
 def decoys(ids: list[list[int]], shared: int) -> list[list[int]]:
-    """Per prompt an unrecorded one: its first ``shared`` tokens, then its other tokens reversed."""
-    return [t[:shared] + t[shared:][::-1] for t in ids]
+    """Per prompt an unrecorded one: its first ``shared`` tokens, then its other tokens reversed - and where
+    that is the prompt itself (a palindrome), the first of them one id lower (or 1 for id 0)."""
+    out = []
+    for t in ids:
+        tail = t[shared:][::-1]
+        if tail == t[shared:]:
+            tail = [tail[0] - 1 if tail[0] else 1, *tail[1:]]
+        out.append(t[:shared] + tail)
+    return out
 
 
 def _served_dataset(cfg: CheckConfig) -> str:

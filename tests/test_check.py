@@ -40,6 +40,10 @@ def tiny(tmp_path):
       '"prompt_lookup_max": 3}'], "--in-process with ngram drafts on vLLM CPU"),
     (["--bank", "missing.safetensors"], "--bank 'missing.safetensors'"),
     (["--decoys", "2"], "--decoys 2: expected an int >= 1, with --enable-prefix-caching"),
+    (["--temperature", "inf"], "--temperature inf: expected a finite number >= 0"),
+    (["--revision", "v2"], "--revision v2: the recorder reads the model's tokenizer and config at the default"),
+    (["--tensor-parallel-size", "2", "--decode-context-parallel-size", "2"],
+     "--decode-context-parallel-size 2: DCP splits"),
 ])
 def test_bad_input_is_refused_naming_the_value_before_anything_runs(tiny, tmp_path, flags, named):
     model, prompts = tiny
@@ -368,3 +372,67 @@ def test_decoys_as_long_as_a_prompt_exit_2_naming_the_value_before_any_step(tiny
     err = capsys.readouterr().err
     assert "--decoys 3: expected fewer than the shortest prompt's tokens less one" in err, err
     assert not (tmp_path / "a").exists()
+
+
+def test_a_refused_recording_flag_names_the_recording_and_passes_with_a_bank(tiny, tmp_path):
+    """DCP is refused for the check's own recording, not for the runs: with --bank they replay under it."""
+    model, prompts = tiny
+    argv = ["--model", model, "--prompts", prompts, "--tensor-parallel-size", "2",
+            "--decode-context-parallel-size", "2"]
+    with pytest.raises(CheckError, match=r"\(without --bank the check records its own\)"):
+        check_config(argv)
+    bank = tmp_path / "bank.safetensors"
+    bank.write_bytes(b"x")  # read as a bank only once the check runs (inputs.prepare)
+    assert check_config([*argv, "--bank", str(bank)]).engine["decode_context_parallel_size"] == 2
+
+
+def test_an_out_that_is_a_file_or_a_config_with_the_checks_own_options_is_refused(tiny, tmp_path):
+    """--out is a folder; --config FILE holds vLLM engine flags only (``--serve`` hands it to vllm serve)."""
+    model, prompts = tiny
+    argv = ["--model", model, "--prompts", prompts]
+    with pytest.raises(CheckError, match="--out .* exists and is not a folder"):
+        check_config([*argv, "--out", prompts])
+    conf = tmp_path / "flags.yaml"
+    conf.write_text("dtype: float32\nmax-tokens: 5\n")
+    with pytest.raises(CheckError, match=r"--config .*: max-tokens - kvfill-check's own option"):
+        check_config([*argv, f"--config={conf}"])
+    conf.write_text("dtype: float32\n")
+    assert check_config([*argv, "--config", str(conf)]).engine["dtype"] == "float32"
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--max-model-len", "3"], "--max-model-len 3: the longest prompt has"),
+    (["--max-model-len", "100000"], "--max-model-len 100000: vLLM refuses it for this model"),
+    (["--output-len", "100000"], "the runs' max_model_len 1000"),
+    (["--bank", "PROMPTS"], "expected a bank kvfill-record wrote"),
+])
+def test_lengths_the_model_cannot_take_or_a_file_that_is_no_bank_exit_2_before_any_step(tiny, tmp_path, capsys,
+                                                                                       flags, named):
+    """Checked against the prompts' tokens and vLLM's own model config before --out is made: found in the
+    runs, every run (real prefill's too) would fail after the folder was written."""
+    from kvfill.check.__main__ import main
+
+    model, prompts = tiny
+    flags = [prompts if f == "PROMPTS" else f for f in flags]
+    assert main(["--model", model, "--prompts", prompts, "--out", str(tmp_path / "a"), *flags]) == 2
+    err = capsys.readouterr().err
+    assert named in err, err
+    assert not (tmp_path / "a").exists()
+
+
+def test_a_decoy_is_never_its_prompt():
+    from kvfill.check.runner import decoys
+
+    assert decoys([[7, 1, 2, 1], [7, 0, 0], [7, 3, 4]], 1) == [[7, 0, 2, 1], [7, 1, 0], [7, 4, 3]]
+
+
+def test_the_report_json_is_strict_and_a_failed_plot_leaves_no_earlier_png(tiny, tmp_path):
+    model, prompts = tiny
+    cfg = check_config(["--model", model, "--prompts", prompts, "--out", str(tmp_path / "r")])
+    os.makedirs(cfg.out)
+    open(os.path.join(cfg.out, "report.png"), "w").close()  # an earlier check's
+    res = {**_res({"prefill": {"run": "prefill", "error": "exit 1"}}), "bank_stats": {"std": float("nan")}}
+    cmp = compare.compare_all(res)
+    paths = report.write(cfg.out, cfg, res, cmp, report.verdicts(res, cmp))
+    assert json.loads(open(paths[0]).read())["bank_stats"] == {"std": "nan"}  # strict JSON: no NaN token
+    assert paths[2].startswith("no report.png") and not os.path.exists(os.path.join(cfg.out, "report.png"))

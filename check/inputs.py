@@ -1,0 +1,108 @@
+"""kvfill-check's inputs, read and checked before anything is written: the
+prompts' token ids, the runs' ``max_model_len`` against the prompts and the
+model, a given bank, the decoys.  A value the check cannot run with is a
+CheckError naming it and what was expected, raised before ``--out`` exists
+(``python -m kvfill.check`` exits 2); what fails after that is a step's
+failure, in the report.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from .cli import CheckConfig, CheckError
+
+MAX_LEN_SLACK = 16  # the runs' default max_model_len: the longest prompt + the longest output + this
+
+
+@dataclasses.dataclass
+class Inputs:
+    tok: object
+    ids: list[list[int]]
+    max_len: int
+    stats: dict | None  # a given --bank's value statistics (runner.bank_stats); None without --bank
+
+
+def prepare(cfg: CheckConfig) -> Inputs:
+    """Everything the runs need that the user's input decides; CheckError (or
+    kvfill-record's RecordError about the prompts file) before any write."""
+    tok, ids = token_ids(cfg)
+    longest, output = max(map(len, ids)), max(cfg.output_len, cfg.max_tokens)
+    if cfg.decoys and cfg.decoys >= min(map(len, ids)) - 1:
+        raise CheckError(f"--decoys {cfg.decoys}: expected fewer than the shortest prompt's tokens less one "
+                         f"({min(map(len, ids)) - 1}): a decoy shares the first K tokens and differs after them")
+    given = cfg.engine.get("max_model_len")
+    max_len = given or longest + output + MAX_LEN_SLACK
+    if given is not None and given < longest + output:
+        raise CheckError(f"--max-model-len {given}: the longest prompt has {longest} tokens and each run generates "
+                         f"up to {output} (--output-len {cfg.output_len}, --max-tokens {cfg.max_tokens}); expected "
+                         f"--max-model-len >= {longest + output}, or fewer tokens asked for")
+    check_model_len(cfg, max_len, f"--max-model-len {given}" if given else
+                    f"the runs' max_model_len {max_len} (the longest prompt's {longest} tokens + {output} generated "
+                    f"+ {MAX_LEN_SLACK})", "a smaller --max-model-len" if given else
+                    "a lower --output-len / --max-tokens, or shorter prompts")
+    stats = None
+    if cfg.bank is not None:
+        try:
+            stats = bank_stats(cfg.bank)
+        except (ValueError, OSError) as exc:  # BankError: not a bank, or one kvfill cannot read
+            raise CheckError(f"--bank: {exc}; expected a bank kvfill-record wrote") from None
+    return Inputs(tok, ids, max_len, stats)
+
+
+def token_ids(cfg: CheckConfig) -> tuple[object, list[list[int]]]:
+    """The tokenizer, and the prompts' token ids read and tokenized as
+    kvfill-record does (so replay finds their rows)."""
+    from transformers import AutoTokenizer
+
+    from kvfill.record.inputs import read_prompts, unresolved
+
+    trust = bool(cfg.engine.get("trust_remote_code", False))
+    prompts = read_prompts(cfg.prompts)  # RecordError (a ValueError) naming the file and line
+    try:
+        tok = AutoTokenizer.from_pretrained(cfg.engine.get("tokenizer") or cfg.model, trust_remote_code=trust)
+    except Exception as exc:  # OSError, the hub's errors
+        raise CheckError(unresolved(exc, model=cfg.model, tokenizer=cfg.engine.get("tokenizer"))) from None
+    ids = [list(tok(p).input_ids) for p in prompts]
+    empty = [i for i, t in enumerate(ids, 1) if not t]
+    if empty:
+        raise CheckError(f"--prompts {cfg.prompts!r}: prompt {empty[0]} tokenizes to no tokens; expected text the "
+                         f"model's tokenizer makes at least one token of")
+    return tok, ids
+
+
+def check_model_len(cfg: CheckConfig, max_len: int, what: str, expected: str) -> None:
+    """vLLM's own check of a max_model_len against the model (its derived
+    maximum: positions, rope scaling, the tokenizer's limit), as each run's
+    engine makes it."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = EngineArgs(model=cfg.model, **cfg.engine)
+    args.max_model_len = max_len
+    try:
+        args.create_model_config()
+    except ValueError as exc:  # pydantic's ValidationError
+        lines = [line.strip() for line in str(exc).splitlines()]
+        why = next((line for line in lines if "max_model_len" in line), lines[-1]).removeprefix("Value error, ")
+        why = why.split(". ")[0].split(" [type=")[0]  # its first sentence: pydantic appends the whole input
+        raise CheckError(f"{what}: vLLM refuses it for this model ({why}); expected {expected}") from None
+    except Exception as exc:  # noqa: BLE001 - the hub's errors, a config transformers cannot read
+        raise CheckError(f"--model {cfg.model!r}: vLLM cannot make its model config ({type(exc).__name__}: "
+                         f"{exc})") from None
+
+
+def bank_stats(path: str) -> dict | None:
+    """Mean and std of a bank's attention KV values (its float rows; K and V
+    apart: a row's first half is K), None when it holds no float rows."""
+    import torch
+
+    from kvfill.bank import Bank
+
+    bank = Bank.load(path)
+    rows = [t for t in bank.layers.values() if t.dtype.is_floating_point and t.element_size() > 1]
+    if not rows:
+        return None
+    k = torch.cat([t[..., : t.shape[-1] // 2].float().flatten() for t in rows])
+    v = torch.cat([t[..., t.shape[-1] // 2:].float().flatten() for t in rows])
+    kv = torch.cat([k, v])
+    return {"mean": kv.mean().item(), "std": kv.std().item(), "k_std": k.std().item(), "v_std": v.std().item(),
+            "sequences": bank.num_sequences, "has_state": bool(bank.states)}
