@@ -105,6 +105,12 @@ class BankIndex:
         exact = np.flatnonzero((self.lengths == n) & (self._agree(ids[:n]) >= n))
         return int(exact[0]) if exact.size else -1
 
+    def holds(self, prompt_token_ids: Sequence[int] | np.ndarray) -> bool:
+        """Whether one recorded sequence starts with every token of the
+        prompt: replay then writes the prompt's own rows in every block."""
+        ids = np.asarray(prompt_token_ids, dtype=np.int64).reshape(-1)
+        return self.tokens is not None and bool((self._agree(ids) >= ids.size).any())
+
     def sequence_for(self, prompt_token_ids: Sequence[int] | np.ndarray) -> int:
         """The sequence of a block ending at the prompt's end."""
         n = len(prompt_token_ids)

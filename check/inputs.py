@@ -19,7 +19,8 @@ class Inputs:
     tok: object
     ids: list[list[int]]
     max_len: int
-    stats: dict | None  # a given --bank's value statistics (runner.bank_stats); None without --bank
+    stats: dict | None  # a given --bank's value statistics (bank_stats); None without --bank
+    held: int | None = None  # how many prompts a given --bank holds whole (prompts_held)
 
 
 def prepare(cfg: CheckConfig) -> Inputs:
@@ -40,13 +41,13 @@ def prepare(cfg: CheckConfig) -> Inputs:
                     f"the runs' max_model_len {max_len} (the longest prompt's {longest} tokens + {output} generated "
                     f"+ {MAX_LEN_SLACK})", "a smaller --max-model-len" if given else
                     "a lower --output-len / --max-tokens, or shorter prompts")
-    stats = None
+    stats = held = None
     if cfg.bank is not None:
         try:
-            stats = bank_stats(cfg.bank)
+            stats, held = bank_stats(cfg.bank), prompts_held(cfg.bank, ids)
         except (ValueError, OSError) as exc:  # BankError: not a bank, or one kvfill cannot read
             raise CheckError(f"--bank: {exc}; expected a bank kvfill-record wrote") from None
-    return Inputs(tok, ids, max_len, stats)
+    return Inputs(tok, ids, max_len, stats, held)
 
 
 def token_ids(cfg: CheckConfig) -> tuple[object, list[list[int]]]:
@@ -106,3 +107,14 @@ def bank_stats(path: str) -> dict | None:
     kv = torch.cat([k, v])
     return {"mean": kv.mean().item(), "std": kv.std().item(), "k_std": k.std().item(), "v_std": v.std().item(),
             "sequences": bank.num_sequences, "has_state": bool(bank.states)}
+
+
+def prompts_held(path: str, ids: list[list[int]]) -> int | None:
+    """How many of the prompts the bank holds whole (one recorded sequence
+    starts with all of a prompt's tokens); None for a bank without its
+    sequences' token ids.  Replay gives any other prompt, block by block,
+    rows of a recorded sequence picked by the block's token hash."""
+    from kvfill.bank.index import BankIndex
+
+    index = BankIndex.read(path)
+    return None if index.tokens is None else sum(index.holds(t) for t in ids)

@@ -99,6 +99,11 @@ def verdicts(res: dict, cmp: dict) -> list[str]:
             lines.append(f"{run}: run failed - {step['error']}")
             continue
         row, timing, unknown = cmp[run], [], []
+        if run == "replay" and res.get("bank_prompts_held") is not None and \
+                res["bank_prompts_held"] < len(res["prompt_tokens"]):
+            lines.append(f"replay: the bank holds {res['bank_prompts_held']}/{len(res['prompt_tokens'])} prompts "
+                         f"whole; the others replay rows of its recorded sequences picked by each block's token hash "
+                         f"(another text's KV), so their tokens need not be real prefill's")
         line, exact = token_verdict(run, row)
         lines.append(line)
         if "eos" in row and "eos" in ref:
@@ -229,6 +234,11 @@ def _jsonable(engine: dict) -> dict:
             for k, v in engine.items()}
 
 
+def _held(res: dict) -> str:
+    held = res.get("bank_prompts_held")
+    return "" if held is None else f" (holding {held}/{len(res['prompt_tokens'])} prompts whole)"
+
+
 def _eos_run(cfg) -> str:
     if not cfg.max_tokens:
         return "no EOS-honoured run (--max-tokens 0)"
@@ -246,6 +256,7 @@ def markdown(cfg, res: dict, cmp: dict, lines: list[str]) -> str:
            f"{len(res['prompt_tokens'])} prompts of {min(res['prompt_tokens'])}-{max(res['prompt_tokens'])} tokens; "
            f"{cfg.output_len} greedy tokens (EOS ignored); "
            f"{_eos_run(cfg)}; bank {'recorded over these prompts' if res['bank_recorded'] else res['bank']}"
+           f"{_held(res)}"
            f"; {res['runtime_s']:.0f} s in all.", "", "## Verdicts", ""]
     out += [f"- {line}" for line in lines]
     served = " served req/s | served TPOT ms |" if cfg.serve else ""

@@ -436,3 +436,28 @@ def test_the_report_json_is_strict_and_a_failed_plot_leaves_no_earlier_png(tiny,
     paths = report.write(cfg.out, cfg, res, cmp, report.verdicts(res, cmp))
     assert json.loads(open(paths[0]).read())["bank_stats"] == {"std": "nan"}  # strict JSON: no NaN token
     assert paths[2].startswith("no report.png") and not os.path.exists(os.path.join(cfg.out, "report.png"))
+
+
+def test_a_bank_that_holds_only_some_prompts_is_named_on_replays_lines_and_in_the_header(tiny, tmp_path):
+    """A --bank over other prompts is allowed (the moe preset's): the report says how many it holds whole,
+    read from the bank file's own token ids."""
+    import torch
+
+    from kvfill.bank import Bank
+    from kvfill.check.inputs import prompts_held
+
+    bank = Bank({"layers.0.attn": torch.zeros(7, 4, dtype=torch.bfloat16)}, sequence_lengths=[3, 4],
+                sequence_tokens=[[1, 2, 3], [5, 6, 7, 8]], kv={"layers.0.attn": (1, 2, 2)},
+                value_dtypes={"layers.0.attn": "bfloat16"}, metadata={"model": "m", "block_size": "8"}, source="whole")
+    path = str(tmp_path / "bank.safetensors")
+    bank.save(path)
+    assert prompts_held(path, [[1, 2, 3], [5, 6, 9], [5, 6]]) == 2
+    steps = {run: _step(run, [[1, 2]] * 2, [], [], {}) for run in ("prefill", "replay")}
+    res = {**_res(steps), "bank_prompts_held": 1, "bank": path, "bank_recorded": False}
+    lines = report.verdicts(res, compare.compare_all(res))
+    assert lines[0] == ("replay: the bank holds 1/2 prompts whole; the others replay rows of its recorded sequences "
+                        "picked by each block's token hash (another text's KV), so their tokens need not be real "
+                        "prefill's")
+    assert not any("holds" in line for line in report.verdicts({**res, "bank_prompts_held": 2}, compare.compare_all(res)))
+    cfg = check_config(["--model", tiny[0], "--prompts", tiny[1], "--bank", path])
+    assert f"bank {path} (holding 1/2 prompts whole);" in report.markdown(cfg, res, compare.compare_all(res), lines)

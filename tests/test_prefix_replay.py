@@ -286,3 +286,12 @@ def test_replay_after_prefix_cached_decoys_equals_real_prefill_end_to_end(tmp_pa
     assert hits["prefill"] == hits["replay"] >= 3 * 256, hits  # each prompt found the decoy's blocks of 256 tokens
     assert any(line.startswith("prefix caching: after unrecorded decoys sharing each prompt's first 256 tokens")
                for line in data["verdicts"]), data["verdicts"]
+
+
+def test_a_bank_holds_a_prompt_when_one_sequence_starts_with_all_its_tokens():
+    """kvfill-check's bank line: which prompts replay their own rows in every block."""
+    a, b = prompt(0), prompt(1)
+    idx = index_of(a, b)
+    assert idx.holds(a) and idx.holds(b[:10])
+    assert not idx.holds(a + [5]) and not idx.holds(prompt(2)) and not idx.holds(a[:9] + b[9:20])
+    assert not BankIndex(4, N).holds(a)  # no token ids recorded: nothing is known held
