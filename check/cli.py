@@ -152,6 +152,7 @@ def check_config(argv: Sequence[str] | None = None) -> CheckConfig:
         raise CheckError(f"--temperature {args.temperature}: expected a finite number >= 0")
     found = [f"{flags[r.dest]} {p.typed.get(r.dest, getattr(args, r.dest))}: {r.reason}" + (
         "" if r.dest in RECORDING_ALWAYS else " (without --bank the check records its own)")
+        # max_model_len: the check's inputs hold it against the prompts and the model (inputs.prepare)
         for r in RECORD_REFUSED if r.dest in given and r.dest not in REFUSED and r.dest not in RUN_ONLY
         and r.dest != "max_model_len" and (args.bank is None or r.dest in RECORDING_ALWAYS)
         and r.applies(getattr(args, r.dest))]
@@ -207,6 +208,12 @@ def check_config(argv: Sequence[str] | None = None) -> CheckConfig:
                        serve=args.serve, concurrency=args.concurrency, decoys=args.decoys, verify=args.verify)
 
 
+def own_actions(p: RecordArgumentParser) -> list:
+    """The check's own options (not vLLM's), but ``--config``, which is vLLM's too."""
+    group = next(g for g in p._action_groups if g.title == "kvfill-check")
+    return [a for a in group._group_actions if a.dest != "config"]
+
+
 def _check_config_file(p: RecordArgumentParser, argv: Sequence[str] | None) -> None:
     """``--config FILE`` holds vLLM engine flags (``vllm serve --config``,
     which ``--serve`` hands it to): a key of the check's own would be read
@@ -218,7 +225,7 @@ def _check_config_file(p: RecordArgumentParser, argv: Sequence[str] | None) -> N
     from kvfill.record.cli import _split_config
 
     argv = _split_config(list(sys.argv[1:] if argv is None else argv))
-    own = {a.dest for g in p._action_groups if g.title == "kvfill-check" for a in g._group_actions} - {"config"}
+    own = {a.dest for a in own_actions(p)}
     for i, token in enumerate(argv[:-1]):
         if token == "--config":
             with open(argv[i + 1]) as f:  # vLLM's parser read it already: it exists and is YAML
@@ -250,8 +257,7 @@ def serve_argv(argv: Sequence[str]) -> list[str]:
 
     argv = _split_config(list(argv))  # vLLM reads --config FILE, not --config=FILE
     p = build_parser()
-    group = next(g for g in p._action_groups if g.title == "kvfill-check")
-    own = {s: a for a in group._group_actions if a.dest != "config" for s in a.option_strings}
+    own = {s: a for a in own_actions(p) for s in a.option_strings}
     out, i = [], 0
     while i < len(argv):
         token = argv[i]

@@ -19,8 +19,8 @@ class Inputs:
     tok: object
     ids: list[list[int]]
     max_len: int
-    stats: dict | None  # a given --bank's value statistics (bank_stats); None without --bank
-    held: int | None = None  # how many prompts a given --bank holds whole (prompts_held)
+    stats: dict | None  # a given --bank's value statistics (read_bank); None without --bank
+    held: int | None = None  # how many prompts a given --bank holds whole (read_bank)
 
 
 def prepare(cfg: CheckConfig) -> Inputs:
@@ -44,7 +44,7 @@ def prepare(cfg: CheckConfig) -> Inputs:
     stats = held = None
     if cfg.bank is not None:
         try:
-            stats, held = bank_stats(cfg.bank), prompts_held(cfg.bank, ids)
+            stats, held = read_bank(cfg.bank, ids)
         except (ValueError, OSError) as exc:  # BankError: not a bank, or one kvfill cannot read
             raise CheckError(f"--bank: {exc}; expected a bank kvfill-record wrote") from None
     return Inputs(tok, ids, max_len, stats, held)
@@ -91,30 +91,26 @@ def check_model_len(cfg: CheckConfig, max_len: int, what: str, expected: str) ->
                          f"{exc})") from None
 
 
-def bank_stats(path: str) -> dict | None:
-    """Mean and std of a bank's attention KV values (its float rows; K and V
-    apart: a row's first half is K), None when it holds no float rows."""
+def read_bank(path: str, ids: list[list[int]]) -> tuple[dict | None, int | None]:
+    """A bank read once for two facts: the mean and std of its attention KV
+    values (its float rows; K and V apart: a row's first half is K), None
+    when it holds no float rows; and how many of the prompts it holds whole
+    (one recorded sequence starts with all of a prompt's tokens), None for a
+    bank without its sequences' token ids.  Replay gives any other prompt,
+    block by block, rows of a recorded sequence picked by the block's token
+    hash."""
     import torch
 
     from kvfill.bank import Bank
 
     bank = Bank.load(path)
+    index = bank.index
+    held = None if index.tokens is None else sum(index.holds(t) for t in ids)
     rows = [t for t in bank.layers.values() if t.dtype.is_floating_point and t.element_size() > 1]
     if not rows:
-        return None
+        return None, held
     k = torch.cat([t[..., : t.shape[-1] // 2].float().flatten() for t in rows])
     v = torch.cat([t[..., t.shape[-1] // 2:].float().flatten() for t in rows])
     kv = torch.cat([k, v])
     return {"mean": kv.mean().item(), "std": kv.std().item(), "k_std": k.std().item(), "v_std": v.std().item(),
-            "sequences": bank.num_sequences, "has_state": bool(bank.states)}
-
-
-def prompts_held(path: str, ids: list[list[int]]) -> int | None:
-    """How many of the prompts the bank holds whole (one recorded sequence
-    starts with all of a prompt's tokens); None for a bank without its
-    sequences' token ids.  Replay gives any other prompt, block by block,
-    rows of a recorded sequence picked by the block's token hash."""
-    from kvfill.bank.index import BankIndex
-
-    index = BankIndex.read(path)
-    return None if index.tokens is None else sum(index.holds(t) for t in ids)
+            "sequences": bank.num_sequences, "has_state": bool(bank.states)}, held

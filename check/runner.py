@@ -18,7 +18,7 @@ import time
 
 from . import probes
 from .cli import CheckConfig, on_cpu, engine_kwargs, record_call
-from .inputs import Inputs, bank_stats, prepare, prompts_held
+from .inputs import Inputs, prepare, read_bank
 
 HEARTBEAT_S = 30
 SAMPLE_TOKENS = 16
@@ -57,7 +57,7 @@ def run_all(cfg: CheckConfig, inputs: Inputs | None = None, log=print) -> dict:
     stats, held = inputs.stats, inputs.held
     if made and bank:
         try:
-            stats, held = bank_stats(bank), prompts_held(bank, ids)
+            stats, held = read_bank(bank, ids)
         except (ValueError, OSError) as exc:  # the recording wrote what kvfill cannot read back
             steps["record"] = {**steps["record"], "error": f"its bank cannot be read: {exc}"}
             log(f"record: its bank cannot be read - {exc}")
@@ -95,7 +95,8 @@ def run_all(cfg: CheckConfig, inputs: Inputs | None = None, log=print) -> dict:
             steps[run].update(serve_step(run, cfg, engine, connector, dataset, base["decoys"], len(ids),
                                          f"[{i}/{n_steps}]", log))
     return {"prompt_tokens": [len(t) for t in ids], "max_model_len": max_len, "bank": bank, "bank_recorded": made,
-            "bank_stats": stats, "bank_prompts_held": held, "moe": moe, "moe_note": _moe_note(config, moe), "speculative_config": spec,
+            "bank_stats": stats, "bank_prompts_held": held, "moe": moe, "moe_note": _moe_note(config, moe),
+            "speculative_config": spec,
             "indexer": any(k in config for k in ("index_topk", "index_n_heads")),
             "fills": fills, "steps": steps, "samples": samples(tok, steps),
             "decoys": cfg.decoys, "runtime_s": round(time.perf_counter() - t_start, 1)}

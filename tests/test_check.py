@@ -444,14 +444,14 @@ def test_a_bank_that_holds_only_some_prompts_is_named_on_replays_lines_and_in_th
     import torch
 
     from kvfill.bank import Bank
-    from kvfill.check.inputs import prompts_held
+    from kvfill.check.inputs import read_bank
 
     bank = Bank({"layers.0.attn": torch.zeros(7, 4, dtype=torch.bfloat16)}, sequence_lengths=[3, 4],
                 sequence_tokens=[[1, 2, 3], [5, 6, 7, 8]], kv={"layers.0.attn": (1, 2, 2)},
                 value_dtypes={"layers.0.attn": "bfloat16"}, metadata={"model": "m", "block_size": "8"}, source="whole")
     path = str(tmp_path / "bank.safetensors")
     bank.save(path)
-    assert prompts_held(path, [[1, 2, 3], [5, 6, 9], [5, 6]]) == 2
+    assert read_bank(path, [[1, 2, 3], [5, 6, 9], [5, 6]])[1] == 2
     steps = {run: _step(run, [[1, 2]] * 2, [], [], {}) for run in ("prefill", "replay")}
     res = {**_res(steps), "bank_prompts_held": 1, "bank": path, "bank_recorded": False}
     lines = report.verdicts(res, compare.compare_all(res))
