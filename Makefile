@@ -24,6 +24,8 @@ else
 	$(PIP) uninstall -y torchvision torchaudio torchcodec
 	$(PIP) install -e '.[test]'
 endif
+	@# KVFILL_VLLM_RUNNER=v1|v2 picks vLLM's model runner in every process of this venv (docs/testing.md)
+	$(PY) -m kvfill.check.model_runner --install-pth
 	touch $(STAMP)
 
 # Two pytest-xdist workers: one runs the end-to-end tests (marker e2e: vLLM

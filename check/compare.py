@@ -72,7 +72,7 @@ def spec(counters: dict) -> dict | None:
 
 def drafts_equal(ref: list[dict], rows: list[dict]) -> dict | None:
     """Steps whose drafts equal real prefill's (None: drafts not watched)."""
-    if "drafts" not in ref[0]:
+    if "drafts" not in ref[0] or "drafts" not in rows[0]:
         return None
     same = total = 0
     for r, o in zip(ref, rows):

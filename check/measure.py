@@ -42,9 +42,14 @@ def run(job: dict) -> dict:
         if job.get("decoys"):  # --decoys: their blocks cached before the prompts come (before any probe counts)
             llm.generate([TokensPrompt(prompt_token_ids=t) for t in job["decoys"]],
                          SamplingParams(max_tokens=1, ignore_eos=True, detokenize=False), use_tqdm=False)
-        moe = job.get("moe")
-        hooked = llm.collective_rpc(probes.install_expert_counter, args=tuple(moe))[0] if moe else []
-        drafts = bool(job.get("spec")) and all(llm.collective_rpc(probes.watch_drafts))
+        moe, notes = job.get("moe"), []
+        hooks = llm.collective_rpc(probes.install_expert_counter, args=tuple(moe))[0] if moe else {"layers": []}
+        hooked = hooks["layers"]
+        notes += [hooks["note"]] if hooks.get("note") else []
+        drafts = False
+        if job.get("spec"):
+            why_not = [n for n in llm.collective_rpc(probes.watch_drafts) if n]
+            drafts, notes = not why_not, notes + why_not[:1]
         timer = probes.StepTimer(llm, job.get("spec_tokens", 0))
         prompts = [TokensPrompt(prompt_token_ids=t) for t in ids]
         greedy = SamplingParams(max_tokens=job["output_len"], temperature=0.0, logprobs=1, ignore_eos=True,
@@ -59,12 +64,20 @@ def run(job: dict) -> dict:
         if drafts:
             for r, d in zip(rows, probes.by_prompt(llm.collective_rpc(probes.stop_drafts)[0], outs)):
                 r["drafts"] = d or []
-        counts = probes.by_prompt(llm.collective_rpc(probes.stop_counting)[0], outs) if hooked else None
+        counts = None
+        if hooked:
+            counted = llm.collective_rpc(probes.stop_counting)[0]
+            counts = probes.by_prompt(counted["counts"], outs)
+            if counted["note"]:  # the counts stopped part-way: none are reported as the run's
+                notes.append(counted["note"])
+                hooked = []
         eos_rows, eos_s, after_eos = _eos(llm, prompts, job)
     result = {"run": job["run"], "startup_s": round(startup_s, 1), "greedy_s": round(greedy_s, 2),
               **timer.summary(_tokens_per_step(after_greedy)), "greedy": rows, "eos": eos_rows,
               "eos_s": round(eos_s, 2), "counters": after_greedy,
               "eos_counters": {k: v - after_greedy.get(k, 0) for k, v in after_eos.items()}}
+    if notes:  # what a probe could not read on this run's model runner
+        result["probe_notes"] = notes
     if hooked:
         zeros = {str(layer): [0] * moe[0] for layer in hooked}
         result["expert_layers"] = hooked

@@ -41,45 +41,107 @@ def moe_shape(cfg: dict) -> tuple[int, int] | None:
     return None
 
 
-def install_expert_counter(worker, num_experts: int, top_k: int) -> list[int]:
-    """Hook every MoE router of the worker's model; returns the hooked
-    layers.  While ``worker.kvfill_counting`` is true, counts land in
+def runner_kind(runner) -> str | None:
+    """Which of vLLM's model runners ``runner`` is, by what it exposes:
+    "v1" (``input_batch`` and ``positions`` on the runner), "v2" (Model
+    Runner V2: ``req_states``, a ``prepare_inputs`` that returns the step's
+    batch), None for neither (a runner these probes cannot read)."""
+    if hasattr(runner, "input_batch") and hasattr(runner, "positions"):
+        return "v1"
+    if hasattr(runner, "req_states") and callable(getattr(runner, "prepare_inputs", None)):
+        return "v2"
+    return None
+
+
+def _cannot_read(runner, what: str) -> str:
+    return (f"{what} not read: the model runner {type(runner).__name__} exposes neither V1's input batch nor "
+            f"Model Runner V2's prepare_inputs")
+
+
+class _V2Batches:
+    """Model Runner V2 keeps no batch on the runner: the step's ``InputBatch``
+    is what ``prepare_inputs`` returns, remembered here for the step's hooks."""
+
+    def __init__(self, runner):
+        self.last = None
+        prepare = runner.prepare_inputs
+
+        def remembered(*args, **kwargs):
+            self.last = out = prepare(*args, **kwargs)
+            return out
+
+        runner.prepare_inputs = remembered
+
+
+def _step_tokens(runner, kind: str, batches: "_V2Batches | None", md) -> list[tuple[str, int, int, list[int]]]:
+    """This forward's requests as (request id, first token, end token,
+    positions of its tokens relative to its prompt's length: >= 0 is a
+    decode-step input), tokens laid out request by request."""
+    if kind == "v2":
+        batch = batches.last if batches is not None else None
+        if batch is None:
+            return []
+        starts = [int(x) for x in batch.query_start_loc_np[: batch.num_reqs + 1]]
+        positions = batch.positions[: starts[-1]].tolist()
+        prompt = runner.req_states.prompt_len.np[batch.idx_mapping_np[: batch.num_reqs]]
+        return [(batch.req_ids[i], starts[i], starts[i + 1],
+                 [p - int(prompt[i]) for p in positions[starts[i]: starts[i + 1]]]) for i in range(batch.num_reqs)]
+    # V1: an attention layer's metadata holds the batch's token offsets (a hybrid's linear layers have their own)
+    starts = next((m.query_start_loc for m in md.values() if hasattr(m, "query_start_loc")), None)
+    if starts is None:
+        return []
+    starts = starts.tolist()
+    positions = runner.positions[: starts[-1]].tolist()
+    batch = runner.input_batch
+    return [(batch.req_ids[i], starts[i], starts[i + 1],
+             [p - int(batch.num_prompt_tokens[i]) for p in positions[starts[i]: starts[i + 1]]])
+            for i in range(len(starts) - 1)]
+
+
+def install_expert_counter(worker, num_experts: int, top_k: int) -> dict:
+    """Hook every MoE router of the worker's model, on either model runner.
+    Returns {"layers": hooked layers} or {"layers": [], "note": why none
+    are counted}.  While ``worker.kvfill_counting`` is true, counts land in
     ``worker.kvfill_expert_counts``: request id -> layer -> [decode-step
     tokens routed to each expert].  The router's top-k logits are the
     experts chosen (a softmax or sigmoid keeps the order; grouped top-k
-    routing, DeepSeek's, may choose otherwise)."""
+    routing, DeepSeek's, may choose otherwise).  A hook never raises into
+    the model's forward: the first error stops counting and becomes the
+    note ``stop_counting`` returns."""
     from vllm.forward_context import get_forward_context
 
     runner = worker.model_runner
+    kind = runner_kind(runner)
+    if kind is None:
+        return {"layers": [], "note": _cannot_read(runner, "expert counts")}
+    batches = _V2Batches(runner) if kind == "v2" else None
     counts: dict[str, dict[int, list[int]]] = collections.defaultdict(dict)
     worker.kvfill_expert_counts = counts
     worker.kvfill_counting = True
+    worker.kvfill_probe_error = None
 
     def hook_for(layer: int):
         def hook(module, inputs, output):
-            md = get_forward_context().attn_metadata
-            if isinstance(md, list):
-                md = md[0] if md else None
-            if not md or not worker.kvfill_counting:  # a dummy run, or counting stopped
+            if not worker.kvfill_counting:
                 return
-            logits = output[0] if isinstance(output, tuple) else output
-            experts = logits.float().topk(top_k, dim=-1).indices.tolist()
-            # Tokens are laid out request by request in the input batch's order;
-            # a token is a decode step's input when its position is past its prompt.
-            # an attention layer's metadata (a hybrid's linear layers have their own kind)
-            starts = next((m.query_start_loc for m in md.values() if hasattr(m, "query_start_loc")), None)
-            if starts is None:
-                return
-            starts = starts.tolist()
-            positions = runner.positions[: len(experts)].tolist()
-            batch = runner.input_batch
-            for i in range(len(starts) - 1):
-                prompt_len = int(batch.num_prompt_tokens[i])
-                row = counts[batch.req_ids[i]].setdefault(layer, [0] * num_experts)
-                for t in range(starts[i], starts[i + 1]):
-                    if positions[t] >= prompt_len:
-                        for e in experts[t]:
-                            row[e] += 1
+            try:
+                md = get_forward_context().attn_metadata
+                if isinstance(md, list):
+                    md = md[0] if md else None
+                if not md:  # a dummy run
+                    return
+                logits = output[0] if isinstance(output, tuple) else output
+                experts = logits.float().topk(top_k, dim=-1).indices.tolist()
+                for req_id, start, end, past_prompt in _step_tokens(runner, kind, batches, md):
+                    row = counts[req_id].setdefault(layer, [0] * num_experts)
+                    for t, rel in zip(range(start, end), past_prompt):
+                        if rel >= 0 and t < len(experts):
+                            for e in experts[t]:
+                                row[e] += 1
+            except Exception as exc:  # what the probe could not read is reported, the forward goes on
+                worker.kvfill_counting = False
+                worker.kvfill_probe_error = (f"expert counts stopped: reading the {kind} runner's batch raised "
+                                             f"{type(exc).__name__}: {exc}")
         return hook
 
     layers = []
@@ -90,26 +152,50 @@ def install_expert_counter(worker, num_experts: int, top_k: int) -> list[int]:
             layer = int(name.split(".layers.")[1].split(".")[0])
             module.register_forward_hook(hook_for(layer))
             layers.append(layer)
-    return sorted(layers)
+    return {"layers": sorted(layers)}
 
 
 def stop_counting(worker) -> dict:
-    """Stop counting; returns the counts so far (request id -> layer -> row)."""
+    """Stop counting; the counts so far (request id -> layer -> row) and,
+    where a hook could not read the batch, why (``note``)."""
     worker.kvfill_counting = False
-    return {rid: {str(layer): row for layer, row in by_layer.items()}
-            for rid, by_layer in worker.kvfill_expert_counts.items()}
+    return {"counts": {rid: {str(layer): row for layer, row in by_layer.items()}
+                       for rid, by_layer in worker.kvfill_expert_counts.items()},
+            "note": getattr(worker, "kvfill_probe_error", None)}
 
 
-def watch_drafts(worker) -> bool:
+def watch_drafts(worker) -> str | None:
     """Keep every step's drafts per request (the token ids the drafter
     proposed), so runs compare what the drafter read, not only what was
-    accepted.  False where the runner proposes no drafts itself (ngram
-    proposes them on the CPU side)."""
+    accepted.  None when watching; else why not (a note for the report)."""
     runner = worker.model_runner
+    kind = runner_kind(runner)
+    log = runner.__dict__.setdefault("_kvfill_drafts", {})
+    if kind == "v2":
+        speculator = getattr(runner, "speculator", None)
+        if speculator is None:
+            return "drafts not watched: Model Runner V2 runs no speculator here"
+        propose = speculator.propose
+
+        def proposed(input_batch, *args, **kwargs):
+            out = propose(input_batch, *args, **kwargs)
+            if runner.__dict__.get("_kvfill_watching", True) and not kwargs.get("dummy_run"):
+                n = input_batch.num_reqs
+                # a request whose prompt is not complete after this step (a chunk) has its draft discarded
+                partial = (input_batch.num_computed_prefill_tokens_np[:n] + input_batch.num_scheduled_tokens[:n]
+                           < input_batch.prefill_len_np[:n])
+                for i, row in enumerate(out[:n].tolist()):
+                    if not partial[i]:
+                        log.setdefault(input_batch.req_ids[i], []).append([int(t) for t in row if t >= 0])
+            return out
+
+        speculator.propose = proposed
+        return None
+    if kind is None:
+        return _cannot_read(runner, "drafts")
     propose = getattr(runner, "propose_draft_token_ids", None)
     if propose is None:
-        return False
-    log = runner.__dict__.setdefault("_kvfill_drafts", {})
+        return f"drafts not watched: the V1 runner {type(runner).__name__} has no propose_draft_token_ids"
 
     def watched(*args, **kwargs):
         out = propose(*args, **kwargs)
@@ -123,7 +209,7 @@ def watch_drafts(worker) -> bool:
         return out
 
     runner.propose_draft_token_ids = watched
-    return True
+    return None
 
 
 def stop_drafts(worker) -> dict:

@@ -92,6 +92,8 @@ def verdicts(res: dict, cmp: dict) -> list[str]:
         lines.append(decoy_line(res))
     if res["steps"][REFERENCE].get("served_error"):
         lines.append(f"prefill: served run failed - {res['steps'][REFERENCE]['served_error']}")
+    lines += [f"{'prefill' if run == REFERENCE else run}: {note}" for run, step in res["steps"].items()
+              for note in step.get("probe_notes", ())]
     for run, step in res["steps"].items():
         if run in ("record", REFERENCE, "prefill_split"):
             continue
@@ -153,6 +155,8 @@ def verdicts(res: dict, cmp: dict) -> list[str]:
             else:
                 lines.append(f"{what} - the fill moves MoE routing")
                 timing.append("expert load")
+        if step.get("probe_notes") or res["steps"][REFERENCE].get("probe_notes"):
+            unknown.append("a probe could not read vLLM's model runner (above)")
         lines += served_lines(run, step, row, ref)
         if step.get("served_error") or res["steps"][REFERENCE].get("served_error"):
             unknown.append("EOS lengths not measured: a served run failed")
