@@ -149,6 +149,8 @@ def startup_fill_group_ids(kv_cache_config: Any) -> set[int]:
     not attention groups the engine zeroes on allocation (that wipes the fill)."""
     out = set()
     for i, g in enumerate(kv_cache_config.kv_cache_groups):
+        if not getattr(g, "enable_kv_transfer", True):
+            continue
         if any(spec_kind(s) == GroupKind.CIRCULAR_BUFFER for s in layer_specs(g.kv_cache_spec)):
             continue
         if getattr(kv_cache_config, "needs_kv_cache_zeroing", False) and isinstance(g.kv_cache_spec, AttentionSpec):
@@ -158,11 +160,23 @@ def startup_fill_group_ids(kv_cache_config: Any) -> set[int]:
 
 
 def filled_group_ids(kv_cache_config: Any) -> tuple[int, ...]:
-    """Groups kvfill writes a request's blocks of: every group with a layer
-    that has per-layer cache views - not raw backing buffers a layer lays out
-    itself (HiSparse), which have no block dim to address."""
+    """Groups kvfill writes a request's blocks of: every group vLLM transfers
+    (``untransferred_layers``) with a layer that has per-layer cache views -
+    not raw backing buffers a layer lays out itself (HiSparse), which have
+    no block dim to address."""
     return tuple(i for i, g in enumerate(kv_cache_config.kv_cache_groups)
-                 if any(getattr(s, "has_layer_views", True) for s in layer_specs(g.kv_cache_spec)))
+                 if getattr(g, "enable_kv_transfer", True)
+                 and any(getattr(s, "has_layer_views", True) for s in layer_specs(g.kv_cache_spec)))
+
+
+def untransferred_layers(kv_cache_config: Any) -> dict[str, int]:
+    """Layers of the groups vLLM keeps out of KV transfer (a group's
+    ``enable_kv_transfer`` False: HiSparse's hot and resident tiers, replicas
+    vLLM rebuilds from their source group after a load) -> group index.
+    kvfill never fills, records or replays them: what it writes into the
+    source group is what vLLM copies there."""
+    return {name: i for i, g in enumerate(kv_cache_config.kv_cache_groups)
+            if not getattr(g, "enable_kv_transfer", True) for name in g.layer_names}
 
 
 def layer_specs_by_name(kv_cache_config: Any) -> dict[str, KVCacheSpec]:

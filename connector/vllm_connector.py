@@ -29,6 +29,7 @@ from .options import FillOptions
 from .ranks import worker_where
 from .scheduler import KVFillScheduler
 from .specs import filled_group_ids
+from .versions import untested_vllm
 from .worker import KVFillWorker
 
 if TYPE_CHECKING:
@@ -47,6 +48,7 @@ class KVFillConnector(KVConnectorBase_V1, SupportsHMA):
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
         super().__init__(vllm_config, role, kv_cache_config)
+        _warn_if_untested_vllm()
         try:
             self.options = FillOptions.from_extra_config(vllm_config.kv_transfer_config.kv_connector_extra_config)
         except ValueError as exc:
@@ -156,6 +158,28 @@ class KVFillConnector(KVConnectorBase_V1, SupportsHMA):
         if self.worker is not None:
             self.worker.restore_kv_caches()
 
+    # ------------------------------------------------------------ optional hooks (vLLM 0.34)
+    @classmethod
+    def kv_cache_access(cls, kv_transfer_config: Any):
+        """In process: kvfill's workers write the caches with torch ops and
+        Triton kernels in their own process, registering or exporting
+        nothing, so the extensible KV cache may commit its pages as it likes."""
+        from vllm.config.kv_transfer import KVCacheAccess
+
+        return KVCacheAccess.IN_PROCESS
+
+    @classmethod
+    def supports_lookahead_block_hashes(cls, kv_transfer_config: Any) -> bool:
+        """False: the scheduler side selects a request's blocks from its own
+        tokens (``Planner.select``); it asks vLLM for no lookahead hashes."""
+        return False
+
+    def may_load_async(self, request: "Request") -> bool:
+        """False: every fill is synchronous (``load_kv_async`` False), so vLLM
+        starts it before the step's forward (``has_sync_kv_loads``) and never
+        parks a request waiting for an in-flight load."""
+        return False
+
     # ---------------------------------------------------------------- scheduler
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self.scheduler is not None
@@ -180,3 +204,14 @@ class KVFillConnector(KVConnectorBase_V1, SupportsHMA):
         assert self.scheduler is not None
         self.scheduler.request_finished(request)
         return False, None
+
+
+def _warn_if_untested_vllm() -> None:
+    """Once per process: vLLM's version, when kvfill is not tested on it."""
+    import vllm
+
+    from .registration import logger
+
+    warning = untested_vllm(getattr(vllm, "__version__", ""))
+    if warning:
+        logger.warning_once(warning)

@@ -42,6 +42,7 @@ from .recorder import Recorder
 from .registration import CpuAttentionViews, cache_groups, group_mode, layer_ids, platform_is_cpu, with_cache_slots
 from .specs import (
     geometries_from_config, layer_encoding, layer_kv_geometry, layer_specs_by_name, spec_kind, startup_fill_group_ids,
+    untransferred_layers,
 )
 from .states import state_layouts
 from .step_fill import skipped_blocks, state_blocks, state_rule_breaks, verify_fill
@@ -83,6 +84,8 @@ class KVFillWorker:
             self.kv_geometry[name] = None  # a packed row keeps its own order
         # Raw backing buffers laid out by the layer itself (HiSparse): no block dim to address.
         self.unaddressable = {name for name, spec in specs.items() if not getattr(spec, "has_layer_views", True)}
+        # Groups vLLM keeps out of KV transfer (vLLM 0.34's HiSparse tiers): never filled, recorded or replayed.
+        self.untransferred = untransferred_layers(kv_cache_config)
         # compressed layers sharing a group with per-token ones: not fillable together, left out and named
         self.left_out = compressed_in_mixed_groups(kv_cache_config.kv_cache_groups, specs)
         self.engine: FillEngine | None = None
@@ -114,7 +117,7 @@ class KVFillWorker:
         if self.left_out:
             logger.warning(left_out_line(self.left_out))
         groups = cache_groups(kv_caches, self.planner.groups, self.kv_cache_config,
-                              unaddressable=self.unaddressable | set(self.left_out),
+                              unaddressable=self.unaddressable | set(self.left_out) | set(self.untransferred),
                               encodings=self.encodings, kv_geometry=self.kv_geometry, mode=self._group_mode,
                               parts=self._views)
         asked = self.packed if self.options.zero_packed else {}  # zeros the user asked for are not named
@@ -122,12 +125,18 @@ class KVFillWorker:
         if line:
             logger.warning(line)
         state_caches = {n: kv_caches[n] for n in sorted(self.state_layers)
-                        if isinstance(kv_caches.get(n), torch.Tensor) and n not in self.unaddressable}
+                        if isinstance(kv_caches.get(n), torch.Tensor) and n not in self.unaddressable
+                        and n not in self.untransferred}
         if self.unaddressable:
             logger.warning(
                 "KVFillConnector: %d layers keep raw caches with no block views (%s...); they are not filled",
                 len(self.unaddressable), sorted(self.unaddressable)[0],
             )
+        if self.untransferred:
+            logger.info("KVFillConnector: %d layers of groups %s are kept out of KV transfer by vLLM "
+                        "(enable_kv_transfer False); they are not filled, recorded or replayed (%s...)",
+                        len(self.untransferred), sorted(set(self.untransferred.values())),
+                        sorted(self.untransferred)[0])
         bank = None
         node = socket.gethostname()  # how the handshake and errors name this worker's node
         if self.options.replay and not self.options.recording:

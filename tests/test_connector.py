@@ -491,6 +491,24 @@ def test_layers_without_block_views_are_skipped_not_fatal(full, monkeypatch):
     assert_bytes(h.raw, expected_after(h, token_fills(h, "a", 0, 39, layers=[name0])))
 
 
+def test_a_group_vllm_keeps_out_of_kv_transfer_is_neither_loaded_nor_filled(tmp_path):
+    """vLLM 0.34 marks HiSparse's hot and resident tiers ``enable_kv_transfer``
+    False (replicas it rebuilds from their source after a load): kvfill loads
+    and fills the other group's tokens and nothing else, and leaves the tier
+    out of the startup fill."""
+    from kvfill.connector.specs import startup_fill_group_ids
+
+    tier = ["model.layers.2.self_attn.attn", "model.layers.3.self_attn.attn"]
+    h = make_harness(tmp_path, [(LAYERS, FullAttentionSpec(**ATT)), (tier, FullAttentionSpec(**ATT))], extra=FILL,
+                     untransferred=(1,))
+    assert startup_fill_group_ids(h.kv_cache_config) == {0} and list(h.worker.worker.engine.groups) == ["group0"]
+    req = h.add("a", list(range(1, 41)))
+    assert h.worker.get_loaded_kv_cache_group_ids(req) == (0,)
+    h.step()
+    assert h.block_table("a")[1]  # the tier has blocks of its own, left as they were
+    assert_bytes(h.raw, expected_after(h, token_fills(h, "a", 0, 39)))
+
+
 def test_the_worker_fills_exactly_what_planner_plan_returns(full, monkeypatch):
     """The shipped path: start_fill hands the engine the very FillPlan that
     Planner.plan builds from the step's selections (nothing reshaped after)."""

