@@ -8,7 +8,7 @@ PIP    := $(PY) -m pip --disable-pip-version-check
 STAMP  := $(VENV)/.installed
 HAS_NVIDIA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
-.PHONY: venv test test-fast test-gpu demo serve serve-bench serve-eos spec-replay check-studies soak record-signals bench bench-gpu gpu-check clean
+.PHONY: venv test test-fast test-vllm034 test-gpu demo serve serve-bench serve-eos spec-replay check-studies soak record-signals bench bench-gpu gpu-check clean
 
 venv: $(STAMP)
 
@@ -37,6 +37,24 @@ test: venv
 # The development loop: everything but the end-to-end tests, in a few minutes.
 test-fast: venv
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -n 2 -m "not e2e"
+
+# vLLM 0.34 lane: every test that starts no engine, against vLLM 0.34.0's own code (its CUDA wheel, which
+# installs and imports on a CPU machine; docs/testing.md). flashinfer-python==0.7.3, which the wheel pins,
+# is not on PyPI, and nothing without an engine needs it nor torchvision/torchaudio/torchcodec: vLLM goes
+# in without dependencies, then every other requirement it declares.
+VENV034 := .venv-vllm034
+$(VENV034)/.installed: setup.cfg pyproject.toml Makefile
+	test -x $(VENV034)/bin/python || $(PYTHON) -m venv $(VENV034)
+	$(VENV034)/bin/pip install --disable-pip-version-check --no-deps 'vllm==0.34.0'
+	$(VENV034)/bin/python -c "import importlib.metadata as m, re; skip = ('flashinfer-python', 'torchaudio', \
+	  'torchvision', 'torchcodec'); print('\n'.join(r for r in m.requires('vllm') if 'extra ==' not in r \
+	  and re.split(r'[<>=!~;\[ ]', r)[0] not in skip))" > $(VENV034)/vllm-requirements.txt
+	$(VENV034)/bin/pip install --disable-pip-version-check -r $(VENV034)/vllm-requirements.txt
+	$(VENV034)/bin/pip install --disable-pip-version-check -e '.[test]'
+	touch $@
+
+test-vllm034: $(VENV034)/.installed
+	TRITON_INTERPRET=1 $(VENV034)/bin/python -m pytest -q -n 2 -m "not e2e" -p no:cacheprovider
 
 # The main job: vLLM's CPU engine with kvfill vs the in-tree connector vs no connector.
 # The suite on CUDA tensors with compiled Triton (a machine with an NVIDIA GPU).

@@ -178,10 +178,32 @@ def nothing_left(folder):
         shutil.rmtree(own, ignore_errors=True)
 
 
-def check_preset(tmp_path, argv: list[str]):
+V2_LINE = "Using V2 Model Runner"  # what vLLM logs when a worker runs Model Runner V2
+
+
+def runner_env(runner: str | None) -> dict:
+    """This process's environment with ``KVFILL_VLLM_RUNNER=runner`` (v1, v2;
+    None: unset, vLLM's own choice - V1 on vLLM CPU): every process started
+    with it, vLLM's own included, runs that model runner (check/model_runner.py)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("KVFILL_VLLM_RUNNER", "VLLM_USE_V2_MODEL_RUNNER")}
+    if runner:
+        env["KVFILL_VLLM_RUNNER"] = runner
+    return env
+
+
+def assert_runner(runner: str | None, log: str):
+    """vLLM's log says it ran Model Runner V2 exactly where ``runner`` asked for it."""
+    if runner == "v2":
+        assert V2_LINE in log, f"KVFILL_VLLM_RUNNER=v2 but vLLM never logged {V2_LINE!r}: " + log[-3000:]
+    else:
+        assert V2_LINE not in log, f"KVFILL_VLLM_RUNNER={runner} but vLLM ran V2: " + log[-3000:]
+
+
+def check_preset(tmp_path, argv: list[str], runner: str | None = None):
     """``python bench/check_presets.py PRESET ...`` in a process of its own, as a user runs it (``--in-process``
     runs vLLM's engines there: a test process's modules trip vLLM CPU's kernel rebinding), its work and
-    results in ``tmp_path``: exit code, the one report.json it published (check-NAME-cpu.json), work folder."""
+    results in ``tmp_path``, under vLLM's model runner ``runner`` (``runner_env``; its log checked to say
+    so): exit code, the one report.json it published (check-NAME-cpu.json), work folder."""
     import json
     import subprocess
     import sys
@@ -189,9 +211,10 @@ def check_preset(tmp_path, argv: list[str]):
     work, results = tmp_path / "work", tmp_path / "results"
     script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "check_presets.py")
     out = subprocess.run([sys.executable, script, *argv[:1], "--work", str(work), "--results", str(results),
-                          *argv[1:]], capture_output=True, text=True, timeout=900)
+                          *argv[1:]], capture_output=True, text=True, timeout=900, env=runner_env(runner))
     published = sorted(results.glob("check-*-cpu.json")) if results.exists() else []
     assert len(published) == 1, out.stdout[-3000:] + out.stderr[-3000:]
+    assert_runner(runner, out.stdout + out.stderr)
     assert published[0].with_suffix(".md").read_text().startswith("# kvfill-check")
     return out.returncode, json.loads(published[0].read_text()), work
 
