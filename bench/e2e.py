@@ -84,6 +84,8 @@ def run_one(args) -> dict:
         if args.only == NULL_CONFIG["kv_connector"]:
             kt.update(NULL_CONFIG)
         kw["kv_transfer_config"] = kt
+    if args.no_extensible_kv_cache:  # vLLM 0.34 on CUDA: the KV cache allocated whole before warmup
+        kw["enable_extensible_kv_cache"] = False
     t0 = time.perf_counter()
     llm = LLM(
         model=args.model,
@@ -136,6 +138,8 @@ def main(argv=None):
     p.add_argument("--by-module-path", action="store_true", help="load kvfill by module path, not by plugin name")
     p.add_argument("--prefill-requests", type=int, default=2,
                    help="requests the no-connector (real prefill) row runs; its time is scaled to --requests")
+    p.add_argument("--no-extensible-kv-cache", action="store_true",
+                   help="vLLM 0.34 on CUDA: --no-enable-extensible-kv-cache (allocate the KV cache whole up front)")
     p.add_argument("--only", default=None, help=argparse.SUPPRESS)
     p.add_argument("--json", default=None, help="also write the rows here")
     a = p.parse_args(argv)
@@ -152,7 +156,8 @@ def main(argv=None):
         n = min(a.requests, a.prefill_requests) if conn == "none" else a.requests
         cmd = [sys.executable, os.path.abspath(__file__), "--only", conn, "--requests", str(n),
                "--prompt-len", str(a.prompt_len), "--output-len", str(a.output_len), "--fill-std", str(a.fill_std),
-               "--kv-cache-gib", str(a.kv_cache_gib), "--kv-cache-dtype", a.kv_cache_dtype, "--model", a.model] + (["--by-module-path"] if a.by_module_path else [])
+               "--kv-cache-gib", str(a.kv_cache_gib), "--kv-cache-dtype", a.kv_cache_dtype, "--model", a.model] + (["--by-module-path"] if a.by_module_path else []) \
+            + (["--no-extensible-kv-cache"] if a.no_extensible_kv_cache else [])
         what = "real prefill, no connector" if conn == "none" else conn
         print(f"running {what}: {n} requests x {a.prompt_len} tokens (estimate ~{estimate_s(conn, n, a.prompt_len):.0f} s "
               f"on 2 CPU cores) ...", flush=True)

@@ -221,10 +221,10 @@ def test_check_on_a_trained_model_finds_replay_exact_and_a_constant_fill_distort
     process: replay's greedy tokens and EOS-honoured lengths equal real
     prefill's; a constant fill's tokens differ on every prompt and its
     verdict says so.  (The preset's ngram drafts: bench/results/check-real-cpu;
-    counters and drafts in a test: the self-draft below.)"""
+    counters and drafts in a test: the self-draft below.)  Model Runner V2."""
     rc, data, work = check_preset(tmp_path, ["real", "--lens", "300", "340", "380", "--drafter", "none", "--",
                                         "--output-len", "8", "--max-tokens", "24", "--fills", "replay", "constant",
-                                        "--in-process"])
+                                        "--in-process"], runner="v2")
     assert rc == 0, data["verdicts"]
     cmp, v = data["comparison"], "\n".join(data["verdicts"])
     assert len(set(data["prompt_tokens"])) == 3 and min(data["prompt_tokens"]) > 300, data["prompt_tokens"]
@@ -240,9 +240,10 @@ def test_check_on_a_trained_model_finds_replay_exact_and_a_constant_fill_distort
 def test_check_on_a_tiny_moe_counts_every_decode_tokens_experts_and_measures_each_fill_against_the_floor(tmp_path):
     """The tiny Mixtral, small: every run counted prompts x decode steps x
     top-k expert picks per layer, each fill's TV to real prefill lies in
-    [0, 1] with real prefill's halves floor beside it."""
+    [0, 1] with real prefill's halves floor beside it.  Model Runner V2
+    (its batch read from prepare_inputs: probes.py)."""
     rc, data, _ = check_preset(tmp_path, ["moe", "--held-out", "6", "--record", "3", "--prompt-len", "48", "--",
-                                     "--output-len", "5", "--fills", "replay", "zeros", "--in-process"])
+                                     "--output-len", "5", "--fills", "replay", "zeros", "--in-process"], runner="v2")
     assert rc == 0, data["verdicts"]
     for run in ("prefill", "replay", "zeros"):
         with open(data["raw"][run]) as f:  # what the run measured, beside the report
@@ -263,13 +264,13 @@ def test_check_with_a_self_drafting_model_finds_replays_drafts_and_counters_real
     --speculative-config, holds the drafter's 4 KV layers with the target's
     4; replay's greedy tokens, vLLM's counters and every draft proposed equal
     real prefill's, a normal fill's acceptance differs and its verdict says
-    to use replay."""
+    to use replay.  Model Runner V2 (its speculator's proposals watched)."""
     from safetensors import safe_open
 
     from kvfill.kernels import BankIndex
 
     rc, data, work = check_preset(tmp_path, ["spec", "--lens", "70", "110", "--", "--output-len", "12", "--fills",
-                                        "replay", "normal", "--in-process"])
+                                        "replay", "normal", "--in-process"], runner="v2")
     assert rc == 0, data["verdicts"]
     cmp = data["comparison"]
     assert cmp["replay"]["tokens"]["identical"] and cmp["replay"]["tokens"]["total"] == 24
@@ -284,6 +285,23 @@ def test_check_with_a_self_drafting_model_finds_replays_drafts_and_counters_real
     assert sum(n.startswith("draft_model.model.layers.") for n in layers) == 4 and len(layers) == 8, layers
     assert json.loads(meta["speculative_config"])["method"] == "draft_model"
     assert list(BankIndex.read(data["bank"]).lengths) == [70, 110]
+
+
+@pytest.mark.parametrize("drafter", ["eagle", "mtp"])
+@pytest.mark.usefixtures("leaves_nothing")
+def test_on_model_runner_v2_an_eagle_head_and_an_mtp_layer_draft_from_replay_as_from_real_prefill(tmp_path, drafter):
+    """Model Runner V2 with a drafter of its own layers (a random EAGLE head on
+    the tiny Llama; a tiny MiMo's MTP layer), recorded with the target's:
+    replay's greedy tokens, vLLM's counters and every draft the speculator
+    proposed equal real prefill's; a normal fill's drafts differ."""
+    rc, data, _ = check_preset(tmp_path, ["spec", "--drafter", drafter, "--lens", "70", "110", "--", "--output-len",
+                                          "12", "--fills", "replay", "normal", "--in-process"], runner="v2")
+    assert rc == 0, data["verdicts"]
+    cmp = data["comparison"]
+    assert cmp["replay"]["tokens"]["identical"] and cmp["replay"]["tokens"]["total"] == 24
+    assert cmp["replay"]["spec"] == cmp["prefill"]["spec"] and cmp["prefill"]["spec"]["drafts"] > 0
+    drafts = cmp["replay"]["drafts_equal"]
+    assert drafts["equal"] == drafts["total"] >= 12 and cmp["normal"]["drafts_equal"]["equal"] < drafts["total"]
 
 
 @pytest.mark.e2e  # its steps import vLLM

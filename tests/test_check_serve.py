@@ -146,20 +146,26 @@ def test_served_replay_writes_real_prefills_served_texts_and_the_servers_are_sto
     decoys: replay's engine run and its server's texts equal real prefill's;
     the replay server counted kvfill's fills on /metrics and real prefill's
     server none; each server reused the decoys' blocks; each run's client
-    figures are in the report; no server is left (leaves_nothing)."""
+    figures are in the report; no server is left (leaves_nothing).  Model
+    Runner V2 (as vLLM serves on a GPU) in every engine and server."""
+    from conftest import assert_runner, runner_env
+
     from kvfill.bench.models import make_model, make_tokenizer
 
     model = make_tokenizer(make_model(str(tmp_path / "tiny-llama"), init_std=0.15))
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("\n".join(" ".join(f"w{(7 * i + n) % 997 + 3}" for i in range(n)) for n in (90, 130)) + "\n")
     out = tmp_path / "check"
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    env = {**runner_env("v2"), "VLLM_CPU_KVCACHE_SPACE": "1"}
     run = subprocess.run([sys.executable, "-m", "kvfill.check", "--model", model, "--prompts", str(prompts),
                           "--out", str(out), "--dtype", "float32", "--output-len", "4", "--max-tokens", "12",
                           "--fills", "replay", "--serve", "--in-process", "--enable-prefix-caching", "--decoys", "64",
                           "--block-size", "32"],
                          capture_output=True, text=True, timeout=900, env=env)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert_runner("v2", run.stdout + run.stderr)  # the in-process engines
+    for name in ("prefill", "replay"):  # and each server's
+        assert_runner("v2", (out / "logs" / f"served-{name}-server.log").read_text())
     data = json.loads((out / "report.json").read_text())
     steps, cmp = data["steps"], data["comparison"]
     assert cmp["replay"]["tokens"]["identical"]

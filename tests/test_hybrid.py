@@ -33,12 +33,13 @@ def test_a_gated_delta_net_hybrid_recorded_with_its_state_replays_real_prefill(t
     (first N - 1 tokens, then the last), every written row and state page
     verified, each state block's sequence by the rule; a synthetic fill
     (zero state) differs from the first token.
+    Model Runner V2 (its real prefill and split the references).
     Mamba-2, fp32 state, prefix caching and TP 2: the ``hybrid`` preset of
     kvfill-check (bench/check_presets.py; docs/replay.md)."""
     from kvfill.bank import Bank
 
     rc, data, _ = check_preset(tmp_path, ["hybrid", "--nested", "--lens", "80", "49", "48", "--", "--output-len",
-                                          "5", "--verify", "--in-process"])
+                                          "5", "--verify", "--in-process"], runner="v2")
     cmp = data["comparison"]
     assert rc == 0, data["verdicts"]
     assert data["fills"]["replay"]["verify"] == "raise" and "prefill_split" in data["steps"], data["fills"]
@@ -62,11 +63,12 @@ def test_a_short_conv_hybrid_recorded_with_its_state_replays_real_prefills_token
     recorded after all but each prompt's last token, replayed; greedy tokens
     equal real (unsplit) prefill's, a synthetic fill's differ from the
     first. (vLLM CPU's own chunked prefill of this model is not exact, so
-    no split reference is asserted: docs/replay.md.)"""
+    no split reference is asserted: docs/replay.md.)  The V1 model runner,
+    vLLM CPU's default (the suite's other hybrids run V2)."""
     from kvfill.bank import Bank
 
     rc, data, _ = check_preset(tmp_path, ["hybrid", "--kind", "short_conv", "--dtype", "float32", "--lens", "48", "80",
-                                          "--", "--output-len", "5", "--split-reference", "off", "--in-process"])
+                                          "--", "--output-len", "5", "--split-reference", "off", "--in-process"], runner="v1")
     cmp = data["comparison"]
     assert rc == 0, data["verdicts"]
     assert "prefill_split" not in data["steps"] and cmp["replay"]["tokens"]["identical"], cmp["replay"]

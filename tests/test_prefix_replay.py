@@ -272,13 +272,14 @@ def test_replay_after_prefix_cached_decoys_equals_real_prefill_end_to_end(tmp_pa
     """vLLM CPU end to end, prefix caching on: unrecorded decoys sharing each
     recorded prompt's first 256 tokens (two 128-token blocks) run first; the
     recorded prompts then reuse the decoys' blocks and still decode exactly as
-    real prefill does (with a whole-prompt sequence choice: 0/3 here)."""
+    real prefill does (with a whole-prompt sequence choice: 0/3 here); Model
+    Runner V2."""
     pytest.importorskip("vllm")
     from conftest import check_preset
 
     rc, data, _ = check_preset(tmp_path, ["llama", "--lens", "300", "300", "300", "--", "--output-len", "4",
                                           "--fills", "replay", "--enable-prefix-caching", "--decoys", "256",
-                                          "--in-process"])
+                                          "--in-process"], runner="v2")
     replay = data["comparison"]["replay"]["tokens"]
     assert rc == 0, data["verdicts"]
     assert (replay["equal"], replay["total"]) == (12, 12) and replay["max_abs_logprob_diff"] <= 1e-4, replay

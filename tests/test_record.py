@@ -93,11 +93,11 @@ def test_replay_on_a_sliding_window_hybrid_model_equals_real_prefill(tmp_path):
     """Gemma3 alternating sliding-window (256 tokens) and full attention - two
     KV cache groups - with a 300-token prompt (kvfill-check's ``sliding``
     preset): both groups replayed, greedy tokens and logprobs equal real
-    prefill's; a constant fill's differ."""
+    prefill's; a constant fill's differ.  Model Runner V2."""
     from conftest import check_preset
 
     rc, data, _ = check_preset(tmp_path, ["sliding", "--lens", "300", "--", "--output-len", "4", "--fills", "replay",
-                                          "constant", "--in-process"])
+                                          "constant", "--in-process"], runner="v2")
     cmp = data["comparison"]
     assert rc == 0, data["verdicts"]
     assert cmp["replay"]["tokens"]["identical"] and cmp["replay"]["tokens"]["max_abs_logprob_diff"] <= 1e-4, cmp
