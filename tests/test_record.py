@@ -52,8 +52,9 @@ def test_the_recorder_prints_its_estimate_and_refuses_a_bank_over_budget(tmp_pat
 def tp2_recording(tmp_path_factory):
     """One TP 2 recording for the module (two tests read it): the ``llama``
     preset of bench/check_presets.py records 3 prompts of 64 tokens at TP 2
-    (kvfill-record) and kvfill-check replays the bank at TP 2; a second check
-    replays it at TP 1.  Per TP: its exit code and report; the work folder
+    (kvfill-record) and kvfill-check replays the bank at TP 2, both on Model
+    Runner V2; a second check replays it at TP 1 on the V1 runner (a bank
+    crosses runners).  Per TP: its exit code and report; the work folder
     (``bank-tp2-pp1.safetensors``, ``prompts.txt``); nothing left behind (as
     ``leaves_nothing`` checks each test)."""
     from conftest import check_preset, nothing_left
@@ -62,10 +63,11 @@ def tp2_recording(tmp_path_factory):
     common = ["--output-len", "6", "--fills", "replay", "--max-model-len", "192", "--in-process"]
     with nothing_left(base):
         tp2 = check_preset(base / "tp2", ["llama", "--record-tp", "2", "--lens", "64", "64", "64", "--",
-                                          "--tensor-parallel-size", "2", *common])
+                                          "--tensor-parallel-size", "2", *common], runner="v2")
         work = tp2[2]
         bank = work / "bank-tp2-pp1.safetensors"
-        tp1 = check_preset(base / "tp1", ["llama", "--lens", "64", "64", "64", "--", "--bank", str(bank), *common])
+        tp1 = check_preset(base / "tp1", ["llama", "--lens", "64", "64", "64", "--", "--bank", str(bank), *common],
+                           runner="v1")
     return {"tp2": tp2[:2], "tp1": tp1[:2], "work": work, "bank": bank, "model": tp2[1]["model"]}
 
 
