@@ -193,3 +193,20 @@ def test_model_runner_v2_without_a_speculator_says_drafts_are_not_watched():
     runner, _ = _v2_runner()
     runner.speculator = None
     assert "runs no speculator" in probes.watch_drafts(SimpleNamespace(model_runner=runner))
+
+
+@pytest.mark.needs_vllm
+def test_expert_counts_on_the_v1_runner_read_its_input_batch_and_positions(monkeypatch):
+    """V1 keeps the batch on the runner (``input_batch``, ``positions``) and
+    the token offsets in the attention metadata."""
+    vllm_fc = pytest.importorskip("vllm.forward_context")
+    md = {"attn": SimpleNamespace(query_start_loc=torch.tensor([0, 3, 4]))}
+    monkeypatch.setattr(vllm_fc, "get_forward_context", lambda: SimpleNamespace(attn_metadata=md))
+    runner = SimpleNamespace(model=_Model(), positions=torch.tensor([4, 5, 6, 9, 0]),
+                             input_batch=SimpleNamespace(req_ids=["a", "b"], num_prompt_tokens=np.array([5, 9])))
+    worker = SimpleNamespace(model_runner=runner)
+    assert probes.runner_kind(runner) == "v1"
+    assert probes.install_expert_counter(worker, 4, 2) == {"layers": [0]}
+    runner.model.model.layers[0].mlp.gate(torch.zeros(4, 8))
+    assert probes.stop_counting(worker) == {"counts": {"a": {"0": [0, 1, 2, 1]}, "b": {"0": [1, 0, 0, 1]}},
+                                            "note": None}
