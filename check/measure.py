@@ -42,6 +42,7 @@ def run(job: dict) -> dict:
         if job.get("decoys"):  # --decoys: their blocks cached before the prompts come (before any probe counts)
             llm.generate([TokensPrompt(prompt_token_ids=t) for t in job["decoys"]],
                          SamplingParams(max_tokens=1, ignore_eos=True, detokenize=False), use_tqdm=False)
+        runner = llm.collective_rpc(probes.model_runner)[0]
         moe, notes = job.get("moe"), []
         hooks = llm.collective_rpc(probes.install_expert_counter, args=tuple(moe))[0] if moe else {"layers": []}
         hooked = hooks["layers"]
@@ -72,7 +73,8 @@ def run(job: dict) -> dict:
                 notes.append(counted["note"])
                 hooked = []
         eos_rows, eos_s, after_eos = _eos(llm, prompts, job)
-    result = {"run": job["run"], "startup_s": round(startup_s, 1), "greedy_s": round(greedy_s, 2),
+    result = {"run": job["run"], "model_runner": runner, "startup_s": round(startup_s, 1),
+              "greedy_s": round(greedy_s, 2),
               **timer.summary(_tokens_per_step(after_greedy)), "greedy": rows, "eos": eos_rows,
               "eos_s": round(eos_s, 2), "counters": after_greedy,
               "eos_counters": {k: v - after_greedy.get(k, 0) for k, v in after_eos.items()}}

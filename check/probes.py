@@ -53,6 +53,14 @@ def runner_kind(runner) -> str | None:
     return None
 
 
+def model_runner(worker) -> str:
+    """The worker's model runner, as the report names it: "V1", "V2" (Model
+    Runner V2, vLLM's GPU runner), else its class name."""
+    runner = worker.model_runner
+    kind = runner_kind(runner)
+    return kind.upper() if kind else type(runner).__name__
+
+
 def _cannot_read(runner, what: str) -> str:
     return (f"{what} not read: the model runner {type(runner).__name__} exposes neither V1's input batch nor "
             f"Model Runner V2's prepare_inputs")

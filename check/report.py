@@ -254,6 +254,12 @@ def _eos_run(cfg) -> str:
     return f"EOS-honoured run up to {cfg.max_tokens} tokens, {how}"
 
 
+def _runners(res: dict) -> str:
+    """"; vLLM's model runner V2" (each run's, as its worker reported it; several when runs differ)."""
+    seen = sorted({s["model_runner"] for s in res["steps"].values() if s.get("model_runner")})
+    return f"; vLLM's model runner {' and '.join(seen)}" if seen else ""
+
+
 def markdown(cfg, res: dict, cmp: dict, lines: list[str]) -> str:
     out = [f"# kvfill-check: {os.path.basename(os.path.normpath(cfg.model))}", "",
            f"`kvfill-check {' '.join(cfg.argv)}`", "",
@@ -261,7 +267,7 @@ def markdown(cfg, res: dict, cmp: dict, lines: list[str]) -> str:
            f"{cfg.output_len} greedy tokens (EOS ignored); "
            f"{_eos_run(cfg)}; bank {'recorded over these prompts' if res['bank_recorded'] else res['bank']}"
            f"{_held(res)}"
-           f"; {res['runtime_s']:.0f} s in all.", "", "## Verdicts", ""]
+           f"; {res['runtime_s']:.0f} s in all{_runners(res)}.", "", "## Verdicts", ""]
     out += [f"- {line}" for line in lines]
     served = " served req/s | served TPOT ms |" if cfg.serve else ""
     out += ["", "## Runs", "", "| run | tokens = real | EOS mean length | at EOS | acceptance | expert TV | "

@@ -245,6 +245,7 @@ def test_check_on_a_tiny_moe_counts_every_decode_tokens_experts_and_measures_eac
     rc, data, _ = check_preset(tmp_path, ["moe", "--held-out", "6", "--record", "3", "--prompt-len", "48", "--",
                                      "--output-len", "5", "--fills", "replay", "zeros", "--in-process"], runner="v2")
     assert rc == 0, data["verdicts"]
+    assert {data["steps"][run]["model_runner"] for run in ("prefill", "replay", "zeros")} == {"V2"}
     for run in ("prefill", "replay", "zeros"):
         with open(data["raw"][run]) as f:  # what the run measured, beside the report
             counts = json.load(f)["expert_counts"]

@@ -72,6 +72,7 @@ def test_a_short_conv_hybrid_recorded_with_its_state_replays_real_prefills_token
     cmp = data["comparison"]
     assert rc == 0, data["verdicts"]
     assert "prefill_split" not in data["steps"] and cmp["replay"]["tokens"]["identical"], cmp["replay"]
+    assert {data["steps"][run]["model_runner"] for run in ("prefill", "replay", "normal")} == {"V1"}
     assert cmp["replay"]["tokens"]["total"] == 10 and cmp["normal"]["tokens"]["first_divergence"] == [0, 0], cmp
     bank = Bank.load(data["bank"])
     assert bank.lengths == (47, 79) and sorted(bank.states) == [f"model.layers.{i}.short_conv" for i in (0, 1, 3)]
