@@ -125,7 +125,7 @@ def _v2_runner():
     ``prepare_inputs`` returning the step's InputBatch, prompt lengths in
     ``req_states``."""
     batch = SimpleNamespace(num_reqs=2, req_ids=["a", "b"], query_start_loc_np=np.array([0, 3, 4]),
-                            positions=torch.tensor([4, 5, 6, 9, 0, 0]), idx_mapping_np=np.array([1, 0]),
+                            positions=torch.tensor([4, 5, 6, 9, 0, 0], device="cpu"), idx_mapping_np=np.array([1, 0]),
                             num_scheduled_tokens=np.array([3, 1]), num_computed_prefill_tokens_np=np.array([4, 9]),
                             prefill_len_np=np.array([8, 10]))
     runner = SimpleNamespace(model=_Model(), req_states=SimpleNamespace(
@@ -177,7 +177,7 @@ def test_a_runner_the_probes_do_not_know_is_named_not_hooked():
 
 def test_drafts_on_model_runner_v2_are_the_speculators_proposals_of_requests_past_their_prompt():
     runner, batch = _v2_runner()
-    proposals = torch.tensor([[7, 8, -1], [3, 4, 5]])
+    proposals = torch.tensor([[7, 8, -1], [3, 4, 5]], device="cpu")  # the host copy the probe reads
     runner.speculator = SimpleNamespace(propose=lambda input_batch, *a, **k: proposals)
     worker = SimpleNamespace(model_runner=runner)
     assert probes.watch_drafts(worker) is None
