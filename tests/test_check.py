@@ -137,6 +137,22 @@ def test_verdicts_tell_replay_from_a_distorting_fill_and_report_a_failed_run(tmp
     assert "| prefill | one ¦ two |" in md and "| normal | x\\ny |" in md  # one table row each
 
 
+def test_a_probe_that_could_not_read_the_runner_is_named_and_the_fill_not_called_valid(tmp_path):
+    """A run whose expert counts or draft watch could not read vLLM's model
+    runner says why on its own line; no fill is called valid on what was not
+    measured, and the header names the runners the runs ran."""
+    steps = {"prefill": {**_step("prefill", [[1, 2], [3, 4]], [], [], {}), "model_runner": "V2"},
+             "replay": {**_step("replay", [[1, 2], [3, 4]], [], [], {}), "model_runner": "V2",
+                        "probe_notes": ["expert counts stopped: reading the v2 runner's batch raised KeyError: 'x'"]}}
+    res = _res(steps)
+    lines = report.verdicts(res, compare.compare_all(res))
+    assert "replay: expert counts stopped: reading the v2 runner's batch raised KeyError: 'x'" in lines, lines
+    assert "=> replay: not shown valid (a probe could not read vLLM's model runner (above))" in lines, lines
+    cfg = check_config(["--model", str(tmp_path), "--prompts", __file__, "--out", str(tmp_path / "r")])
+    assert "; vLLM's model runner V2." in report.markdown(cfg, {**res, "runtime_s": 1.0, "bank_recorded": True},
+                                                          compare.compare_all(res), lines)
+
+
 def test_a_fill_equal_to_unsplit_prefill_but_not_to_the_split_is_called_equal_naming_the_split():
     """Where vLLM's own prefill split there is not exact (a short-conv model), a fill whose tokens are unsplit
     real prefill's is real prefill's equal; the line gives its share of the split's, and does not crash."""
