@@ -211,10 +211,11 @@ class Bank:
         """``rows_for`` without the permutation (``checks.check_rows``)."""
         return check_rows(self, name, dtype, fmt, value_dtype)
 
-    def state_pages(self, name: str, shapes, dtypes) -> torch.Tensor:
+    def state_pages(self, name: str, shapes, dtypes, alignment: int = 1) -> torch.Tensor:
         """A state layer's recorded states as pages ``[S, page bytes]`` (uint8)
-        for a cache whose spec names ``shapes`` and ``dtypes`` (``checks.state_pages``)."""
-        return state_pages(self, name, shapes, dtypes)
+        for a cache whose spec names ``shapes``, ``dtypes`` and ``alignment``
+        (vLLM's ``state_alignment``; ``checks.state_pages``)."""
+        return state_pages(self, name, shapes, dtypes, alignment)
 
 
     # ------------------------------------------------------------ files

@@ -60,9 +60,10 @@ def check_rows(bank: "Bank", name: str, dtype: torch.dtype, fmt: RowFormat,
     return t, None
 
 
-def state_pages(bank: "Bank", name: str, shapes, dtypes) -> torch.Tensor:
+def state_pages(bank: "Bank", name: str, shapes, dtypes, alignment: int = 1) -> torch.Tensor:
     """A state layer's recorded states as pages ``[S, page bytes]`` (uint8)
-    for a cache whose spec names ``shapes`` and ``dtypes`` (this rank's),
+    for a cache whose spec names ``shapes`` and ``dtypes`` (this rank's) and
+    ``alignment`` (its ``state_alignment``: each state at a multiple of it),
     after checking they are the ones recorded; BankError naming what differs."""
     tensors = bank.states.get(name)
     if tensors is None:
@@ -75,4 +76,4 @@ def state_pages(bank: "Bank", name: str, shapes, dtypes) -> torch.Tensor:
         raise BankError(f"{bank.source}: state layer {name!r} was recorded as {have} (shape, dtype at {where}), "
                         f"the cache holds {want}: record the bank with the serving run's dtype, mamba cache "
                         f"dtypes and speculative config (a conv state holds its drafts' positions)")
-    return pack(tensors)
+    return pack(tensors, alignment)

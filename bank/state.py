@@ -24,7 +24,11 @@ sharded on its own (``segments = [q, k, v]``); a recurrent state is one
 segment of heads.  ``dim`` None: the tensor is the same on every rank
 (vLLM's ``tp_replicated``).  A rank's page of a state block is its tensors'
 bytes one after another in spec order (vLLM's ``MambaBase.bind_kv_cache``):
-``pack``.
+``pack``.  From vLLM 0.34 a spec may name a ``state_alignment`` of ``a``
+bytes: each tensor then starts at a multiple of ``a`` and takes its size
+rounded up to ``a`` (the last one too: vLLM's page content is the sum of the
+rounded sizes); ``state_offsets`` gives those offsets, ``pack`` and
+``unpack`` honour them.
 """
 from __future__ import annotations
 
@@ -169,23 +173,52 @@ def layouts_from_json(raw: str | None, where: str) -> dict[str, StateLayout]:
             for n, st in v.items()}
 
 
-def pack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """``[S, bytes]`` uint8: each sequence's state tensors' bytes one after
-    another (a state block's page as vLLM lays it out)."""
-    s = tensors[0].shape[0]
-    return torch.cat([t.contiguous().view(torch.uint8).reshape(s, -1) for t in tensors], dim=1)
+def _nbytes(shape, dtype: torch.dtype) -> int:
+    return int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
 
 
-def unpack(page: torch.Tensor, shapes: Sequence[Sequence[int]], dtypes: Sequence[torch.dtype]) -> list[torch.Tensor]:
-    """The state tensors ``[n, *shape]`` of ``n`` pages (``[n, >= bytes]``
-    uint8/int8; bytes past the states - vLLM's padding - are left), copied."""
-    out, offset = [], 0
-    rows = page.reshape(page.shape[0], -1).view(torch.uint8)
+def state_offsets(shapes: Sequence[Sequence[int]], dtypes: Sequence[torch.dtype],
+                  alignment: int = 1) -> tuple[list[int], int]:
+    """(byte offset of each state tensor in a page, the page's content bytes)
+    for states ``shapes``/``dtypes`` each rounded up to ``alignment`` bytes
+    (vLLM's ``MambaSpec.state_alignment``; 1: one after another)."""
+    a = int(alignment)
+    if a < 1:
+        raise BankError(f"state alignment {alignment!r}: expected an int >= 1")
+    offsets, at = [], 0
     for shape, dtype in zip(shapes, dtypes):
-        nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+        offsets.append(at)
+        at += -(-_nbytes(shape, dtype) // a) * a
+    return offsets, at
+
+
+def pack(tensors: Sequence[torch.Tensor], alignment: int = 1) -> torch.Tensor:
+    """``[S, bytes]`` uint8: each sequence's state tensors' bytes at the
+    offsets of ``state_offsets`` (a state block's page as vLLM lays it out),
+    the alignment gaps zero."""
+    s = tensors[0].shape[0]
+    rows = [t.contiguous().view(torch.uint8).reshape(s, -1) for t in tensors]
+    if int(alignment) == 1:
+        return torch.cat(rows, dim=1)
+    offsets, total = state_offsets([r.shape[1:] for r in rows], [torch.uint8] * len(rows), alignment)
+    page = torch.zeros((s, total), dtype=torch.uint8, device=rows[0].device)
+    for at, r in zip(offsets, rows):
+        page[:, at:at + r.shape[1]] = r
+    return page
+
+
+def unpack(page: torch.Tensor, shapes: Sequence[Sequence[int]], dtypes: Sequence[torch.dtype],
+           alignment: int = 1) -> list[torch.Tensor]:
+    """The state tensors ``[n, *shape]`` of ``n`` pages (``[n, >= bytes]``
+    uint8/int8, each tensor at its ``state_offsets`` offset; bytes past the
+    states - vLLM's padding - are left), copied."""
+    out = []
+    rows = page.reshape(page.shape[0], -1).view(torch.uint8)
+    offsets, _ = state_offsets(shapes, dtypes, alignment)
+    for shape, dtype, offset in zip(shapes, dtypes, offsets):
+        nbytes = _nbytes(shape, dtype)
         if offset + nbytes > rows.shape[1]:
             raise BankError(f"a state page of {rows.shape[1]} bytes cannot hold states {[list(s) for s in shapes]} "
-                            f"of {[dtype_name(d) for d in dtypes]}")
+                            f"of {[dtype_name(d) for d in dtypes]} (state alignment {alignment})")
         out.append(rows[:, offset:offset + nbytes].contiguous().view(dtype).reshape(-1, *shape))
-        offset += nbytes
     return out

@@ -18,6 +18,7 @@ from kvfill.kernels.state_pages import StatePages
 
 from .bank_checks import load_bank, rank_part
 from .registration import cache_device
+from .states import state_alignment
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -53,7 +54,8 @@ def replay_states(bank: Bank, caches: Mapping[str, Any], groups: dict[str, Cache
     if not names:
         return None, {}, groups
     state_pages = StatePages({n: caches[n] for n in names},
-                             {n: bank.state_pages(n, specs[n].shapes, specs[n].dtypes) for n in names})
+                             {n: bank.state_pages(n, specs[n].shapes, specs[n].dtypes, state_alignment(specs[n]))
+                              for n in names})
     state_groups: dict[str, list[str]] = {}
     for geo, g in zip(planner_groups, kv_cache_groups):
         layers = [n for n in g.layer_names if n in state_pages.states]

@@ -43,12 +43,22 @@ def cpu_kv_parts(cache: torch.Tensor, head_size: int) -> RowParts | None:
     return RowParts((k, v))
 
 
+def cpu_ops():
+    """The module of vLLM's CPU attention ops: ``vllm._cpu_ops`` from vLLM
+    0.34 (its CPU backend's), ``vllm._custom_ops`` before."""
+    try:
+        from vllm import _cpu_ops as ops
+    except ImportError:
+        from vllm import _custom_ops as ops
+    return ops
+
+
 @functools.lru_cache(maxsize=32)
 def layout_matches(isa: str, dtype: torch.dtype, heads: int, slots: int, head_size: int) -> bool:
     """Whether vLLM's ``cpu_attn_reshape_and_cache`` (this ISA) writes tokens
     where ``cpu_kv_parts`` reads them: two tokens written to a scratch cache,
     read back through the views."""
-    from vllm import _custom_ops as ops
+    ops = cpu_ops()
 
     scratch = torch.zeros(2, heads, slots, 2 * head_size, dtype=dtype)
     key_cache, value_cache = scratch.view(2, heads, 2 * slots, head_size).chunk(2, dim=2)

@@ -14,6 +14,9 @@ still leaves zeroed, named at start.
   caches, ...) and what that does to a benchmark.
 * ``check_packed_rows``: replaying, a bank without rows for a packed layer
   this engine fills is refused, naming the layers and the way out.
+* ``refused_layout`` / ``refused_line`` / ``refuse_layouts``: caches whose page layout kvfill
+  cannot address a token in - vLLM 0.34's head-major K/V slots (``H2ND``,
+  MiniMax-M3's NVFP4 KV cache) - refused when the worker starts.
 """
 from __future__ import annotations
 
@@ -84,8 +87,19 @@ def packed_encoding(kind: str, values: V.ValueSpec, *, zero: bool) -> Any:
     if zero:
         return V.ENC_PACKED
     if kind == INDEXER:
-        return indexer_values(values)
+        return indexer_values(values, mx_scales=indexer_mx_scales())
     return ds_mla_values(values) if kind == FP8_DS_MLA else nvfp4_ds_mla_values(values)
+
+
+def indexer_mx_scales() -> bool:
+    """Whether vLLM's indexer writers store each token's scale as four UE8M0
+    bytes (vLLM 0.34 on SM100: ``mqa_logits_use_mx_scales``) rather than
+    float32 (vLLM 0.32, and 0.34 elsewhere)."""
+    try:
+        from vllm.utils.deep_gemm import mqa_logits_use_mx_scales
+    except ImportError:
+        return False
+    return bool(mqa_logits_use_mx_scales())
 
 
 def zeroed_line(specs: Mapping[str, "KVCacheSpec"], encodings: Mapping[str, Any]) -> str | None:
@@ -102,6 +116,45 @@ def zeroed_line(specs: Mapping[str, "KVCacheSpec"], encodings: Mapping[str, Any]
             f"kvfill does not fill as its reader expects (e.g. {', '.join(zeroed[:2])}); a decode over them reads "
             f"zero keys (every score ties, e.g. a sparse indexer's top-k), so its step time may not be a real "
             f"prompt's")
+
+
+H2ND = "H2ND"
+
+
+def refused_layout(spec: "KVCacheSpec") -> str | None:
+    """The name of a page layout kvfill refuses to fill, None for the rest:
+    ``H2ND`` for vLLM 0.34's ``kv_head_major_slots`` (each KV head's K and V
+    as two adjacent slots of the ``[B, H, N, C]`` page; H = 2 x KV heads).
+    The one cache vLLM 0.34 lays out so, MiniMax-M3's NVFP4 KV cache, keeps
+    in each slot the page's values, then the page's block scales: a view row
+    ``[b, h, n, :]`` is not token n's bytes, so neither values, zeros nor
+    recorded bytes can be written at token granularity."""
+    if getattr(spec, "kv_head_major_slots", False):
+        return H2ND
+    return None
+
+
+def refused_line(specs: Mapping[str, "KVCacheSpec"]) -> str | None:
+    """One error naming the layers of a layout kvfill refuses (``refused_layout``)
+    and the way out; None when there are none."""
+    refused = sorted(n for n, s in specs.items() if refused_layout(s) is not None)
+    if not refused:
+        return None
+    kinds = sorted({f"{refused_layout(specs[n])} ({_describe(specs[n])})" for n in refused})
+    return (f"KVFillConnector: cannot fill {len(refused)} cache layer(s) laid out {', '.join(kinds)} - each KV "
+            f"head's K and V as two adjacent slots (kv_head_major_slots, e.g. MiniMax-M3's NVFP4 KV cache): "
+            f"{', '.join(refused[:3])}{', ...' if len(refused) > 3 else ''}. kvfill writes a token's bytes as one "
+            f"row of each slot of vLLM's [B, H, N, C] view, and such a page keeps a slot's values and then its "
+            f"scales for the whole page, so it would write other tokens' bytes. Serve it without kvfill's "
+            f"connector, or with a --kv-cache-dtype its backend does not lay out head-major (auto, fp8)")
+
+
+def refuse_layouts(specs: Mapping[str, "KVCacheSpec"], skip=()) -> None:
+    """ValueError (``refused_line``) when a layer not in ``skip`` (groups
+    kvfill never fills) has a layout kvfill refuses; the worker's first check."""
+    line = refused_line({n: s for n, s in specs.items() if n not in skip})
+    if line:
+        raise ValueError(line)
 
 
 def compressed_in_mixed_groups(kv_cache_groups, specs: Mapping[str, "KVCacheSpec"]) -> dict[str, int]:

@@ -80,7 +80,7 @@ class Recorder:
         self.saves = self.saves_rows or self.records_states
         self.files_per_prompt = self.pp_size * (self.tp_size if self.records_states else self.tp_size // replicas)
         self.pages = None  # StatePages of this rank's state layers (set_states)
-        self.state_layers: dict = {}  # layer -> (group index, full layout)
+        self.state_layers: dict = {}  # layer -> (group index, full layout, the page's state alignment)
 
     def _heads(self, formats) -> dict[str, list[int]]:
         """Layer -> ``[lo, hi, total]``: the model's KV heads this rank's rows
@@ -106,7 +106,8 @@ class Recorder:
 
     def set_states(self, pages, layers: dict) -> None:
         """This rank's state layers: their caches (``StatePages``) and, per
-        layer, (group index, full ``StateTensor`` layout)."""
+        layer, (group index, full ``StateTensor`` layout, the byte alignment
+        of each state in its page: ``states.state_alignment``)."""
         self.pages, self.state_layers = pages, dict(layers)
 
     def _states(self, item) -> dict:
@@ -114,14 +115,14 @@ class Recorder:
         request's state block (the planner's one block of each state group)
         after its ``positions`` tokens."""
         out = {}
-        for name, (gi, layout) in self.state_layers.items():
+        for name, (gi, layout, alignment) in self.state_layers.items():
             ids = item.selection.groups[gi].block_ids
             if len(ids) != 1:
                 raise RuntimeError(f"KVFillConnector: recording {item.selection.req_id!r}: state layer {name!r} has "
                                    f"{len(ids)} state blocks selected, expected 1")
             page = self.pages.read(name, [int(ids[0])])
             shapes = [st.local_shape(self.tp_rank, self.tp_size) for st in layout]
-            for i, t in enumerate(unpack(page, shapes, [st.dtype for st in layout])):
+            for i, t in enumerate(unpack(page, shapes, [st.dtype for st in layout], alignment)):
                 out[state_tensor_name(name, i)] = t
         return out
 

@@ -90,7 +90,10 @@ def layer_encoding(spec: KVCacheSpec, cache_dtype: str | None = None) -> str:
 
     Float dtypes hold themselves; uint8 holding plain per-tensor fp8 is the
     platform's fp8 e4m3 type or e5m2 by the cache dtype; every other uint8/int layout (nvfp4,
-    fp8 with embedded scales, int metadata) is ``packed`` and zero-filled.
+    fp8 with embedded scales, int metadata) is ``packed`` and zero-filled, and
+    so is a float cache of another quantization mode than none or per-tensor
+    fp8 (vLLM 0.34's ``KVCacheDTypeHandler`` dtypes may store a format of
+    their own, ``KVQuantMode.CUSTOM``, in a float dtype).
     """
     dtype = getattr(spec, "dtype", None)
     if isinstance(spec, MambaSpec):
@@ -98,7 +101,8 @@ def layer_encoding(spec: KVCacheSpec, cache_dtype: str | None = None) -> str:
         # ([num_blocks, 1, 1, page_bytes]) packing states of several dtypes:
         # zeroed, the defined empty state.
         return V.ENC_PACKED
-    if dtype in V.FLOAT_DTYPES:
+    mode = getattr(spec, "kv_quant_mode", KVQuantMode.NONE)
+    if dtype in V.FLOAT_DTYPES and mode in (KVQuantMode.NONE, KVQuantMode.FP8_PER_TENSOR):
         return V.ENC_NATIVE
     if (
         isinstance(spec, AttentionSpec)

@@ -47,6 +47,13 @@ def mamba_kind(spec: MambaSpec) -> str:
     return str(getattr(kind, "name", kind))
 
 
+def state_alignment(spec: MambaSpec) -> int:
+    """The byte alignment of each state in the layer's page: vLLM 0.34's
+    ``MambaSpec.state_alignment`` (16 under FlashInfer's ReplaySSM: each
+    state starts at, and takes, a multiple of it); 1 on vLLM without it."""
+    return int(getattr(spec, "state_alignment", 1) or 1)
+
+
 def state_layout(spec: MambaSpec, tp_size: int, dim_first: bool | None = None) -> tuple[StateTensor, ...]:
     """The full state tensors of a layer whose spec (this rank's shapes) is
     ``spec`` at tensor parallel size ``tp_size``."""
@@ -108,7 +115,8 @@ def state_bytes_per_sequence(vllm_config) -> int:
 
 
 def state_layouts(caches, specs, kv_cache_config, tp_size: int) -> dict:
-    """Layer -> (group index, full state layout) of the state layers ``caches``
-    names (the ones a worker records), from their specs (this rank's shapes)."""
+    """Layer -> (group index, full state layout, the page's state alignment)
+    of the state layers ``caches`` names (the ones a worker records), from
+    their specs (this rank's shapes)."""
     index = {n: i for i, g in enumerate(kv_cache_config.kv_cache_groups) for n in g.layer_names}
-    return {n: (index[n], state_layout(specs[n], tp_size)) for n in caches}
+    return {n: (index[n], state_layout(specs[n], tp_size), state_alignment(specs[n])) for n in caches}

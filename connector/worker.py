@@ -34,7 +34,7 @@ from .metadata import KVFillBankHandshake, KVFillConnectorMetadata, KVFillRecord
 from .options import FillOptions
 from .packed import (
     check_packed_rows, compressed_in_mixed_groups, left_out_line, packed_encoding, packed_row_kind, packed_views,
-    unrecordable_line, zeroed_line,
+    refuse_layouts, unrecordable_line, zeroed_line,
 )
 from .planner import GroupKind, Planner
 from .ranks import current_dcp_rank, current_pp_rank, current_tp_rank
@@ -86,6 +86,7 @@ class KVFillWorker:
         self.unaddressable = {name for name, spec in specs.items() if not getattr(spec, "has_layer_views", True)}
         # Groups vLLM keeps out of KV transfer (vLLM 0.34's HiSparse tiers): never filled, recorded or replayed.
         self.untransferred = untransferred_layers(kv_cache_config)
+        refuse_layouts(specs, skip=self.untransferred)  # vLLM 0.34's head-major K/V slots: refused at start
         # compressed layers sharing a group with per-token ones: not fillable together, left out and named
         self.left_out = compressed_in_mixed_groups(kv_cache_config.kv_cache_groups, specs)
         self.engine: FillEngine | None = None

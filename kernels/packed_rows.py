@@ -27,11 +27,16 @@ Both readers decode ``fp8 value * scale``, with the scale a power of two
 and ``s`` as the scale, one power of two chosen as vLLM's writer would for
 keys of the fill's spread: the rows decode to the fill's values (to fp8's
 precision), their scores spread as keys do - not the all-ties of zeros.
-Replay moves the recorded bytes whatever they encode.
+Replay moves the recorded bytes whatever they encode.  vLLM 0.34 on a GPU
+whose MQA-logits kernels take only MX-scaled keys (SM100:
+``vllm.utils.deep_gemm.mqa_logits_use_mx_scales``) stores the indexer's
+scale ``2^k`` not as float32 but as four equal UE8M0 bytes ``k + 127``
+(``indexer_values(..., mx_scales=True)``, ``ue8m0_x4``).
 """
 from __future__ import annotations
 
 import math
+import struct
 
 import torch
 
@@ -119,13 +124,25 @@ def power_of_two_scale(mean: float, std: float) -> float:
     return math.ldexp(1.0, math.ceil(math.log2(amax / FP8_MAX)))
 
 
-def indexer_values(spec: V.ValueSpec) -> tuple[V.PartValues, V.PartValues]:
+def ue8m0_x4(scale: float) -> float:
+    """The float32 whose 4 bytes are the power of two ``scale`` as four
+    equal UE8M0 bytes (its exponent ``k + 127``): the bytes vLLM 0.34's MX
+    indexer writers store for it (``pack_ue8m0_x4``).  Finite for every
+    exponent byte but 255 (then no power of two)."""
+    m, e = math.frexp(scale)
+    if m != 0.5 or not 1 <= e + 126 <= 254:
+        raise ValueError(f"an MX scale is a normal float32 power of two, got {scale!r}")
+    return struct.unpack("<f", bytes([e + 126] * 4))[0]
+
+
+def indexer_values(spec: V.ValueSpec, mx_scales: bool = False) -> tuple[V.PartValues, V.PartValues]:
     """The parts' encodings of a synthetic indexer row (``indexer_parts``):
-    fp8 keys ``v / s`` and the scale ``s`` (``power_of_two_scale``)."""
+    fp8 keys ``v / s`` and the scale ``s`` (``power_of_two_scale``), as
+    float32 or, ``mx_scales``, as four UE8M0 bytes (``ue8m0_x4``)."""
     s = power_of_two_scale(spec.mean, spec.std)
     # keys a top-k scores: a larger table, so few positions share a key (values.PARTS_POOL_BITS)
     return (V.PartValues(torch.float8_e4m3fn, scale=s, pool_bits=V.PARTS_POOL_BITS),
-            V.PartValues(torch.float32, constant=s))
+            V.PartValues(torch.float32, constant=ue8m0_x4(s) if mx_scales else s))
 
 
 def ds_mla_values(spec: V.ValueSpec) -> tuple[V.PartValues, V.PartValues, V.PartValues]:

@@ -63,10 +63,12 @@ def test_a_segment_tp_cannot_split_is_refused_naming_it():
 
 
 class _Layer:
-    """Stands in for a vLLM MambaBase layer: its state shapes and dtypes."""
+    """Stands in for a vLLM MambaBase layer: its state shapes and dtypes, and
+    the byte alignment of each state in its page (vLLM 0.34's
+    ``MambaBase.state_alignment``; vLLM 0.32's layers have none: 1)."""
 
-    def __init__(self, shapes, dtypes):
-        self.shapes, self.dtypes = shapes, dtypes
+    def __init__(self, shapes, dtypes, state_alignment=1):
+        self.shapes, self.dtypes, self.state_alignment = shapes, dtypes, state_alignment
 
     def get_state_shape(self):
         return self.shapes
@@ -90,6 +92,147 @@ def test_pages_pack_the_states_as_vllm_binds_them():
     back = unpack(padded, [GDN[0].shape, GDN[1].shape], [GDN[0].dtype, GDN[1].dtype])
     assert torch.equal(back[0], conv) and torch.equal(back[1], ssm)
     assert (padded[:, pages.shape[1]:] == 0x5A).all()
+
+
+# ------------------------------------------------------------------ state alignment (vLLM 0.34)
+# States whose sizes are no multiple of 16 bytes: a conv state [3, 6] of bf16 (36 B) and a recurrent state
+# [2, 3, 3] of float32 (72 B). Packed one after another (alignment 1): offsets 0, 36, 108 bytes in all; at
+# vLLM 0.34's FlashInfer ReplaySSM alignment of 16 each starts at and takes a multiple of 16: offsets 0, 48,
+# 48 + 80 = 128 bytes in all; at 64: 0, 64, 64 + 128 = 192 (the hand-computed layouts kvfill's are held to).
+ODD = (StateTensor((3, 6), torch.bfloat16, 1), StateTensor((2, 3, 3), torch.float32, 0))
+HAND = {1: ([0, 36], 108), 16: ([0, 48], 128), 64: ([0, 64], 192)}
+
+
+def _vllm_aligns_states() -> bool:
+    from dataclasses import fields
+
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    return "state_alignment" in {f.name for f in fields(MambaSpec)}
+
+
+def _odd_bank(name, states):
+    """A bank of three 4-token sequences: one attention layer's rows and ``states`` of ``ODD``."""
+    rows = torch.zeros(12, 2 * 2 * 8, dtype=torch.bfloat16)
+    return Bank({"model.layers.3.self_attn.attn": rows}, sequence_lengths=[4, 4, 4],
+                kv={"model.layers.3.self_attn.attn": (2, 8, 8)}, states={name: states}, state_layouts={name: ODD})
+
+
+NO_ALIGNMENT = "this vLLM's MambaSpec has no state_alignment (vLLM 0.32: states one after another in a page)"
+
+
+@pytest.mark.parametrize("alignment", sorted(HAND))
+def test_states_sit_at_the_hand_computed_offsets_of_their_alignment_and_unpack_back(alignment):
+    """``state_offsets``/``pack``/``unpack`` against the layout worked out by
+    hand above: every state's bytes at its offset, the gaps zero."""
+    from kvfill.bank.state import state_offsets
+
+    offsets, total = HAND[alignment]
+    shapes, dtypes = [st.shape for st in ODD], [st.dtype for st in ODD]
+    assert state_offsets(shapes, dtypes, alignment) == (offsets, total)
+    conv, ssm = _full(ODD)
+    page = pack([conv, ssm], alignment)
+    assert page.shape == (3, total) and page.dtype == torch.uint8
+    assert torch.equal(page[:, 0:36], conv.view(torch.uint8).reshape(3, -1))
+    assert torch.equal(page[:, offsets[1]:offsets[1] + 72], ssm.view(torch.uint8).reshape(3, -1))
+    gaps = torch.ones(total, dtype=torch.bool)
+    gaps[0:36] = gaps[offsets[1]:offsets[1] + 72] = False
+    assert (page[:, gaps] == 0).all()
+    # a cache page longer than the states (vLLM's page padding): the states read back, the rest left
+    poisoned = torch.full((3, total + 48), 0x5A, dtype=torch.uint8)
+    poisoned[:, :total] = page
+    back = unpack(poisoned, shapes, dtypes, alignment)
+    assert torch.equal(back[0], conv) and torch.equal(back[1], ssm)
+    with pytest.raises(BankError, match="cannot hold states"):
+        unpack(poisoned[:, :offsets[1] + 71], shapes, dtypes, alignment)
+
+
+def test_a_state_alignment_below_one_is_refused():
+    from kvfill.bank.state import state_offsets
+
+    with pytest.raises(BankError, match="state alignment 0"):
+        state_offsets([(2,)], [torch.float32], 0)
+
+
+@pytest.mark.needs_vllm
+@pytest.mark.parametrize("alignment", [1, 16])
+def test_aligned_pages_are_vllms_own_page_layout(alignment):
+    """vLLM 0.34's own layout: its ``MambaSpec`` content size is the page
+    width ``pack`` makes, and its ``MambaBase.bind_kv_cache`` reads each
+    state out of the page at the offset kvfill wrote it (poison around, and
+    in the bytes past the states)."""
+    import vllm.model_executor.layers.mamba.abstract as mamba
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    if alignment > 1 and not _vllm_aligns_states():
+        pytest.skip(NO_ALIGNMENT)
+    shapes, dtypes = tuple(st.shape for st in ODD), tuple(st.dtype for st in ODD)
+    kw = {"state_alignment": alignment} if alignment > 1 else {}
+    spec = MambaSpec(block_size=16, shapes=shapes, dtypes=dtypes, **kw)
+    conv, ssm = _full(ODD)
+    page = pack([conv, ssm], alignment)
+    assert page.shape[1] == spec.page_size_bytes == HAND[alignment][1]
+    poisoned = torch.full((3, page.shape[1] + 32), 0x5A, dtype=torch.uint8)
+    poisoned[:, :page.shape[1]] = page
+    layer = _Layer(list(shapes), list(dtypes), alignment)
+    mamba.MambaBase.bind_kv_cache(layer, poisoned.view(torch.int8)[:, None, None, :])
+    assert torch.equal(layer.kv_cache[0], conv) and torch.equal(layer.kv_cache[1], ssm)
+    assert (poisoned[:, page.shape[1]:] == 0x5A).all()
+
+
+@pytest.mark.needs_vllm
+def test_a_recording_reads_each_state_where_vllm_wrote_it_in_an_aligned_page():
+    """The recorder's direction: states written through vLLM 0.34's own
+    per-state views of an aligned page (poisoned first) are read back by
+    ``unpack`` at the alignment the connector takes from the spec
+    (``states.state_alignment``), and a bank replays them as the same page."""
+    import vllm.model_executor.layers.mamba.abstract as mamba
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    from kvfill.connector.states import state_alignment
+
+    if not _vllm_aligns_states():
+        pytest.skip(NO_ALIGNMENT)
+    shapes, dtypes = tuple(st.shape for st in ODD), tuple(st.dtype for st in ODD)
+    spec = MambaSpec(block_size=16, shapes=shapes, dtypes=dtypes, state_alignment=16)
+    assert state_alignment(spec) == 16
+    raw = torch.full((3, spec.page_size_bytes), -7, dtype=torch.int8)
+    layer = _Layer(list(shapes), list(dtypes), 16)
+    mamba.MambaBase.bind_kv_cache(layer, raw[:, None, None, :])
+    conv, ssm = _full(ODD, seed=4)
+    layer.kv_cache[0].copy_(conv)
+    layer.kv_cache[1].copy_(ssm)
+    got = unpack(raw, shapes, dtypes, state_alignment(spec))
+    assert torch.equal(got[0], conv) and torch.equal(got[1], ssm)
+    assert not torch.equal(unpack(raw, shapes, dtypes)[1], ssm)  # read unaligned, the recurrent state is wrong
+    name = "model.layers.0.linear_attn"
+    bank = _odd_bank(name, got)
+    replayed = bank.state_pages(name, shapes, dtypes, state_alignment(spec))
+    written = raw.view(torch.uint8).clone()
+    written[:, 36:48] = written[:, 120:128] = 0  # the gaps vLLM never writes: zero in kvfill's page
+    assert torch.equal(replayed, written)
+
+
+def test_aligned_state_pages_are_written_whole_with_nothing_else_changed():
+    """StatePages over padded pages whose rows are the aligned content (what
+    vLLM 0.34 registers: ``state_content_size_bytes`` wide): each block gets
+    its sequence's aligned page, the padding and other blocks keep the poison."""
+    name = "model.layers.0.linear_attn"
+    states = _full(ODD)
+    bank = _odd_bank(name, states)
+    pages = bank.state_pages(name, [st.shape for st in ODD], [st.dtype for st in ODD], 16)
+    assert pages.shape == (3, HAND[16][1])
+    raw = torch.full((5, 128 + 48), -7, dtype=torch.int8)
+    cache = raw[:, :128].view(5, 1, 1, 128)
+    sp = StatePages({name: cache}, {name: pages})
+    blocks = {name: (np.array([3, 0]), np.array([1, 2]))}
+    assert sp.write(blocks) == StateWrite(pages=2, bytes=2 * 128, launches=3)
+    back = unpack(raw[[3, 0], :128], [st.shape for st in ODD], [st.dtype for st in ODD], 16)
+    assert torch.equal(back[0], states[0][[1, 2]]) and torch.equal(back[1], states[1][[1, 2]])
+    assert (raw[[1, 2, 4]] == -7).all() and (raw[:, 128:] == -7).all()
+    assert sp.mismatches(blocks) == (2, 0, [])
+    with pytest.raises(ValueError, match="its pages hold 128 bytes"):  # unaligned pages do not fit aligned rows
+        StatePages({name: cache}, {name: bank.state_pages(name, [st.shape for st in ODD], [st.dtype for st in ODD])})
 
 
 def _bank(s=3, source="bank"):

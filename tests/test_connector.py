@@ -7,7 +7,7 @@ pytest.importorskip("vllm")
 pytestmark = pytest.mark.cpu_only  # the harness runs vLLM's CPU build
 from oracle import row_bits, write_expected  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec  # noqa: E402
-from vllm_harness import make_harness  # noqa: E402
+from vllm_harness import make_harness, runner_output  # noqa: E402
 
 from kvfill.kernels import values as V  # noqa: E402
 
@@ -419,10 +419,7 @@ def test_random_request_streams_fill_exactly_their_external_slots(tmp_path_facto
         expected = expected_after(h, fills, base=expected)
         assert_bytes(h.raw, expected)
         ids = list(out.num_scheduled_tokens)
-        from vllm.v1.outputs import ModelRunnerOutput
-
-        h.scheduler.update_from_output(out, ModelRunnerOutput(
-            req_ids=ids, req_id_to_index={r: k for k, r in enumerate(ids)}, sampled_token_ids=[[7] for _ in ids]))
+        h.scheduler.update_from_output(out, runner_output(ids))
 
 
 def test_mamba_group_state_rows_are_zeroed_beside_attention(tmp_path):
@@ -435,7 +432,9 @@ def test_mamba_group_state_rows_are_zeroed_beside_attention(tmp_path):
     mamba = MambaSpec(block_size=BS, shapes=((4, 8), (2, 4)), dtypes=(torch.float32, torch.bfloat16),
                       page_size_padded=page)
     attn, mixer = ["model.layers.0.self_attn.attn"], ["model.layers.1.mixer"]
-    h = make_harness(tmp_path, [(attn, FullAttentionSpec(**ATT)), (mixer, mamba)], extra=FILL, layout="BLHNC")
+    # mamba_cache_mode "none" is vLLM's mode without prefix caching (vLLM 0.34 asserts they never meet)
+    h = make_harness(tmp_path, [(attn, FullAttentionSpec(**ATT)), (mixer, mamba)], extra=FILL, layout="BLHNC",
+                     prefix_caching=False)
     assert h.views[mixer[0]].shape[1:3] == (1, 1)
     assert_attention_filled_and_second_group_zeroed(h, attn[0], mixer[0], 40)
 
@@ -582,7 +581,7 @@ def test_startup_filled_groups_are_skipped_before_planning(tmp_path):
     mamba = MambaSpec(block_size=BS, shapes=((4, 8),), dtypes=(torch.float32,), page_size_padded=page)
     h = make_harness(tmp_path, [(["model.layers.0.self_attn.attn"], FullAttentionSpec(**ATT)),
                                 (["model.layers.1.mixer"], mamba)],
-                     extra={**FILL, "startup_fill": True}, layout="BLHNC")
+                     extra={**FILL, "startup_fill": True}, layout="BLHNC", prefix_caching=False)  # mode "none"
     sched = h.scheduler.connector.scheduler
     assert 1 in sched.startup_groups
     req = SimpleNamespace(request_id="m", num_tokens=18, num_preemptions=0)
@@ -663,7 +662,7 @@ def test_a_skipped_fill_is_reported_and_vllm_applies_its_failure_policy(tmp_path
     """A step whose fill is skipped reports its blocks as load errors; vLLM
     then recomputes the request (``recompute``) or fails it (``fail``) instead
     of decoding over poisoned memory."""
-    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import RequestStatus
 
     from kvfill.kernels import FillEngine
@@ -686,8 +685,7 @@ def test_a_skipped_fill_is_reported_and_vllm_applies_its_failure_policy(tmp_path
     failed = h.worker.get_block_ids_with_load_errors()
     assert failed == set(h.block_table("a")[0][:3]) and h.worker.get_block_ids_with_load_errors() == set()
     assert torch.equal(h.raw, before)
-    runner_out = ModelRunnerOutput(req_ids=["a"], req_id_to_index={"a": 0}, sampled_token_ids=[[7]],
-                                   kv_connector_output=KVConnectorOutput(invalid_block_ids=failed))
+    runner_out = runner_output(["a"], kv_connector_output=KVConnectorOutput(invalid_block_ids=failed))
     h.scheduler.update_from_output(out, runner_out)
     if policy == "recompute":
         assert req.num_computed_tokens < 39
@@ -744,7 +742,7 @@ def test_a_skipped_fill_with_several_groups_follows_the_policy_without_crashing_
     """vLLM 0.32 raises on block-level load failures when a model has several
     KV cache groups (block ids are per group): kvfill does not report them
     there; under "fail" it fails loudly itself, under "recompute" it logs."""
-    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+    from vllm.v1.outputs import KVConnectorOutput
 
     from kvfill.kernels import FillEngine
 
@@ -762,9 +760,8 @@ def test_a_skipped_fill_with_several_groups_follows_the_policy_without_crashing_
         return
     h.worker.start_load_kv(None)
     assert h.worker.get_block_ids_with_load_errors() == set()
-    h.scheduler.update_from_output(out, ModelRunnerOutput(
-        req_ids=["a"], req_id_to_index={"a": 0}, sampled_token_ids=[[7]],
-        kv_connector_output=KVConnectorOutput(invalid_block_ids=h.worker.get_block_ids_with_load_errors())))
+    h.scheduler.update_from_output(out, runner_output(
+        ["a"], kv_connector_output=KVConnectorOutput(invalid_block_ids=h.worker.get_block_ids_with_load_errors())))
 
 
 # ------------------------------------------------------------------ replay: which sequence a block takes
@@ -996,18 +993,22 @@ HYBRID_ATTN, HYBRID_MIXER = "model.layers.0.self_attn.attn", "model.layers.1.mix
 HYBRID_STATES = (((2, 8), (2, 4, 4)), (torch.bfloat16, torch.float32))  # the state layer's shapes and dtypes
 
 
-def _hybrid_harness(tmp_path, mode="none", tokens=(range(100, 140), range(200, 230)), **extra):
+def _hybrid_harness(tmp_path, mode="none", tokens=(range(100, 140), range(200, 230)), states=HYBRID_STATES,
+                    state_alignment=None, **extra):
     """vLLM's scheduler and the connector's worker replaying ``_hybrid_bank``
     over an attention layer and a state layer (mamba_cache_mode ``mode``:
     none - one state block spanning max_model_len - or align, with prefix
-    caching, blocks of BS); returns the harness and the bank."""
+    caching, blocks of BS; ``states``: its shapes and dtypes;
+    ``state_alignment``: vLLM 0.34's, None: the spec's default); returns the
+    harness and the bank."""
     from vllm.v1.kv_cache_interface import MambaSpec
 
-    shapes, dtypes = HYBRID_STATES
+    shapes, dtypes = states
     bank = _hybrid_bank(tmp_path / "bank.safetensors", HYBRID_ATTN, HYBRID_MIXER, shapes, dtypes, tokens)
     page = FullAttentionSpec(**ATT).page_size_bytes
+    aligned = {} if state_alignment is None else {"state_alignment": state_alignment}
     mamba = MambaSpec(block_size=256 if mode == "none" else BS, shapes=shapes, dtypes=dtypes,
-                      page_size_padded=page, mamba_cache_mode=mode)
+                      page_size_padded=page, mamba_cache_mode=mode, **aligned)
     h = make_harness(tmp_path, [([HYBRID_ATTN], FullAttentionSpec(**ATT)), ([HYBRID_MIXER], mamba)],
                      extra={"fill_mode": "replay", "bank": str(tmp_path / "bank.safetensors"), **extra},
                      prefix_caching=mode != "none", mamba_cache_mode=mode)
@@ -1039,6 +1040,52 @@ def test_a_hybrid_replay_writes_the_recorded_state_of_the_requests_sequence_into
     for t in range(30):
         views[attn][full_ids[t // BS], :, t % BS] = h.views_over(h.poison)[attn][full_ids[t // BS], :, t % BS]
     views[mixer][block] = h.views_over(h.poison)[mixer][block]
+    assert_bytes(expected, h.poison)
+
+
+def test_a_hybrid_replay_puts_each_state_at_vllms_aligned_offsets(tmp_path):
+    """vLLM 0.34's ``MambaSpec.state_alignment`` (16 under FlashInfer's
+    ReplaySSM): states of 36 and 72 bytes start at 0 and 48 of a 128-byte
+    page. Replayed through vLLM's scheduler, the request's state block holds
+    each recorded state where vLLM's own ``MambaBase.bind_kv_cache`` reads
+    it, zeros in the alignment gaps, and no other byte changes."""
+    from dataclasses import fields
+
+    import vllm.model_executor.layers.mamba.abstract as mamba
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    if "state_alignment" not in {f.name for f in fields(MambaSpec)}:
+        pytest.skip("this vLLM's MambaSpec has no state_alignment (vLLM 0.32: states one after another in a page)")
+    attn, mixer = HYBRID_ATTN, HYBRID_MIXER
+    shapes, dtypes = ((3, 6), (2, 3, 3)), (torch.bfloat16, torch.float32)
+    h, bank = _hybrid_harness(tmp_path, states=(shapes, dtypes), state_alignment=16, verify="raise")
+    assert h.views[mixer].shape[1:] == (1, 1, 128)  # vLLM's view: the aligned content, 48 + 80 bytes
+    h.add("a", list(range(200, 230)) + [5])
+    h.step()
+    full_ids, state_ids = h.block_table("a")
+    null = h.scheduler.kv_cache_manager.block_pool.null_block.block_id
+    (block,) = [b for b in state_ids if b != null]
+
+    class Layer:  # vLLM's state layer as bind_kv_cache sees it
+        state_alignment = 16
+
+        def get_state_shape(self):
+            return shapes
+
+        def get_state_dtype(self):
+            return dtypes
+
+    layer = Layer()
+    mamba.MambaBase.bind_kv_cache(layer, h.views[mixer])
+    for got, recorded in zip(layer.kv_cache, bank.states[mixer]):
+        assert torch.equal(got[block], recorded[1])  # sequence 1: the 30-token prompt
+    page = h.views[mixer][block].reshape(-1).view(torch.uint8)
+    assert (page[36:48] == 0).all() and (page[120:128] == 0).all()
+    expected = h.raw.clone()  # outside the request's attention slots and its state block: the poison
+    views, poison = h.views_over(expected), h.views_over(h.poison)
+    for t in range(30):
+        views[attn][full_ids[t // BS], :, t % BS] = poison[attn][full_ids[t // BS], :, t % BS]
+    views[mixer][block] = poison[mixer][block]
     assert_bytes(expected, h.poison)
 
 

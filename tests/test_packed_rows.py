@@ -111,13 +111,21 @@ def indexer_ops():
     no sparse-indexer ops: vLLM loads one of three builds by CPU feature
     (``CpuPlatform.import_kernels``), and only the one for AVX-512 BF16
     (``_C``) holds ``fp8_paged_mqa_logits_cpu``; the AVX-512 and AVX2 builds
-    do not (an AMD EPYC with AVX2 only ran these as skips)."""
-    from vllm import _custom_ops as ops
+    do not (an AMD EPYC with AVX2 only ran these as skips).  vLLM 0.34 keeps
+    the ops' wrappers in ``vllm._cpu_ops`` (``cpu_layout.cpu_ops``); a vLLM
+    that is not vLLM CPU (the 0.34 lane's CUDA wheel) has no CPU kernels."""
+    import vllm
+    from vllm.platforms import vllm_version_matches_substr
 
+    from kvfill.connector.cpu_layout import cpu_ops
+
+    if not vllm_version_matches_substr("cpu"):
+        pytest.skip(f"vLLM {vllm.__version__} is not vLLM CPU (a CUDA wheel): it has no CPU kernels, "
+                    f"fp8_paged_mqa_logits_cpu among them")
     if not hasattr(torch.ops._C, "fp8_paged_mqa_logits_cpu"):
         pytest.skip("vLLM CPU's kernels for this CPU have no fp8_paged_mqa_logits_cpu (only its AVX-512 BF16 "
                     "build has)")
-    return ops
+    return cpu_ops()
 
 
 @pytest.mark.needs_vllm
@@ -189,6 +197,63 @@ def test_a_synthetic_indexer_fill_writes_scaled_fp8_keys_that_score_apart(backen
         touched[base + o * D: base + (o + 1) * D] = True
         touched[base + P * D + 4 * o: base + P * D + 4 * o + 4] = True
     assert torch.equal(view[~touched], before[~touched])
+
+
+@pytest.mark.parametrize("std, exponent", [(0.1, -10), (500.0, 3)])
+def test_an_mx_indexer_fill_stores_each_scale_as_four_equal_ue8m0_bytes(backend, std, exponent):
+    """vLLM 0.34's indexer writers on SM100 (``mqa_logits_use_mx_scales``)
+    store a token's power-of-two scale ``2^k`` as four bytes ``k + 127``
+    (``pack_ue8m0_x4``): the synthetic fill writes exactly those bytes (a
+    scale above 1 too, whose bytes read as float32 are negative), the same
+    fp8 keys as with a float32 scale, and nothing between the pages."""
+    from kvfill.kernels.packed_rows import ue8m0_x4
+
+    spec = V.ValueSpec(mean=0.0, std=std, seed=2)
+    assert power_of_two_scale(0.0, std) == 2.0 ** exponent
+    read = {}
+    for mx in (False, True):
+        cache = kernel_cache(D + 4, seed=5)
+        before = _buffer(cache).clone()
+        eng = FillEngine(group(cache, encoding={"idx": indexer_values(spec, mx_scales=mx)}), values=spec,
+                         backend=backend)
+        plan = {"g": entries([3, 1], N)}
+        eng.fill(plan)
+        assert eng.verify(plan).ok
+        read[mx] = eng.read(plan)["idx"].view(torch.uint8)
+        touched = torch.zeros_like(before, dtype=torch.bool)
+        for slot in kernel_slots([3, 1], range(N)):
+            b, o = divmod(slot, P)
+            base = b * cache.stride(0)
+            touched[base + o * D: base + (o + 1) * D] = True
+            touched[base + P * D + 4 * o: base + P * D + 4 * o + 4] = True
+        assert torch.equal(_buffer(cache)[~touched], before[~touched])
+    assert torch.all(read[True][:, D:] == exponent + 127)
+    assert torch.equal(read[True][:, :D], read[False][:, :D])
+    assert ue8m0_x4(2.0 ** exponent) != 2.0 ** exponent
+    with pytest.raises(ValueError, match="MX scale"):
+        ue8m0_x4(3.0)
+
+
+@pytest.mark.needs_vllm
+def test_the_connector_writes_mx_scales_where_vllm_reads_them():
+    """``packed_encoding`` asks the installed vLLM (``mqa_logits_use_mx_scales``,
+    vLLM 0.34; absent in 0.32: float32 scales) which scale bytes its
+    indexer readers take, here and with the check answering SM100's yes."""
+    import vllm.utils.deep_gemm as dg
+
+    from kvfill.connector.packed import INDEXER, indexer_mx_scales, packed_encoding
+    from kvfill.kernels.packed_rows import ue8m0_x4
+
+    spec = V.ValueSpec(mean=0.0, std=0.1, seed=2)
+    here = packed_encoding(INDEXER, spec, zero=False)[1].constant
+    assert here == (ue8m0_x4(2.0 ** -10) if indexer_mx_scales() else 2.0 ** -10)
+    if not hasattr(dg, "mqa_logits_use_mx_scales"):
+        assert not indexer_mx_scales()
+        return
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(dg, "mqa_logits_use_mx_scales", lambda: True)
+        assert indexer_mx_scales()
+        assert packed_encoding(INDEXER, spec, zero=False)[1].constant == ue8m0_x4(2.0 ** -10)
 
 
 @pytest.mark.needs_vllm

@@ -17,6 +17,15 @@ from kvfill.record.__main__ import main  # noqa: E402
 from kvfill.record.cli import NAMED  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def platform(monkeypatch):
+    """vLLM's CPU platform where the installed vLLM resolves none here
+    (tests/vllm_platform.py: vLLM 0.34's CUDA wheel), so its flags parse."""
+    from vllm_platform import cpu_platform_stand_in
+
+    return cpu_platform_stand_in(monkeypatch)
+
+
 @pytest.fixture
 def out_dir(tmp_path):
     """The folder of --out, empty: what it holds afterwards is what the recorder left."""

@@ -29,6 +29,15 @@ pytestmark = pytest.mark.needs_vllm
 LAYER = "model.layers.0.self_attn.attn"
 
 
+@pytest.fixture(autouse=True)
+def platform(monkeypatch):
+    """True where vLLM's CPU platform stands in for a platform the installed
+    vLLM does not resolve here (tests/vllm_platform.py: vLLM 0.34's CUDA wheel)."""
+    from vllm_platform import cpu_platform_stand_in
+
+    return cpu_platform_stand_in(monkeypatch)
+
+
 @pytest.fixture
 def model(tmp_path):
     """A tiny Llama's config.json and a word-level tokenizer: all the
@@ -279,10 +288,14 @@ def test_the_recorder_handles_sigterm_only_while_it_runs(model, prompts, out_dir
 
 
 # ------------------------------------------------------------------ provenance
-def test_the_bank_names_the_max_model_len_block_size_and_compilation_vllm_ran_with(model, prompts, out_dir, monkeypatch):
+def test_the_bank_names_the_max_model_len_block_size_and_compilation_vllm_ran_with(model, prompts, out_dir, monkeypatch,
+                                                                                  platform):
     """Not "auto": the values the engine resolved, read back from it (here a
     stand-in of vLLM's LLM; test_record.py checks the real one)."""
     vllm = pytest.importorskip("vllm")
+    from vllm_platform import skip_without_engine_config
+
+    skip_without_engine_config(platform)
 
     class EngineStandIn:
         def __init__(self, **kw):
@@ -306,9 +319,12 @@ def test_the_bank_names_the_max_model_len_block_size_and_compilation_vllm_ran_wi
     assert bank.metadata["compilation"] == "mode=DYNAMO_TRACE_ONCE backend=inductor custom_ops=none"
 
 
-def test_the_compilation_in_a_banks_provenance_is_vllms_resolved_mode_backend_and_custom_ops(model, tmp_path):
+def test_the_compilation_in_a_banks_provenance_is_vllms_resolved_mode_backend_and_custom_ops(model, tmp_path, platform):
     """Read from vLLM's engine config as the recorder and the serving engine
     build it: eager and vLLM's default (compiled) name different numerics."""
+    from vllm_platform import skip_without_engine_config
+
+    skip_without_engine_config(platform)
     from kvfill.connector.bank_checks import compilation_of
     from kvfill.record.engine_config import check_engine_config, engine_kwargs
 
@@ -324,10 +340,13 @@ def test_the_compilation_in_a_banks_provenance_is_vllms_resolved_mode_backend_an
 
 
 def test_a_serving_engine_in_another_compilation_mode_than_the_recordings_says_so_when_it_loads_the_bank(
-        model, tmp_path):
+        model, tmp_path, platform):
     """The bank's provenance against the serving engine's own config
     (``load_bank``): recorded eager, served compiled - one warning naming
     both; served eager - none."""
+    from vllm_platform import skip_without_engine_config
+
+    skip_without_engine_config(platform)
     from conftest import connector_lines
 
     from kvfill.bank import BankPart

@@ -148,3 +148,47 @@ def test_dcp_size_must_divide_tp_size_as_vllm_requires(tp, dcp, ok):
     else:
         with pytest.raises(ValueError, match=rf"DCP size {dcp} does not divide the TP size {tp}"):
             geometries_from_config(SimpleNamespace(parallel_config=par), kv_cfg)
+
+
+# ------------------------------------------------------------------ head-major K/V slots (vLLM 0.34's H2ND)
+NO_H2ND = "this vLLM's AttentionSpec has no kv_head_major_slots (vLLM 0.32: no head-major K/V slots)"
+
+
+def _h2nd_spec():
+    """An attention layer's spec as MiniMax-M3's NVFP4 MSA backend makes it
+    (``MiniMaxM3SparseMSANvfp4Backend.customize_spec``, vLLM 0.34: its module
+    needs CUDA-only packages, so built here as it builds it): 2 KV heads of
+    128, NVFP4 (uint8), one slot per head and side, 64 value bytes + 8 scale
+    bytes each, head h's K and V in slots 2h, 2h + 1."""
+    from dataclasses import fields, replace
+
+    if "kv_head_major_slots" not in {f.name for f in fields(FullAttentionSpec)}:
+        pytest.skip(NO_H2ND)
+    from vllm.utils.torch_utils import nvfp4_kv_cache_full_dim
+
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=128, head_size_v=128, dtype=torch.uint8,
+                             kv_quant_mode=vllm_kv.get_kv_quant_mode("nvfp4"))
+    return replace(spec, num_head_slots=4, state_content_bytes=nvfp4_kv_cache_full_dim(128), kv_head_major_slots=True)
+
+
+def test_head_major_slots_are_a_refused_layout_named_with_the_layer():
+    from kvfill.connector.packed import H2ND, refused_layout, refused_line
+
+    spec = _h2nd_spec()
+    assert refused_layout(spec) == H2ND
+    assert all(refused_layout(s) is None for s, _ in SPECS.values())
+    line = refused_line({"model.layers.3.self_attn.attn": spec, "model.layers.4.self_attn.attn": SPECS["full"][0]})
+    assert "cannot fill 1 cache layer(s) laid out H2ND (FullAttentionSpec (uint8))" in line
+    assert "model.layers.3.self_attn.attn" in line and "model.layers.4" not in line
+    assert refused_line({n: s for n, (s, _) in SPECS.items()}) is None
+
+
+def test_a_worker_over_head_major_slots_refuses_to_start_naming_the_layout_and_the_layer(tmp_path):
+    """Through vLLM's scheduler and connector factory (tests/vllm_harness.py):
+    the worker's connector is refused when it is made, before vLLM registers
+    any cache with it."""
+    from vllm_harness import make_harness
+
+    spec = _h2nd_spec()
+    with pytest.raises(ValueError, match=r"laid out H2ND .*: model\.layers\.0\.self_attn\.attn\. kvfill writes"):
+        make_harness(tmp_path, [(["model.layers.0.self_attn.attn"], spec)], extra={"fill_mean": 0.1})

@@ -40,7 +40,8 @@ class _Pages:
 
     def _garbage(self):
         g = torch.Generator(device="cpu").manual_seed(len(self.events))
-        self.h.raw.copy_(torch.randint(0, 256, self.h.raw.shape, dtype=torch.uint8, generator=g))
+        self.h.raw.copy_(torch.randint(0, 256, self.h.raw.shape, dtype=torch.uint8, generator=g,
+                                      device="cpu"))
 
     def commit(self, num_blocks, **kw):
         self.events.append(("commit", num_blocks))

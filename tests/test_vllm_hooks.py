@@ -50,9 +50,12 @@ def test_loaded_groups_are_the_groups_kvfill_fills(tmp_path):
     assert filled_group_ids(config) == (0,)
 
 
-def test_the_config_info_gauge_names_mode_granularity_backend_and_bank(tmp_path):
+def test_the_config_info_gauge_names_mode_granularity_backend_and_bank(tmp_path, monkeypatch):
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
     from vllm_harness import model_dir, vllm_config
+    from vllm_platform import cpu_platform_stand_in
+
+    cpu_platform_stand_in(monkeypatch)  # "auto" resolves by the platform: vLLM CPU's here (torch)
 
     from kvfill.connector.metadata import KVFillPromMetrics
 
@@ -87,9 +90,9 @@ def test_a_grant_dropped_for_routed_experts_is_logged_once(tmp_path, monkeypatch
 
 
 def test_a_vllm_build_without_cpu_ops_falls_back_to_the_registered_cache(monkeypatch):
-    import vllm._custom_ops as ops
-
     from kvfill.connector import cpu_layout
+
+    ops = cpu_layout.cpu_ops()  # vllm._cpu_ops from vLLM 0.34, vllm._custom_ops before
 
     def missing(*args, **kwargs):
         raise AttributeError("'_OpNamespace' '_C' object has no attribute 'cpu_attn_reshape_and_cache'")

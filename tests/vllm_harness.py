@@ -56,6 +56,19 @@ LLAMA = {
 }
 
 
+def runner_output(req_ids, **kw) -> ModelRunnerOutput:
+    """One sampled token (7) per request, as the model runner reports it:
+    vLLM 0.32/0.33's output also maps each request to its row
+    (``req_id_to_index``), vLLM 0.34's has no such field (the rows are
+    ``req_ids``' order)."""
+    import dataclasses
+
+    req_ids = list(req_ids)
+    if "req_id_to_index" in {f.name for f in dataclasses.fields(ModelRunnerOutput)}:
+        kw["req_id_to_index"] = {r: i for i, r in enumerate(req_ids)}
+    return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[[7] for _ in req_ids], **kw)
+
+
 def model_dir(root) -> str:
     path = os.path.join(str(root), "tiny-llama-config")
     os.makedirs(path, exist_ok=True)
@@ -126,12 +139,7 @@ class Harness:
         self.worker.start_load_kv(None)
         self.worker.clear_connector_metadata()
         req_ids = list(out.num_scheduled_tokens)
-        runner_out = ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=[[7] for _ in req_ids],
-        )
-        self.scheduler.update_from_output(out, runner_out)
+        self.scheduler.update_from_output(out, runner_output(req_ids))
         self.step_no += 1
         return out, meta
 
