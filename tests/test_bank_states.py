@@ -135,11 +135,11 @@ def test_states_sit_at_the_hand_computed_offsets_of_their_alignment_and_unpack_b
     assert page.shape == (3, total) and page.dtype == torch.uint8
     assert torch.equal(page[:, 0:36], conv.view(torch.uint8).reshape(3, -1))
     assert torch.equal(page[:, offsets[1]:offsets[1] + 72], ssm.view(torch.uint8).reshape(3, -1))
-    gaps = torch.ones(total, dtype=torch.bool)
+    gaps = torch.ones(total, dtype=torch.bool, device="cpu")  # the page is the host states'
     gaps[0:36] = gaps[offsets[1]:offsets[1] + 72] = False
     assert (page[:, gaps] == 0).all()
     # a cache page longer than the states (vLLM's page padding): the states read back, the rest left
-    poisoned = torch.full((3, total + 48), 0x5A, dtype=torch.uint8)
+    poisoned = torch.full((3, total + 48), 0x5A, dtype=torch.uint8, device="cpu")
     poisoned[:, :total] = page
     back = unpack(poisoned, shapes, dtypes, alignment)
     assert torch.equal(back[0], conv) and torch.equal(back[1], ssm)
@@ -227,7 +227,7 @@ def test_aligned_state_pages_are_written_whole_with_nothing_else_changed():
     sp = StatePages({name: cache}, {name: pages})
     blocks = {name: (np.array([3, 0]), np.array([1, 2]))}
     assert sp.write(blocks) == StateWrite(pages=2, bytes=2 * 128, launches=3)
-    back = unpack(raw[[3, 0], :128], [st.shape for st in ODD], [st.dtype for st in ODD], 16)
+    back = unpack(raw[[3, 0], :128].cpu(), [st.shape for st in ODD], [st.dtype for st in ODD], 16)  # host pages
     assert torch.equal(back[0], states[0][[1, 2]]) and torch.equal(back[1], states[1][[1, 2]])
     assert (raw[[1, 2, 4]] == -7).all() and (raw[:, 128:] == -7).all()
     assert sp.mismatches(blocks) == (2, 0, [])

@@ -298,12 +298,15 @@ def _minimax_index_k(kind):
     ``MiniMaxM3IndexerCache``: its dtype and width per ``indexer_kv_dtype``,
     a key-only ``MLAAttentionSpec`` of role indexer), built as it builds it
     (its package imports torchvision)."""
-    import vllm.v1.kv_cache_interface as K
-
     dtype, width = {"bf16": (torch.bfloat16, 128), "fp8": (torch.float8_e4m3fn, 128),
                     "nvfp4": (torch.uint8, 128 // 2 + 128 // 16)}[kind]
-    return lambda cfg: K.MLAAttentionSpec(block_size=64, num_kv_heads=1, head_size=width, dtype=dtype,
-                                          cache_role=K.SparseCacheRole.INDEXER)
+
+    def build(cfg):
+        import vllm.v1.kv_cache_interface as K  # when the test runs: the module collects without vLLM
+
+        return K.MLAAttentionSpec(block_size=64, num_kv_heads=1, head_size=width, dtype=dtype,
+                                  cache_role=K.SparseCacheRole.INDEXER)
+    return build
 
 
 def _kimi_indexer(fp4):
