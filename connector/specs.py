@@ -153,7 +153,7 @@ def startup_fill_group_ids(kv_cache_config: Any) -> set[int]:
     not attention groups the engine zeroes on allocation (that wipes the fill)."""
     out = set()
     for i, g in enumerate(kv_cache_config.kv_cache_groups):
-        if not getattr(g, "enable_kv_transfer", True):
+        if not transferred(g):
             continue
         if any(spec_kind(s) == GroupKind.CIRCULAR_BUFFER for s in layer_specs(g.kv_cache_spec)):
             continue
@@ -169,8 +169,7 @@ def filled_group_ids(kv_cache_config: Any) -> tuple[int, ...]:
     not raw backing buffers a layer lays out itself (HiSparse), which have
     no block dim to address."""
     return tuple(i for i, g in enumerate(kv_cache_config.kv_cache_groups)
-                 if getattr(g, "enable_kv_transfer", True)
-                 and any(getattr(s, "has_layer_views", True) for s in layer_specs(g.kv_cache_spec)))
+                 if transferred(g) and any(getattr(s, "has_layer_views", True) for s in layer_specs(g.kv_cache_spec)))
 
 
 def untransferred_layers(kv_cache_config: Any) -> dict[str, int]:
@@ -180,7 +179,13 @@ def untransferred_layers(kv_cache_config: Any) -> dict[str, int]:
     kvfill never fills, records or replays them: what it writes into the
     source group is what vLLM copies there."""
     return {name: i for i, g in enumerate(kv_cache_config.kv_cache_groups)
-            if not getattr(g, "enable_kv_transfer", True) for name in g.layer_names}
+            if not transferred(g) for name in g.layer_names}
+
+
+def transferred(group: Any) -> bool:
+    """Whether vLLM transfers this KV cache group's blocks (``enable_kv_transfer``;
+    vLLM 0.32/0.33 groups without the field always)."""
+    return getattr(group, "enable_kv_transfer", True)
 
 
 def layer_specs_by_name(kv_cache_config: Any) -> dict[str, KVCacheSpec]:
