@@ -9,6 +9,11 @@ block is given the bank sequence its token prefix picks
 (``BankIndex.sequences_for``), so requests sharing a cached block agree on it.
 The step's selections travel to the workers as ``KVFillConnectorMetadata``.
 
+A request whose ``kv_transfer_params`` hold ``{"kvfill_prefill": true}``
+(``SamplingParams(extra_args={"kv_transfer_params": ...})``, or the
+OpenAI API's ``kv_transfer_params`` field) is not filled: vLLM prefills it
+for real beside filled ones, in the same engine (``PREFILL_PARAM``).
+
 Record role (``record_dir``, used by ``kvfill.record``): nothing is granted;
 the block tables of scheduled requests are followed, and in the step whose
 forward computes a prompt's position ``N - 1`` the request's blocks of
@@ -28,6 +33,10 @@ from .metadata import KVFillConnectorMetadata, RecordItem
 from .options import FillOptions
 from .planner import RECORDED_KINDS, GroupKind, Planner, RequestSelection
 from .specs import geometries_from_config, select_request, startup_fill_group_ids
+
+# kv_transfer_params key: a request carrying it true is prefilled by vLLM, not filled (kvfill-check times
+# real prefill's decode against a fill's in one engine, interleaved, with it).
+PREFILL_PARAM = "kvfill_prefill"
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -107,6 +116,8 @@ class KVFillScheduler:
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
         if self.recorder is not None:
             return 0, False  # recording: every prompt is prefilled for real
+        if (getattr(request, "kv_transfer_params", None) or {}).get(PREFILL_PARAM) is True:
+            return 0, False  # asked to be prefilled for real (PREFILL_PARAM)
         preemptions = getattr(request, "num_preemptions", 0)
         seen = self.filled.get(request.request_id)
         if seen is not None and not (self.options.refill_on_preemption and preemptions > seen):

@@ -596,6 +596,20 @@ def test_startup_filled_groups_are_skipped_before_planning(tmp_path):
     assert out.num_scheduled_tokens["a"] == 1 and meta.reqs_to_fill["a"][0][1] == []
 
 
+def test_a_request_asking_for_real_prefill_is_prefilled_by_vllm_beside_a_filled_one(tmp_path):
+    """kv_transfer_params {"kvfill_prefill": true}: vLLM schedules the whole
+    prompt and the connector plans nothing for it; its neighbour without
+    the key (or with it false) is filled as ever."""
+    h = make_harness(tmp_path, [(["model.layers.0.self_attn.attn"], FullAttentionSpec(**ATT))], extra=FILL,
+                     layout="BLHNC", prefix_caching=False)
+    h.add("real", list(range(1, 19)), kv_transfer_params={"kvfill_prefill": True})
+    h.add("filled", list(range(21, 39)), kv_transfer_params={"kvfill_prefill": False})
+    h.add("plain", list(range(41, 59)))
+    out, meta = h.step()
+    assert out.num_scheduled_tokens == {"real": 18, "filled": 1, "plain": 1}
+    assert set(meta.reqs_to_fill) == {"filled", "plain"}
+
+
 @pytest.mark.parametrize("prompt,shared", [([5], False), (list(range(1, 33)) + [99], True)],
                          ids=["one-token-prompt", "full-local-prefix-hit"])
 def test_without_refill_a_request_with_nothing_to_fill_is_not_filled_after_preemption(tmp_path, prompt, shared):

@@ -125,8 +125,9 @@ class Harness:
         init_none_hash(hash_fn)
         self.hasher = get_request_block_hasher(self.scheduler.block_size, hash_fn)
 
-    def add(self, req_id: str, prompt: list[int], max_tokens: int = 4):
-        req = Request(req_id, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), None,
+    def add(self, req_id: str, prompt: list[int], max_tokens: int = 4, kv_transfer_params: dict | None = None):
+        extra = {"kv_transfer_params": kv_transfer_params} if kv_transfer_params is not None else None
+        req = Request(req_id, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True, extra_args=extra), None,
                       block_hasher=self.hasher)
         self.scheduler.add_request(req)
         return req
