@@ -74,6 +74,7 @@ class CheckConfig:
     concurrency: int | None = None
     decoys: int = 0
     verify: bool = False
+    time_passes: int = 3
 
 
 def build_parser() -> RecordArgumentParser:
@@ -113,6 +114,10 @@ def build_parser() -> RecordArgumentParser:
                           "reference")
     own.add_argument("--run-timeout", type=float, default=3600, metavar="SECONDS",
                      help="a run (or the recording) still going after this is stopped and reported as failed")
+    own.add_argument("--time-passes", type=int, default=3, metavar="N",
+                     help="decode time: each fill's run times N passes of its fill alternating with N of real "
+                          "prefill in the same engine, real prefill's run 2N of its own (default %(default)s; the "
+                          "ratio's interval comes from the passes and their steps; 0: time not measured)")
     own.add_argument("--in-process", action="store_true",
                      help="every step in this process, one engine after another: saves each step's start (vLLM's "
                           "import, seconds); but --run-timeout is not enforced, vLLM's output goes to this terminal, "
@@ -148,6 +153,8 @@ def check_config(argv: Sequence[str] | None = None) -> CheckConfig:
     for name, value, low in (("--output-len", args.output_len, 1), ("--max-tokens", args.max_tokens, 0)):
         if value < low:
             raise CheckError(f"{name} {value}: expected an int >= {low}")
+    if args.time_passes < 0:
+        raise CheckError(f"--time-passes {args.time_passes}: expected an int >= 0 (0: decode time not measured)")
     if not (math.isfinite(args.temperature) and args.temperature >= 0):
         raise CheckError(f"--temperature {args.temperature}: expected a finite number >= 0")
     found = [f"{flags[r.dest]} {p.typed.get(r.dest, getattr(args, r.dest))}: {r.reason}" + (
@@ -205,7 +212,8 @@ def check_config(argv: Sequence[str] | None = None) -> CheckConfig:
                        temperature=args.temperature, normal=tuple(args.normal) if args.normal else None,
                        constant=args.constant, split=args.split_reference, run_timeout=args.run_timeout,
                        engine=engine, argv=list(argv) if argv is not None else [], in_process=args.in_process,
-                       serve=args.serve, concurrency=args.concurrency, decoys=args.decoys, verify=args.verify)
+                       serve=args.serve, concurrency=args.concurrency, decoys=args.decoys, verify=args.verify,
+                       time_passes=args.time_passes)
 
 
 def own_actions(p: RecordArgumentParser) -> list:

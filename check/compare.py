@@ -15,16 +15,24 @@ observable, with real prefill's own floor where a sample has one.
     ``TV(p, q) = 1/2 sum |p_e - q_e|`` to real prefill's; floor: the TV
     between real prefill's loads over two halves of the prompts (the even
     and the odd ones: half the sample each: about sqrt 2 above a full-size comparison's noise).
-  * time: decode milliseconds per output token, as a ratio to real prefill's.
+  * time (``decode_time``): milliseconds per request-token of the pure
+    decode steps at the largest batch both sides ran, a fill's passes over
+    the real-prefill passes interleaved with them in the same engine (real
+    prefill's own run: its passes of one parity over the other's, the
+    host's noise); the ratio of the pooled medians with a 95 % interval from
+    a two-level bootstrap (passes, then steps within each pass).
   * served (``--serve``): the EOS-honoured outputs are the served ones; the
     client's request throughput and mean TPOT as ratios to real prefill's
     served run, and how many served texts equal its.
 """
 from __future__ import annotations
 
+import math
+import random
 import statistics
 
 REFERENCE = "prefill"
+BOOTSTRAP = 2000  # resamples behind a decode-time interval
 
 
 def tokens(ref: list[dict], rows: list[dict]) -> dict:
@@ -99,7 +107,7 @@ def tv(p: list[float], q: list[float]) -> float:
 def expert_load(ref: list, counts: list) -> dict:
     every = range(len(ref))
     per_layer = [round(tv(p, q), 4) for p, q in zip(load(ref, every), load(counts, every))]
-    return {"tv_per_layer": per_layer, "tv_mean": round(statistics.fmean(per_layer), 4)}
+    return {"tv_per_layer": per_layer, "tv_mean": round(statistics.fmean(per_layer), 4), "prompts": len(counts)}
 
 
 def moe_floor(ref: list) -> dict | None:
@@ -110,6 +118,19 @@ def moe_floor(ref: list) -> dict | None:
     uniform = [round(tv(p, [1 / len(p)] * len(p)), 4) for p in load(ref, range(len(ref)))]
     return {"tv_per_layer": per_layer, "tv_mean": round(statistics.fmean(per_layer), 4),
             "tv_to_uniform_mean": round(statistics.fmean(uniform), 4)}
+
+
+def layers_against_floor(tv: list[float], floor: list[float]) -> dict:
+    """How many layers' TV exceed real prefill's floor in that layer, and a
+    sign test of that count (each layer a fair coin if the fill routes as a
+    fresh sample of real prefill does; the halves floor is the larger of the
+    two under that, so the test leans to "within"): ``p_more`` = P(at least
+    this many), ``p_less`` = P(at most this many)."""
+    n, k = len(tv), sum(t > f for t, f in zip(tv, floor))
+    above = sum(t > 1.5 * f for t, f in zip(tv, floor))
+    pmf = [math.comb(n, i) / 2 ** n for i in range(n + 1)]
+    return {"layers": n, "layers_above_floor": k, "layers_above_1_5x_floor": above,
+            "sign_p_more": round(sum(pmf[k:]), 4), "sign_p_less": round(sum(pmf[:k + 1]), 4)}
 
 
 def compare_all(res: dict) -> dict:
@@ -133,8 +154,10 @@ def compare_all(res: dict) -> dict:
             row["tokens_vs_split"] = tokens(split["greedy"], got["greedy"])
         if "expert_counts" in got and "expert_counts" in ref:
             row["expert_load"] = expert_load(ref["expert_counts"], got["expert_counts"])
-        if got.get("decode_ms_per_token") and ref.get("decode_ms_per_token"):
-            row["decode_time_ratio"] = round(got["decode_ms_per_token"] / ref["decode_ms_per_token"], 3)
+            floor = out[REFERENCE].get("moe_floor")
+            if floor:
+                row["expert_load"].update(layers_against_floor(row["expert_load"]["tv_per_layer"],
+                                                               floor["tv_per_layer"]))
         if ref["eos"] and got.get("eos"):
             row["eos_lengths_identical"] = [r["length"] for r in got["eos"]] == [r["length"] for r in ref["eos"]]
         if got.get("served") and ref.get("served"):
@@ -143,6 +166,54 @@ def compare_all(res: dict) -> dict:
     if split and "error" not in split:
         out["prefill_split"] = {"tokens_vs_prefill": tokens(ref["greedy"], split["greedy"])}
     return out
+
+
+def decode_time(timing: dict | None) -> dict | None:
+    """A run's timed passes (``measure.time_passes``) as one ratio with its
+    interval: the first kind's ms per request-token (a step's time over the
+    tokens each request gained in it) over the second kind's, at the
+    largest batch both ran pure decode steps at (a drafter's runs finish
+    requests at different steps).  Beside it each kind's pass medians, the
+    host's load and the process's CPU seconds per wall second.  None
+    without passes; ``error`` when no batch size is common to both."""
+    passes = (timing or {}).get("passes")
+    if not passes:
+        return None
+    kinds = list(dict.fromkeys(p["kind"] for p in passes))
+    groups = {k: [p for p in passes if p["kind"] == k] for k in kinds}
+    common = set.intersection(*({b for p in ps for b in p["batch"]} for ps in groups.values()))
+    if len(kinds) != 2 or not common:
+        return {"kinds": kinds, "error": "no pure decode steps at a batch size both kinds of pass ran"}
+    batch = max(common)
+    per = {k: [[ms / p["tokens_per_step"] for ms, b in zip(p["ms"], p["batch"]) if b == batch] for p in ps]
+           for k, ps in groups.items()}
+    per = {k: [steps for steps in v if steps] for k, v in per.items()}
+    a, b = kinds
+    med = {k: statistics.median([x for steps in per[k] for x in steps]) for k in kinds}
+    lo, hi = _interval(per[a], per[b])
+    return {"kinds": kinds, "batch": batch, "ms_per_token": [round(med[a], 4), round(med[b], 4)],
+            "ratio": round(med[a] / med[b], 3), "interval": [round(lo, 3), round(hi, 3)],
+            "passes": [len(per[a]), len(per[b])], "steps": [sum(map(len, per[a])), sum(map(len, per[b]))],
+            "pass_medians": [[round(statistics.median(s), 3) for s in per[k]] for k in kinds],
+            "load": [min(min(p["load"]) for p in passes), max(max(p["load"]) for p in passes)],
+            "cpu_per_wall": round(sum(p["cpu_s"] for p in passes) / sum(p["wall_s"] for p in passes), 2),
+            "torch_threads": timing.get("torch_threads"), "cores": timing.get("cores")}
+
+
+def _interval(a: list[list[float]], b: list[list[float]]) -> tuple[float, float]:
+    """95 % interval of median(a) / median(b), each side resampled in two
+    levels (its passes, then the steps of each pass drawn): a burst of load
+    that slowed one pass widens it, as it should, instead of moving it."""
+    rng = random.Random(0)
+
+    def draw(passes):
+        pooled = []
+        for steps in rng.choices(passes, k=len(passes)):
+            pooled += rng.choices(steps, k=len(steps))
+        return statistics.median(pooled)
+
+    ratios = sorted(draw(a) / draw(b) for _ in range(BOOTSTRAP))
+    return ratios[int(0.025 * BOOTSTRAP)], ratios[int(0.975 * BOOTSTRAP) - 1]
 
 
 def served(ref: dict, got: dict) -> dict:
@@ -159,7 +230,7 @@ def served(ref: dict, got: dict) -> dict:
 
 def _own(got: dict) -> dict:
     """A run's own figures."""
-    row = {"decode_ms_per_token": got.get("decode_ms_per_token"), "spec": spec(got.get("counters", {})),
+    row = {"decode_time": decode_time(got.get("timing")), "spec": spec(got.get("counters", {})),
            "eos_spec": spec(got.get("eos_counters", {}))}
     if got.get("eos"):
         row["eos"] = lengths(got["eos"])

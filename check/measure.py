@@ -3,10 +3,17 @@ engine with the user's engine flags and one fill, and what it measures.
 
 Per run, on the same prompts (token ids, tokenized as kvfill-record does):
   * greedy: ``output_len`` tokens per prompt, EOS ignored, with each token's
-    logprob; decode time per output token over the engine's pure decode
-    steps (``probes.StepTimer``), vLLM's speculative-decoding counters,
-    the drafts a drafter proposed, and each MoE layer's expert choices for
-    the decode-step tokens;
+    logprob; vLLM's speculative-decoding counters, the drafts a drafter
+    proposed, and each MoE layer's expert choices for the decode-step
+    tokens;
+  * timing (``time_passes``): the greedy prompts again, probes off, each
+    pure decode step timed (``probes.StepTimer``).  A fill's run alternates
+    a pass of its fill with a pass of real prefill in the same engine
+    (``kvfill_prefill`` requests), so both see the same host at the same
+    minutes; real prefill's run times twice as many passes of its own, the
+    check's measure of its own noise.  Per pass: each step's seconds and
+    batch, wall, process and thread CPU seconds, tokens per step, the
+    host's load before and after;
   * eos: up to ``max_tokens`` per prompt with EOS honoured (as ``vllm bench
     serve`` on a real data set), at ``temperature`` with one seed per prompt,
     the same in every run: each output's length and whether it ended at EOS.
@@ -16,6 +23,7 @@ the next - real prefill split where a fill splits it; greedy only.
 """
 from __future__ import annotations
 
+import os
 import time
 
 from . import probes
@@ -51,13 +59,12 @@ def run(job: dict) -> dict:
         if job.get("spec"):
             why_not = [n for n in llm.collective_rpc(probes.watch_drafts) if n]
             drafts, notes = not why_not, notes + why_not[:1]
-        timer = probes.StepTimer(llm, job.get("spec_tokens", 0))
         prompts = [TokensPrompt(prompt_token_ids=t) for t in ids]
         greedy = SamplingParams(max_tokens=job["output_len"], temperature=0.0, logprobs=1, ignore_eos=True,
                                 detokenize=False)
-        t0, timer.on = time.perf_counter(), True
+        t0 = time.perf_counter()
         outs = llm.generate(prompts, greedy, use_tqdm=False)
-        greedy_s, timer.on = time.perf_counter() - t0, False
+        greedy_s = time.perf_counter() - t0
         after_greedy = probes.counters(llm)
         rows = [{"tokens": list(o.outputs[0].token_ids),
                  "logprobs": [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]}
@@ -72,12 +79,13 @@ def run(job: dict) -> dict:
             if counted["note"]:  # the counts stopped part-way: none are reported as the run's
                 notes.append(counted["note"])
                 hooked = []
+        timing = time_passes(llm, prompts, job)
+        before_eos = probes.counters(llm)
         eos_rows, eos_s, after_eos = _eos(llm, prompts, job)
     result = {"run": job["run"], "model_runner": runner, "startup_s": round(startup_s, 1),
-              "greedy_s": round(greedy_s, 2),
-              **timer.summary(_tokens_per_step(after_greedy)), "greedy": rows, "eos": eos_rows,
+              "greedy_s": round(greedy_s, 2), "timing": timing, "greedy": rows, "eos": eos_rows,
               "eos_s": round(eos_s, 2), "counters": after_greedy,
-              "eos_counters": {k: v - after_greedy.get(k, 0) for k, v in after_eos.items()}}
+              "eos_counters": {k: v - before_eos.get(k, 0) for k, v in after_eos.items()}}
     if notes:  # what a probe could not read on this run's model runner
         result["probe_notes"] = notes
     if hooked:
@@ -100,6 +108,50 @@ def _eos(llm, prompts, job) -> tuple[list[dict], float, dict]:
     took = time.perf_counter() - t0
     rows = [{"length": len(o.outputs[0].token_ids), "eos": o.outputs[0].finish_reason == "stop"} for o in outs]
     return rows, took, probes.counters(llm)
+
+
+def time_passes(llm, prompts, job) -> dict:
+    """``job["time_passes"]`` timed passes of each kind over the greedy
+    prompts (EOS ignored, no logprobs, probes off; the prefix cache reset
+    before each, so every pass fills or prefills its prompts): a fill's run
+    alternates "fill" and "real" (its engine prefilling for real:
+    ``kvfill_prefill``), starting with the fill; real prefill's run
+    alternates "real" and "real'" (its self-comparison).  {} when not
+    asked for or the engine's steps cannot be timed here."""
+    from vllm import SamplingParams
+
+    from kvfill.connector.scheduler import PREFILL_PARAM
+
+    n = job.get("time_passes", 0)
+    timer = probes.StepTimer(llm, job.get("spec_tokens", 0)) if n else None
+    if not n or not timer.available:
+        return {}
+    kinds = ("fill", "real") if job.get("connector") else ("real", "real'")
+    caching = bool(job["engine"].get("enable_prefix_caching"))
+    passes = []
+    for i in range(2 * n):
+        kind = kinds[i % 2]
+        extra = {"kv_transfer_params": {PREFILL_PARAM: True}} if kind == "real" and job.get("connector") else None
+        params = SamplingParams(max_tokens=job["output_len"], temperature=0.0, ignore_eos=True, detokenize=False,
+                                extra_args=extra)
+        if caching:
+            llm.reset_prefix_cache()
+        before = probes.counters(llm)
+        timer.steps = []
+        load0, cpu0, thread0, t0 = os.getloadavg()[0], time.process_time(), time.thread_time(), time.perf_counter()
+        timer.on = True
+        llm.generate(prompts, params, use_tqdm=False)
+        timer.on = False
+        wall, cpu, thread = time.perf_counter() - t0, time.process_time() - cpu0, time.thread_time() - thread0
+        after = probes.counters(llm)
+        passes.append({"kind": kind, "ms": [round(1e3 * t, 4) for t, _ in timer.steps],
+                       "batch": [b for _, b in timer.steps], "tokens_per_step": round(_tokens_per_step(
+                           {k: after.get(k, 0) - before.get(k, 0) for k in after}), 4),
+                       "wall_s": round(wall, 4), "cpu_s": round(cpu, 4), "thread_cpu_s": round(thread, 4),
+                       "load": [round(load0, 2), round(os.getloadavg()[0], 2)]})
+    import torch
+
+    return {"passes": passes, "torch_threads": torch.get_num_threads(), "cores": len(os.sched_getaffinity(0))}
 
 
 def _tokens_per_step(counters: dict) -> float:

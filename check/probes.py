@@ -9,7 +9,6 @@ from __future__ import annotations
 import collections
 import json
 import os
-import statistics
 import time
 
 SPEC_COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
@@ -252,10 +251,11 @@ class StepTimer:
     decode ones: no new request scheduled and no request given more than
     1 + ``spec_tokens`` tokens (a prefill chunk).  Real prefill's first
     steps mix prompt chunks into the batch and a fill's do not, so only pure
-    decode steps compare."""
+    decode steps compare.  ``steps``: (seconds, requests in the batch) of
+    each pure decode step while ``on``."""
 
     def __init__(self, llm, spec_tokens: int):
-        self.steps: list[tuple[float, int]] = []  # (seconds, requests) of each pure decode step
+        self.steps: list[tuple[float, int]] = []
         self.on = False
         core = getattr(getattr(llm.llm_engine, "engine_core", None), "engine_core", None)
         self.available = core is not None and hasattr(core, "step_fn") and hasattr(core, "scheduler")
@@ -281,14 +281,3 @@ class StepTimer:
 
         core.scheduler.schedule = watched_schedule
         core.step_fn = timed
-
-    def summary(self, tokens_per_step: float) -> dict:
-        """The median pure decode step in ms (a step's time varies with what
-        else the machine runs), per output token (a request gains
-        ``tokens_per_step`` tokens a step: 1 without drafts), and the batch."""
-        if not self.steps:
-            return {"decode_ms_per_token": None, "decode_steps": 0}
-        ms = 1e3 * statistics.median(t for t, _ in self.steps)
-        return {"decode_ms_per_token": round(ms / tokens_per_step, 3), "decode_ms_per_step": round(ms, 3),
-                "decode_steps": len(self.steps),
-                "decode_batch": round(sum(r for _, r in self.steps) / len(self.steps), 1)}

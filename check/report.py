@@ -25,9 +25,17 @@ from .compare import REFERENCE
 MOE_NOISE = 1.5
 # A floor this large against real prefill's distance to a uniform load: the sample cannot tell loads apart.
 MOE_SCALE = 0.5
-# A decode-time ratio beyond this, with no observable that explains it, is called out as a timing to rerun:
-# time is reported, never judged (on 2 shared cores one run's ratio moves up to about 2x, docs/replay.md).
-TIME_OFF = 1.5
+# A fill's decode-time interval must lie beyond this ratio (either way) to count as a difference: smaller
+# effects than 10 % are below what a decode benchmark on a shared host resolves.  Real prefill timed against
+# itself widens it where the host is noisier; past TIME_UNMEASURABLE the report says time is not measurable.
+TIME_BAND = 1.1
+TIME_UNMEASURABLE = 2.0
+# Fewer prompts (reaching EOS) or MoE layers than this behind a verdict: marked thin.
+THIN = 5
+# Expert load: a sign test over at least SIGN_LAYERS layers, at level SIGN_P (below that many layers,
+# no count of layers can reach SIGN_P: the mean TV decides, marked thin).
+SIGN_LAYERS = 5
+SIGN_P = 0.05
 # Per-token and per-prompt lists a run measured: in OUT/logs/RUN.json, summarised in report.json.
 RAW = ("greedy", "eos", "expert_counts", "texts")  # --serve: the client's own file, OUT/logs/served-RUN.json
 
@@ -70,15 +78,41 @@ def token_verdict(run: str, row: dict) -> tuple[str, bool]:
         if ref["identical"]:
             other = (f"; {split_t['equal']}/{split_t['total']} of the split reference's (vLLM's own prefill split "
                      f"there differs)" if ref is t and split_t is not t else "")
-            return (f"{run}: greedy tokens = real prefill's{to} ({ref['equal']}/{ref['total']}, |Δlogprob| "
-                    f"<= {ref['max_abs_logprob_diff']:g}){other}"), True
+            return (f"{run}: greedy tokens = real prefill's{to} ({ref['equal']}/{ref['total']} over {ref['prompts']} "
+                    f"prompts, |Δlogprob| <= {ref['max_abs_logprob_diff']:g}){other}"), True
     firsts = [f for f in t["first_divergence"] if f is not None]
-    return (f"{run}: {t['equal']}/{t['total']} greedy tokens as real prefill's ({_pct(t['share'])}), first divergence "
-            f"at token {min(firsts)} (median {sorted(firsts)[len(firsts) // 2]}) - the model writes other text"), False
+    return (f"{run}: {t['equal']}/{t['total']} greedy tokens as real prefill's ({_pct(t['share'])}, {t['prompts']} "
+            f"prompts), first divergence at token {min(firsts)} (median {sorted(firsts)[len(firsts) // 2]}) - the "
+            f"model writes other text"), False
+
+
+class Evidence:
+    """What one fill's lines found, for its summary line: the observables
+    measured (each with its sample), those that differ from real prefill's,
+    those that could not be judged, and the runs a verdict holds only for."""
+
+    def __init__(self):
+        self.measured: list[str] = []
+        self.differs: list[str] = []
+        self.unknown: list[str] = []
+        self.only_for: list[str] = []
+
+    def summary(self, run: str) -> str:
+        if self.differs:
+            verb = "differ" if len(self.differs) > 1 else "differs"
+            return f"=> {run}: not valid for this benchmark ({', '.join(self.differs)} {verb}) - use replay"
+        if self.unknown:
+            return f"=> {run}: not shown valid ({'; '.join(self.unknown)})"
+        on = f"; measured: {', '.join(self.measured)}" if self.measured else ""
+        if self.only_for:
+            return f"=> {run}: valid only for {'; '.join(self.only_for)}{on}"
+        return (f"=> {run}: valid for this benchmark - every observable that sets decode time is real prefill's or "
+                f"within its floor{on}")
 
 
 def verdicts(res: dict, cmp: dict) -> list[str]:
-    """One line per fill and observable, then one summary line per fill."""
+    """One line per fill and observable, each naming its sample, then one
+    summary line per fill saying what it holds for."""
     if "reference_failed" in cmp:
         return [f"real prefill failed ({cmp['reference_failed']}): nothing to compare with"]
     lines, ref = [], cmp[REFERENCE]
@@ -94,91 +128,185 @@ def verdicts(res: dict, cmp: dict) -> list[str]:
         lines.append(f"prefill: served run failed - {res['steps'][REFERENCE]['served_error']}")
     lines += [f"{'prefill' if run == REFERENCE else run}: {note}" for run, step in res["steps"].items()
               for note in step.get("probe_notes", ())]
+    host, band = time_host_line(ref.get("decode_time"))
+    lines += [host] if host else []
+    prompts = len(res["prompt_tokens"])
     for run, step in res["steps"].items():
         if run in ("record", REFERENCE, "prefill_split"):
             continue
         if "error" in step:
             lines.append(f"{run}: run failed - {step['error']}")
             continue
-        row, timing, unknown = cmp[run], [], []
-        if run == "replay" and res.get("bank_prompts_held") is not None and \
-                res["bank_prompts_held"] < len(res["prompt_tokens"]):
-            lines.append(f"replay: the bank holds {res['bank_prompts_held']}/{len(res['prompt_tokens'])} prompts "
+        row, ev = cmp[run], Evidence()
+        if run == "replay" and res.get("bank_prompts_held") is not None and res["bank_prompts_held"] < prompts:
+            lines.append(f"replay: the bank holds {res['bank_prompts_held']}/{prompts} prompts "
                          f"whole; the others replay rows of its recorded sequences picked by each block's token hash "
                          f"(another text's KV), so their tokens need not be real prefill's")
         line, exact = token_verdict(run, row)
         lines.append(line)
-        if "eos" in row and "eos" in ref:
-            e, r, floor = row["eos"], ref["eos"], ref.get("eos_floor")
-            d = abs(e["mean"] - r["mean"])
-            what = (f"EOS-honoured output length {e['mean']:g} vs {r['mean']:g} real tokens, ending at EOS "
-                    f"{_pct(e['eos_share'])} vs {_pct(r['eos_share'])}")
-            if not (e["eos_share"] or r["eos_share"]):
-                lines.append(f"{run}: no output of this run or real prefill's ended at EOS within --max-tokens "
-                             f"{max(e['max'], r['max'])}: lengths say nothing here")
-            elif row["eos_lengths_identical"]:
-                lines.append(f"{run}: {what} - every length = real prefill's")
-            elif floor is not None and d <= floor:
-                lines.append(f"{run}: {what} - within real prefill's floor ({floor:g}: its halves' means)")
-            else:
-                lines.append(f"{run}: {what} (floor {floor if floor is not None else 'n/a'}) - request throughput "
-                             f"will differ")
-                timing.append("EOS lengths")
-        s, rs, d = row.get("spec"), ref.get("spec"), row.get("drafts_equal")
-        drafts = f"; drafts of {d['equal']}/{d['total']} steps as real prefill's" if d and d["total"] else ""
-        if rs:
-            if s is None:
-                lines.append(f"{run}: no drafts counted vs acceptance {_pct(rs['acceptance'])} real")
-                timing.append("acceptance")
-            elif (s["accepted"], s["draft_tokens"]) == (rs["accepted"], rs["draft_tokens"]):
-                lines.append(f"{run}: acceptance {_pct(s['acceptance'])}, {s['tokens_per_step']:g} tokens per step = "
-                             f"real prefill's counters{drafts}")
-            else:
-                lines.append(f"{run}: acceptance {_pct(s['acceptance'])} vs {_pct(rs['acceptance'])} real, "
-                             f"{s['tokens_per_step']:g} vs {rs['tokens_per_step']:g} tokens per step{drafts} - use replay")
-                timing.append("acceptance")
-        if "expert_load" in row and ref.get("moe_floor"):
-            tv, floor = row["expert_load"]["tv_mean"], ref["moe_floor"]["tv_mean"]
-            what = f"{run}: expert load TV {tv:.3f}, floor {floor:.3f}" + (f" ({tv / floor:.1f}x)" if floor else "")
-            scale = ref["moe_floor"]["tv_to_uniform_mean"]
-            if not any(row["expert_load"]["tv_per_layer"]):
-                lines.append(f"{run}: expert load = real prefill's, every layer (TV 0)")
-            elif exact and tv <= floor:  # the same tokens decoded: only rounding moves the router
-                lines.append(f"{what} - within real prefill's noise: its greedy tokens are real prefill's, routed "
-                             f"alike up to rounding")
-            elif floor >= MOE_SCALE * scale:
-                lines.append(f"{what} - inconclusive: real prefill's own halves differ as much as its load differs "
-                             f"from a uniform one ({scale:.3f}); more prompts or --output-len")
-                unknown.append("expert load inconclusive on this sample")
-            elif tv <= MOE_NOISE * floor:
-                lines.append(f"{what} - within real prefill's noise")
-            else:
-                lines.append(f"{what} - the fill moves MoE routing")
-                timing.append("expert load")
+        if exact:
+            ev.measured.append(f"greedy tokens ({row['tokens']['prompts']} prompts)")
+        lines += eos_lines(run, row, ref, res, ev)
+        lines += spec_lines(run, row, ref, ev)
+        lines += expert_lines(run, row, ref, exact, ev)
         if step.get("probe_notes") or res["steps"][REFERENCE].get("probe_notes"):
-            unknown.append("a probe could not read vLLM's model runner (above)")
+            ev.unknown.append("a probe could not read vLLM's model runner (above)")
         lines += served_lines(run, step, row, ref)
         if step.get("served_error") or res["steps"][REFERENCE].get("served_error"):
-            unknown.append("EOS lengths not measured: a served run failed")
-        if row.get("decode_time_ratio"):
-            ratio = row["decode_time_ratio"]
-            off = not timing and not 1 / TIME_OFF <= ratio <= TIME_OFF
-            lines.append(f"{run}: decode {row['decode_ms_per_token']:g} ms per output token vs "
-                         f"{ref['decode_ms_per_token']:g} real ({ratio:g}x)" + (
-                             " - nothing measured above sets this fill's decode apart: one timing, on a shared "
-                             "host noise; rerun before reading it as the fill's" if off else ""))
-        if timing:
-            verb = "differ" if len(timing) > 1 else "differs"
-            lines.append(f"=> {run}: not valid for this benchmark ({', '.join(timing)} {verb}) - use replay")
-        elif unknown:
-            lines.append(f"=> {run}: not shown valid ({'; '.join(unknown)})")
-        else:
-            lines.append(f"=> {run}: valid for this benchmark - every observable that sets decode time is real "
-                         f"prefill's or within its floor")
+            ev.unknown.append("EOS lengths not measured: a served run failed")
+        lines += time_lines(run, row.get("decode_time"), band, ev)
+        lines.append(ev.summary(run))
     if res.get("moe_note"):
         lines.append(f"expert load: {res['moe_note']}")
     lines.append(indexer_line(res))
     return lines
+
+
+def _thin(n: int, what: str) -> str:
+    return f"; thin: {n} {what}" if n < THIN else ""
+
+
+def eos_lines(run: str, row: dict, ref: dict, res: dict, ev: Evidence) -> list[str]:
+    """EOS-honoured lengths: equal, within real prefill's halves floor, or
+    differing (request throughput and the batch decode runs at follow
+    them); where no real output ended at EOS they say nothing, and a
+    verdict holds only for EOS-ignored or capped runs."""
+    if "eos" not in row or "eos" not in ref:
+        if not (row.get("served_error") or ref.get("served_error")):
+            ev.only_for.append("EOS-ignored runs (no EOS-honoured run: --max-tokens 0)")
+        return []
+    e, r, floor = row["eos"], ref["eos"], ref.get("eos_floor")
+    n, at_eos = len(r["lengths"]), round(r["eos_share"] * len(r["lengths"]))
+    cap = max(e["max"], r["max"])
+    what = (f"EOS-honoured output length {e['mean']:g} vs {r['mean']:g} real tokens, ending at EOS "
+            f"{_pct(e['eos_share'])} vs {_pct(r['eos_share'])} ({n} prompts, {at_eos} of real prefill's at EOS"
+            f"{_thin(at_eos, 'at EOS')})")
+    if not (r["eos_share"] or e["eos_share"]):
+        ev.only_for.append(f"EOS-ignored runs or outputs capped at {cap} tokens (no real output ended at EOS: "
+                           f"raise --max-tokens)")
+        return [f"{run}: no output of this run or real prefill's ended at EOS within --max-tokens {cap}: lengths "
+                f"say nothing here ({what})"]
+    d = abs(e["mean"] - r["mean"])
+    if row["eos_lengths_identical"]:
+        ev.measured.append(f"EOS lengths ({n} prompts)")
+        return [f"{run}: {what} - every length = real prefill's"]
+    if floor is not None and d <= floor:
+        ev.measured.append(f"EOS lengths ({n} prompts, within floor)")
+        return [f"{run}: {what} - within real prefill's floor ({floor:g}: its halves' means)"]
+    ev.differs.append("EOS lengths")
+    return [f"{run}: {what} (floor {floor if floor is not None else 'n/a: one prompt'}) - request throughput "
+            f"will differ"]
+
+
+def spec_lines(run: str, row: dict, ref: dict, ev: Evidence) -> list[str]:
+    s, rs, d = row.get("spec"), ref.get("spec"), row.get("drafts_equal")
+    if not rs:
+        return []
+    drafts = f"; drafts of {d['equal']}/{d['total']} steps as real prefill's" if d and d["total"] else ""
+    if s is None:
+        ev.differs.append("acceptance")
+        return [f"{run}: no drafts counted vs acceptance {_pct(rs['acceptance'])} real ({rs['drafts']} drafts)"]
+    if (s["accepted"], s["draft_tokens"]) == (rs["accepted"], rs["draft_tokens"]):
+        ev.measured.append(f"acceptance ({rs['drafts']} drafts)")
+        return [f"{run}: acceptance {_pct(s['acceptance'])}, {s['tokens_per_step']:g} tokens per step = real "
+                f"prefill's counters ({rs['drafts']} drafts, {rs['draft_tokens']} draft tokens){drafts}"]
+    ev.differs.append("acceptance")
+    return [f"{run}: acceptance {_pct(s['acceptance'])} vs {_pct(rs['acceptance'])} real, {s['tokens_per_step']:g} "
+            f"vs {rs['tokens_per_step']:g} tokens per step ({s['drafts']} vs {rs['drafts']} drafts){drafts} - "
+            f"use replay"]
+
+
+def expert_lines(run: str, row: dict, ref: dict, exact: bool, ev: Evidence) -> list[str]:
+    """Expert load judged per layer: how many layers' TV exceed real
+    prefill's own halves floor there, with a sign test over the layers
+    (``compare.layers_against_floor``); too few prompts for a floor: not
+    judged, and the fill not called valid."""
+    if "expert_load" not in row:
+        return []
+    x, floor = row["expert_load"], ref.get("moe_floor")
+    prompts = x["prompts"]
+    if not any(x["tv_per_layer"]):
+        ev.measured.append(f"expert load ({len(x['tv_per_layer'])} layers)")
+        return [f"{run}: expert load = real prefill's, every layer (TV 0, {len(x['tv_per_layer'])} layers, "
+                f"{prompts} prompts)"]
+    if not floor:
+        ev.unknown.append(f"expert load not judged: {prompts} prompt(s), and real prefill's floor needs 2 or more")
+        return [f"{run}: expert load TV {x['tv_mean']:.3f} - not judged: real prefill's own floor needs 2 or more "
+                f"prompts ({prompts} here)"]
+    tv, f_mean, n, k = x["tv_mean"], floor["tv_mean"], x["layers"], x["layers_above_floor"]
+    sample = (f"{k}/{n} layers above real prefill's floor there, {x['layers_above_1_5x_floor']} above 1.5x; "
+              f"sign test p {x['sign_p_more']:.2g}; {prompts} prompts{_thin(n, 'layers: a sign test needs 5')}")
+    what = f"{run}: expert load TV {tv:.3f}, floor {f_mean:.3f}" + (f" ({tv / f_mean:.1f}x)" if f_mean else "")
+    scale = floor["tv_to_uniform_mean"]
+    if exact and tv <= f_mean:  # the same tokens decoded: only rounding moves the router
+        ev.measured.append(f"expert load ({n} layers)")
+        return [f"{what} ({sample}) - within real prefill's noise: its greedy tokens are real prefill's, routed "
+                f"alike up to rounding"]
+    if n >= SIGN_LAYERS and x["sign_p_more"] < SIGN_P:
+        ev.differs.append("expert load")
+        return [f"{what} ({sample}) - the fill moves MoE routing in most layers"]
+    if f_mean >= MOE_SCALE * scale:
+        ev.unknown.append("expert load inconclusive on this sample")
+        return [f"{what} ({sample}) - inconclusive: real prefill's own halves differ as much as its load differs "
+                f"from a uniform one ({scale:.3f}); more prompts or --output-len"]
+    if tv > MOE_NOISE * f_mean:
+        ev.differs.append("expert load")
+        return [f"{what} ({sample}) - the fill moves MoE routing"]
+    if n >= SIGN_LAYERS and x["sign_p_less"] >= SIGN_P and k > n / 2:
+        ev.unknown.append("expert load inconclusive on this sample")
+        return [f"{what} ({sample}) - inconclusive: most layers above the floor, too few to tell"]
+    ev.measured.append(f"expert load ({n} layers)")
+    return [f"{what} ({sample}) - within real prefill's noise"]
+
+
+def time_host_line(t: dict | None) -> tuple[str | None, float]:
+    """Real prefill timed against itself (its passes of one parity over the
+    other's): how finely this host resolves decode time now.  The line, and
+    the band a fill's interval must clear to count as a difference: at
+    least ``TIME_BAND``, wider where real prefill's own interval is."""
+    if not t or "ratio" not in t:
+        return None, TIME_BAND
+    lo, hi = t["interval"]
+    band = max(TIME_BAND, hi, 1 / lo)
+    host = (f"load {t['load'][0]:g}-{t['load'][1]:g} on {t['cores']} cores, {t['cpu_per_wall']:g} CPU s per wall s "
+            f"with {t['torch_threads']} torch threads")
+    line = (f"decode time on this host: real prefill against itself {t['ratio']:g}x [{lo:g}, {hi:g}] "
+            f"({t['passes'][0]}+{t['passes'][1]} passes, {t['steps'][0]}+{t['steps'][1]} steps at batch "
+            f"{t['batch']}; {host})")
+    if band > TIME_UNMEASURABLE:
+        return (line + f" - decode time is not measurable on this host now: its own passes differ by up to "
+                       f"{band:.2g}x; every ratio below is noise unless beyond that"), band
+    if band > TIME_BAND:
+        return line + f" - a fill's time counts as different only beyond {band:.2g}x", band
+    return line, band
+
+
+def time_lines(run: str, t: dict | None, band: float, ev: Evidence) -> list[str]:
+    """A fill's decode time against real prefill's passes interleaved with
+    it in its engine: noise while the interval holds 1 (whatever else
+    differs), different beyond the host's band, else too small to tell."""
+    if t is None:
+        ev.only_for.append("what was measured besides decode time (not timed: --time-passes 0, or the engine's "
+                           "steps could not be timed)")
+        return []
+    if "ratio" not in t:
+        ev.unknown.append(f"decode time not measured: {t['error']}")
+        return [f"{run}: decode time not measured - {t['error']}"]
+    lo, hi = t["interval"]
+    fill, real = t["ms_per_token"]
+    what = (f"{run}: decode {fill:g} vs {real:g} ms per request-token of real prefill interleaved in the same "
+            f"engine: {t['ratio']:g}x [{lo:g}, {hi:g}] ({t['passes'][0]}+{t['passes'][1]} passes, "
+            f"{t['steps'][0]}+{t['steps'][1]} steps at batch {t['batch']}; pass medians {t['pass_medians'][0]} vs "
+            f"{t['pass_medians'][1]}; load {t['load'][0]:g}-{t['load'][1]:g}, {t['cpu_per_wall']:g} CPU s per wall s)")
+    if lo <= 1 <= hi:
+        ev.measured.append(f"decode time ({t['passes'][0]}+{t['passes'][1]} passes)")
+        return [f"{what} - the interval holds 1: noise, not the fill's"]
+    if lo > band or hi < 1 / band:
+        ev.differs.append("decode time")
+        return [f"{what} - {'slower' if lo > 1 else 'faster'} than real prefill beyond this host's noise "
+                f"({band:.2g}x)"]
+    ev.measured.append(f"decode time ({t['passes'][0]}+{t['passes'][1]} passes, within {band:.2g}x)")
+    return [f"{what} - within {band:.2g}x: below what this host resolves"]
 
 
 def served_lines(run: str, step: dict, row: dict, ref: dict) -> list[str]:
@@ -270,11 +398,15 @@ def markdown(cfg, res: dict, cmp: dict, lines: list[str]) -> str:
            f"; {res['runtime_s']:.0f} s in all{_runners(res)}.", "", "## Verdicts", ""]
     out += [f"- {line}" for line in lines]
     served = " served req/s | served TPOT ms |" if cfg.serve else ""
-    out += ["", "## Runs", "", "| run | tokens = real | EOS mean length | at EOS | acceptance | expert TV | "
-            f"decode ms/token | run s |{served}", "|---|---|---|---|---|---|---|---|" + "---|---|" * cfg.serve]
+    out += ["", "## Runs", "", "Decode time: ms per request-token (median of the timed passes' pure decode steps), the "
+            "ratio to real prefill timed in the same engine with its 95 % interval, the host's 1-minute load over "
+            "the passes and the process's CPU seconds per wall second.", "",
+            "| run | tokens = real | EOS mean length | at EOS | acceptance | expert TV | "
+            f"decode ms/token | ratio [95 %] | load | CPU/wall | run s |{served}",
+            "|---|---|---|---|---|---|---|---|---|---|---|" + "---|---|" * cfg.serve]
     for run, step in res["steps"].items():
         if "error" in step:
-            out.append(f"| {run} | failed | | | | | | {step.get('step_s', '')} |" + " | |" * cfg.serve)
+            out.append(f"| {run} | failed | | | | | | | | | {step.get('step_s', '')} |" + " | |" * cfg.serve)
             continue
         row = cmp.get(run, {})
         t = row.get("tokens") or row.get("tokens_vs_prefill")
@@ -283,7 +415,7 @@ def markdown(cfg, res: dict, cmp: dict, lines: list[str]) -> str:
         tok = f"{t['equal']}/{t['total']}" if t else ("reference" if run == REFERENCE else "")
         tv_cell = "" if tv is None else (f"floor {tv}" if run == REFERENCE else tv)
         out.append(f"| {run} | {tok} | {e['mean'] if e else ''} | {_pct(e['eos_share']) if e else ''} "
-                   f"| {_pct(s['acceptance']) if s else ''} | {tv_cell} | {row.get('decode_ms_per_token') or ''} "
+                   f"| {_pct(s['acceptance']) if s else ''} | {tv_cell} | {_time_cells(row.get('decode_time'))} "
                    f"| {step.get('step_s', '')} |" + (_served_cells(step) if cfg.serve else ""))
     if res.get("samples"):
         out += ["", "## What each run wrote", "", "The first prompt's first greedy tokens:", "",
@@ -291,6 +423,14 @@ def markdown(cfg, res: dict, cmp: dict, lines: list[str]) -> str:
         out += [f"| {run} | {json.dumps(text, ensure_ascii=False)[1:-1].replace('|', '¦')} |"
                 for run, text in res["samples"].items()]
     return "\n".join(out) + "\n"
+
+
+def _time_cells(t: dict | None) -> str:
+    """decode ms/token | ratio [95 %] | load | CPU/wall (real prefill's row: against itself)."""
+    if not t or "ratio" not in t:
+        return " | | | "
+    return (f"{t['ms_per_token'][0]:g} | {t['ratio']:g} [{t['interval'][0]:g}, {t['interval'][1]:g}] | "
+            f"{t['load'][0]:g}-{t['load'][1]:g} | {t['cpu_per_wall']:g}")
 
 
 def _served_cells(step: dict) -> str:
@@ -320,13 +460,25 @@ def plot(path: str, res: dict, cmp: dict, title: str) -> bool:
                        lambda r: 0.0 if r == REFERENCE else cmp[r].get("expert_load", {}).get("tv_mean", 0.0)))
     if cmp.get(REFERENCE, {}).get("served"):
         panels.append(("served requests/s", lambda r: (cmp[r].get("served") or {}).get("request_throughput") or 0.0))
-    panels.append(("decode ms per output token", lambda r: cmp[r].get("decode_ms_per_token") or 0.0))
+    panels.append(("decode time vs real prefill in its engine (bar: 95 %)",
+                   lambda r: (cmp[r].get("decode_time") or {}).get("ratio", 0.0)))
     fig, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels), 3.2), squeeze=False)
     for ax, (name, value) in zip(axes[0], panels):
-        ax.bar(runs, [value(r) for r in runs], color=["tab:blue" if r == REFERENCE else "tab:orange"
-                                                      if r == "replay" else "tab:gray" for r in runs])
+        bars = ax.bar(runs, [value(r) for r in runs], color=["tab:blue" if r == REFERENCE else "tab:orange"
+                                                             if r == "replay" else "tab:gray" for r in runs])
         if name.startswith("expert"):
             ax.axhline(cmp[REFERENCE]["moe_floor"]["tv_mean"], color="k", ls="--", lw=1)
+            for bar, r in zip(bars, runs):  # the per-layer count the verdict rests on
+                x = cmp[r].get("expert_load") or {}
+                if "layers" in x:
+                    ax.annotate(f"{x['layers_above_floor']}/{x['layers']}", (bar.get_x() + bar.get_width() / 2,
+                                bar.get_height()), ha="center", va="bottom", fontsize=7)
+        if name.startswith("decode"):
+            ax.axhline(1.0, color="k", ls="--", lw=1)
+            for i, r in enumerate(runs):
+                t = cmp[r].get("decode_time") or {}
+                if "interval" in t:
+                    ax.plot([i, i], t["interval"], color="k", lw=1.5)
         ax.set_title(name, fontsize=8)
         ax.tick_params(axis="x", labelrotation=45, labelsize=7)
     fig.suptitle(f"kvfill-check: {title}", fontsize=9)

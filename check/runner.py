@@ -74,7 +74,8 @@ def run_all(cfg: CheckConfig, inputs: Inputs | None = None, log=print) -> dict:
     moe = probes.moe_shape(config) if engine.get("enforce_eager") else None
     base = {"kind": "run", "ids": ids, "engine": engine, "output_len": cfg.output_len,
             "max_tokens": 0 if cfg.serve else cfg.max_tokens, "temperature": cfg.temperature, "moe": moe, "spec": bool(spec),
-            "spec_tokens": _spec_tokens(spec), "decoys": decoys(ids, cfg.decoys) if cfg.decoys else None}
+            "spec_tokens": _spec_tokens(spec), "decoys": decoys(ids, cfg.decoys) if cfg.decoys else None,
+            "time_passes": cfg.time_passes}
     runs = ["prefill", *(["prefill_split"] if split else []), *cfg.fills]
     fills, i = {}, made
     dataset = _served_dataset(cfg) if cfg.serve else None
