@@ -281,6 +281,10 @@ def time_host_line(t: dict | None) -> tuple[str | None, float]:
     return line, band
 
 
+def _ms(values: list[float]) -> str:
+    return "[" + ", ".join(f"{v:.3g}" for v in values) + "]"
+
+
 def time_lines(run: str, t: dict | None, band: float, ev: Evidence) -> list[str]:
     """A fill's decode time against real prefill's passes interleaved with
     it in its engine: noise while the interval holds 1 (whatever else
@@ -294,10 +298,10 @@ def time_lines(run: str, t: dict | None, band: float, ev: Evidence) -> list[str]
         return [f"{run}: decode time not measured - {t['error']}"]
     lo, hi = t["interval"]
     fill, real = t["ms_per_token"]
-    what = (f"{run}: decode {fill:g} vs {real:g} ms per request-token of real prefill interleaved in the same "
+    what = (f"{run}: decode {fill:.3g} vs {real:.3g} ms per request-token of real prefill interleaved in the same "
             f"engine: {t['ratio']:g}x [{lo:g}, {hi:g}] ({t['passes'][0]}+{t['passes'][1]} passes, "
-            f"{t['steps'][0]}+{t['steps'][1]} steps at batch {t['batch']}; pass medians {t['pass_medians'][0]} vs "
-            f"{t['pass_medians'][1]}; load {t['load'][0]:g}-{t['load'][1]:g}, {t['cpu_per_wall']:g} CPU s per wall s)")
+            f"{t['steps'][0]}+{t['steps'][1]} steps at batch {t['batch']}; pass medians "
+            f"{_ms(t['pass_medians'][0])} vs {_ms(t['pass_medians'][1])} ms; load {t['load'][0]:g}-{t['load'][1]:g}, {t['cpu_per_wall']:g} CPU s per wall s)")
     if lo <= 1 <= hi:
         ev.measured.append(f"decode time ({t['passes'][0]}+{t['passes'][1]} passes)")
         return [f"{what} - the interval holds 1: noise, not the fill's"]
@@ -429,7 +433,7 @@ def _time_cells(t: dict | None) -> str:
     """decode ms/token | ratio [95 %] | load | CPU/wall (real prefill's row: against itself)."""
     if not t or "ratio" not in t:
         return " | | | "
-    return (f"{t['ms_per_token'][0]:g} | {t['ratio']:g} [{t['interval'][0]:g}, {t['interval'][1]:g}] | "
+    return (f"{t['ms_per_token'][0]:.3g} | {t['ratio']:g} [{t['interval'][0]:g}, {t['interval'][1]:g}] | "
             f"{t['load'][0]:g}-{t['load'][1]:g} | {t['cpu_per_wall']:g}")
 
 

@@ -189,8 +189,8 @@ def test_a_fill_equal_to_unsplit_prefill_but_not_to_the_split_is_called_equal_na
              "normal": _step("normal", [[5, 2], [3, 9]], [], [], {})}
     res = _res(steps)
     lines = report.verdicts(res, compare.compare_all(res))
-    assert "replay: greedy tokens = real prefill's (4/4 over 2 prompts, |Δlogprob| <= 0); 3/4 of the split reference's (vLLM's " \
-           "own prefill split there differs)" in lines, lines
+    assert "replay: greedy tokens = real prefill's (4/4 over 2 prompts, |Δlogprob| <= 0); 3/4 of the split " \
+           "reference's (vLLM's own prefill split there differs)" in lines, lines
     assert any(line.startswith("normal: 1/4 greedy tokens as real prefill's") for line in lines), lines
 
 
@@ -613,6 +613,7 @@ def test_a_bank_that_holds_only_some_prompts_is_named_on_replays_lines_and_in_th
     assert lines[1] == ("replay: the bank holds 1/2 prompts whole; the others replay rows of its recorded sequences "
                         "picked by each block's token hash (another text's KV), so their tokens need not be real "
                         "prefill's")
-    assert not any("the bank holds" in line for line in report.verdicts({**res, "bank_prompts_held": 2}, compare.compare_all(res)))
+    again = report.verdicts({**res, "bank_prompts_held": 2}, compare.compare_all(res))
+    assert not any("the bank holds" in line for line in again)
     cfg = check_config(["--model", tiny[0], "--prompts", tiny[1], "--bank", path])
     assert f"bank {path} (holding 1/2 prompts whole);" in report.markdown(cfg, res, compare.compare_all(res), lines)
