@@ -1,7 +1,7 @@
 """kvfill-check on the bench's own models: each preset makes its model and
-prompts (locally, once), runs ``kvfill-check`` and copies the report to
+prompts (locally, once), runs ``kvfill-check`` and publishes the report as
 ``bench/results/check-NAME-cpu.{json,md,png}`` (NAME: the preset and its
-variant, ``result_name``).
+variant, ``result_name``), its paths relative to the project (``publish``).
 
     python bench/check_presets.py real     # SmolLM2-135M, real text asked to be summarised, ngram drafts
     python bench/check_presets.py moe      # tiny Mixtral: expert load vs real prefill's floor, held-out prompts
@@ -49,6 +49,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -57,7 +58,8 @@ from kvfill.bench.models import HYBRID_KINDS, PEAKED_STD, make_hybrid_model, mak
     make_tokenizer, make_topic_prompts, nested_prompts, word_prompts, write_lines
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-OUT = os.path.abspath(os.path.join(HERE, "..", "out"))
+ROOT = os.path.dirname(HERE)
+OUT = os.path.join(ROOT, "out")
 PRESETS = ("real", "moe", "hybrid", "spec", "llama", "sliding")
 RECORDED = ("hybrid", "spec", "llama", "sliding")  # --record-tp / --record-pp
 INSTRUCTION = "Summarize the text above in two sentences."
@@ -183,6 +185,39 @@ def result_name(a, extra: list[str]) -> str:
     return name + (f"-{a.tag}" if a.tag else "") + "-serve" * a.serve
 
 
+def without_machine_paths(text: str, work: str, root: str = ROOT) -> str:
+    """A report's text as bench/results publishes it: paths in the project
+    relative to it (``out/check-llama/prompts.txt``), the work folder
+    ``<work>`` where it lies outside the project - no absolute path of the
+    machine that ran the check (numbers and everything else unchanged)."""
+    root, work = os.path.abspath(root), os.path.abspath(work)
+    names = ([(work, "<work>")] if os.path.relpath(work, root).startswith("..") else []) + [(root, ".")]
+    for folder, name in names:
+        for spelled in {folder, json.dumps(folder)[1:-1]}:  # as written, and as JSON escapes it
+            # the folder whole: followed by '/' or by no further character of a name (/work/main2 is another)
+            whole = re.escape(spelled) + r"(/|(?![\w\-]|\.\w))"
+            text = re.sub(whole, lambda m: name + m.group(1) if name != "." else "" if m.group(1) else ".", text)
+    return text
+
+
+def publish(work: str, results: str, name: str) -> None:
+    """The check's report in ``work`` as ``results/check-NAME-cpu.*``: the
+    text files ``without_machine_paths``, the picture as made."""
+    os.makedirs(results, exist_ok=True)
+    for ext in ("json", "md", "png"):
+        src, dst = os.path.join(work, f"report.{ext}"), os.path.join(results, f"check-{name}-cpu.{ext}")
+        if not os.path.exists(src):
+            if os.path.exists(dst):  # not made this time (no matplotlib, or real prefill failed): no stale copy
+                os.unlink(dst)
+        elif ext == "png":
+            shutil.copyfile(src, dst)
+        else:
+            with open(src) as f:
+                text = without_machine_paths(f.read(), work)
+            with open(dst, "w") as f:
+                f.write(text)
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     own, extra = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
@@ -235,13 +270,7 @@ def main(argv=None) -> int:
     # kvfill-check in a process of its own, as a user runs it: with --in-process its engines start there,
     # and vLLM CPU's kernel rebinding scans every module loaded (the real model's GGUF reader trips it)
     rc = subprocess.run([sys.executable, "-m", "kvfill.check", *args]).returncode
-    os.makedirs(a.results, exist_ok=True)
-    for ext in ("json", "md", "png"):
-        src, dst = os.path.join(work, f"report.{ext}"), os.path.join(a.results, f"check-{name}-cpu.{ext}")
-        if os.path.exists(src):
-            shutil.copyfile(src, dst)
-        elif os.path.exists(dst):  # not made this time (no matplotlib, or real prefill failed): no stale copy
-            os.unlink(dst)
+    publish(work, a.results, name)
     return rc
 
 

@@ -343,3 +343,54 @@ def test_make_venv_installs_what_kvfill_checks_picture_needs(has_nvidia):
     assert "matplotlib" in requirements, (extras, requirements)
     assert ("vllm" in extras) == (has_nvidia == "1")  # the CUDA wheel only where a GPU answers
     assert "import matplotlib" in (ROOT / "check" / "report.py").read_text()  # what the picture imports
+
+
+def _report(work, root) -> dict[str, str]:
+    """A check's report.json and report.md as kvfill-check writes them: paths of the project and its work folder."""
+    import json
+
+    report = {"command": ["kvfill-check", "--model", f"{root}/out/tiny-llama", "--out", str(work)],
+              "bank": f"{work}/bank.safetensors", "logs": {"prefill": f"{work}/logs/prefill.json"},
+              "decode_ms_per_token": 12.84, "elsewhere": f"{root}2/x"}
+    return {"json": json.dumps(report, indent=1),
+            "md": f"`kvfill-check --model {root}/out/tiny-llama --out {work}`\nreplay: 12.84 ms (logs: {work}/logs).\n"}
+
+
+def test_a_published_check_report_names_no_absolute_path_of_this_machine(tmp_path):
+    """bench/check_presets.py publishes a check's report.json and report.md
+    with paths relative to the project, a work folder outside the project
+    as <work>; every number as it was, the picture as made."""
+    import json
+
+    from kvfill.bench import check_presets
+
+    work, results = tmp_path / "work", tmp_path / "results"
+    work.mkdir()
+    for ext, text in _report(work, ROOT).items():
+        (work / f"report.{ext}").write_text(text)
+    (work / "report.png").write_bytes(b"\x89PNG picture")
+    check_presets.publish(str(work), str(results), "x")
+    published = {ext: (results / f"check-x-cpu.{ext}").read_text() for ext in ("json", "md")}
+    inside = {ext: check_presets.without_machine_paths(text, str(ROOT / "out" / "check-x"))
+              for ext, text in _report(ROOT / "out" / "check-x", ROOT).items()}
+    for texts, named in ((published, "<work>"), (inside, "out/check-x")):
+        got = json.loads(texts["json"])
+        assert got["command"] == ["kvfill-check", "--model", "out/tiny-llama", "--out", named]
+        assert got["bank"] == f"{named}/bank.safetensors" and got["logs"]["prefill"] == f"{named}/logs/prefill.json"
+        assert got["decode_ms_per_token"] == 12.84 and got["elsewhere"] == f"{ROOT}2/x"  # another folder, kept
+        assert texts["md"] == f"`kvfill-check --model out/tiny-llama --out {named}`\n" \
+                              f"replay: 12.84 ms (logs: {named}/logs).\n"
+        assert str(tmp_path) not in texts["md"] + texts["json"]
+    assert (results / "check-x-cpu.png").read_bytes() == b"\x89PNG picture"
+
+
+def test_the_committed_reports_name_no_absolute_path():
+    """Every report bench/check_presets.py and the demo published in
+    bench/results names its files relative to the project."""
+    import re
+
+    reports = sorted((ROOT / "bench" / "results").glob("check-*-cpu.*")) + [ROOT / "bench/results/cpu_e2e.json"]
+    texts = {p.name: p.read_text() for p in reports if p.suffix in (".json", ".md")}
+    assert len(texts) > 40
+    absolute = re.compile(r"""(?:^|[\s"'`(=])/(?:work|home|tmp|root|Users|mnt|scratch|var|opt)/""")
+    assert {name for name, text in texts.items() if absolute.search(text) or str(ROOT) in text} == set()
