@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import tempfile
 
 from .inputs import RecordError
 
@@ -17,8 +18,8 @@ from .inputs import RecordError
 # sync_and_gather_intermediate_tensors, then a KeyError in the scheduler),
 # whatever the prompts; its compile warm-up allocates them.
 _CPU_PP_EAGER = ("vLLM CPU's pipeline parallelism fails in eager mode (a later stage never gets its intermediate "
-                 "tensors: vLLM's AssertionError, whatever the prompts); leave --enforce-eager out, the recorder "
-                 "then runs PP compiled")
+                 "tensors: vLLM's AssertionError, whatever the prompts), and vLLM runs on its CPU platform here "
+                 "(other platforms are not refused); leave --enforce-eager out, the recorder then runs PP compiled")
 
 
 def engine_kwargs(model, token_ids, record_dir, dtype, kv_cache_dtype, block_size, max_model_len, llm_kwargs,
@@ -148,11 +149,36 @@ def _first_message(exc: BaseException) -> str:
 
 
 def vllm_failed(exc: BaseException, kw: dict, token_ids) -> str:
-    """One line for a failure inside vLLM's run: whose it is and with what input."""
+    """One line for a failure inside vLLM's run: whose it is, with what
+    input, and advice that fits the cause (``_rendezvous_lost``: the
+    workers' rendezvous file gone is no matter of parallel sizes)."""
     lengths = [len(t) for t in token_ids]
     parallel = ", ".join(f"--{k.replace('_', '-')} {kw[k]}" for k in ("tensor_parallel_size", "pipeline_parallel_size")
                          if int(kw.get(k) or 1) > 1)
-    return (f"vLLM failed while starting or prefilling ({_first_message(exc)}): a failure of vLLM's own, not an "
+    head = (f"vLLM failed while starting or prefilling ({_first_message(exc)}): a failure of vLLM's own, not an "
             f"input the recorder refused; it ran {len(lengths)} prompts of {min(lengths)}-{max(lengths)} tokens"
-            f"{' with ' + parallel if parallel else ''} (vLLM's log above names the failing worker). Retry with "
+            f"{' with ' + parallel if parallel else ''} (vLLM's log above names the failing worker)")
+    rendezvous = f"{tempfile.gettempdir()}/kvfill-record-vllm-*/vllm_dist_<id>"  # record/engine.py's _private_tempdir
+    if _rendezvous_lost(exc):
+        return (f"{head}. The workers lost their rendezvous file, {rendezvous} (torch's FileStore they meet "
+                f"through, made in a temp folder of the run's own under TMPDIR as the engine starts): something "
+                f"removed it while the run went on. Check that nothing cleans TMPDIR during a recording (a temp "
+                f"cleaner such as systemd-tmpfiles or tmpwatch, another job emptying it) and that TMPDIR is a "
+                f"local, writable folder every process of the run sees; then run the same command again (other "
+                f"parallel sizes would not help)")
+    return (f"{head}. If that log names a missing file {rendezvous} (the workers' rendezvous), something removed "
+            f"the run's temp folder: check that nothing cleans TMPDIR during a recording; otherwise retry with "
             f"other parallel sizes or prompts, or report it to vLLM with that log")
+
+
+def _rendezvous_lost(exc: BaseException) -> bool:
+    """torch's FileStore whose file vanished raises ``DistStoreError: No such
+    file or directory``; vLLM may wrap it (the chain is searched)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        text = f"{type(exc).__name__}: {exc}"
+        if "vllm_dist_" in text or ("DistStoreError" in text and "No such file or directory" in text):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
