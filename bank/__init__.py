@@ -13,6 +13,7 @@ One file per role:
     parts.py    BankPart, what one rank loads: its TP heads, PP layers, DCP positions
     dcp.py      DcpGeometry, which DCP rank holds which token (the fill kernels' too)
     index.py    BankIndex, which recorded sequence a block replays (metadata alone)
+    stream.py   a bank file's header alone (StoredBank) and its rows a bounded chunk at a time
     rows.py     RowFormat, the canonical K/V row order and the permutation to each cache's
     state.py    StateTensor, the state section: hybrid models' recurrent state per sequence
 """

@@ -76,16 +76,7 @@ def load(path: str, part, fits=None) -> dict:
 
     meta = _read_metadata(path)
     _, lengths, tokens = _index_of(meta, path)
-    info = _meta_json(meta, "layers", path, dict, "an object: layer -> {dtype, row, value_dtype, kv, parts}")
-    for name, v in info.items():
-        kv = v.get("kv") if isinstance(v, dict) else None
-        parts = v.get("parts", []) if isinstance(v, dict) else None
-        if not isinstance(v, dict) or not (isinstance(parts, list) and all(
-                isinstance(p, list) and all(_is_int(x) and x >= 1 for x in p) for p in parts)) or not (
-                kv is None or (isinstance(kv, list) and len(kv) == 3 and all(_is_int(x) and x >= 0 for x in kv))):
-            raise BankError(f"{path}: metadata 'layers'[{name!r}] is {_short(v)}; expected an object with "
-                            f"'dtype', 'row', 'value_dtype', 'kv' (null or [heads, head_size, head_size_v]) "
-                            f"and 'parts' (a list of lists of dims >= 1)")
+    info = layers_info(meta, path)
     kvs = {n: v.get("kv") or None for n, v in info.items()}
     layouts = {n: v for n, v in layouts_from_json(meta.get("states"), path).items() if part.wants(n)}
     state_names = {state_tensor_name(n, i) for n, lay in layouts_from_json(meta.get("states"), path).items()
@@ -133,6 +124,23 @@ def load(path: str, part, fits=None) -> dict:
         part=part,
         identity=identity_of(meta, path),
     )
+
+
+def layers_info(meta: Mapping[str, str], path: str) -> dict[str, dict]:
+    """A bank file's metadata ``layers`` (layer -> ``{dtype, row,
+    value_dtype, kv, parts}``), each entry checked; BankError naming the
+    first that is not one."""
+    info = _meta_json(meta, "layers", path, dict, "an object: layer -> {dtype, row, value_dtype, kv, parts}")
+    for name, v in info.items():
+        kv = v.get("kv") if isinstance(v, dict) else None
+        parts = v.get("parts", []) if isinstance(v, dict) else None
+        if not isinstance(v, dict) or not (isinstance(parts, list) and all(
+                isinstance(p, list) and all(_is_int(x) and x >= 1 for x in p) for p in parts)) or not (
+                kv is None or (isinstance(kv, list) and len(kv) == 3 and all(_is_int(x) and x >= 0 for x in kv))):
+            raise BankError(f"{path}: metadata 'layers'[{name!r}] is {_short(v)}; expected an object with "
+                            f"'dtype', 'row', 'value_dtype', 'kv' (null or [heads, head_size, head_size_v]) "
+                            f"and 'parts' (a list of lists of dims >= 1)")
+    return info
 
 
 # Bytes per element of safetensors' dtype names (an unknown one counts 8: the check errs on the safe side).
