@@ -7,7 +7,9 @@ failure, in the report.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
+import math
 
 from .cli import CheckConfig, CheckError
 
@@ -92,25 +94,103 @@ def check_model_len(cfg: CheckConfig, max_len: int, what: str, expected: str) ->
 
 
 def read_bank(path: str, ids: list[list[int]]) -> tuple[dict | None, int | None]:
-    """A bank read once for two facts: the mean and std of its attention KV
-    values (its float rows; K and V apart: a row's first half is K), None
-    when it holds no float rows; and how many of the prompts it holds whole
-    (one recorded sequence starts with all of a prompt's tokens), None for a
-    bank without its sequences' token ids.  Replay gives any other prompt,
-    block by block, rows of a recorded sequence picked by the block's token
-    hash."""
-    import torch
+    """A bank read once for two facts: the mean and std of its KV values
+    (its float rows, decoded as stored: an fp8 cache's bytes as fp8; K and V
+    apart where the bank names a layer's K/V geometry), None when it holds
+    no float rows; and how many of the prompts it holds whole (one recorded
+    sequence starts with all of a prompt's tokens, from the bank's index),
+    None for a bank without its sequences' token ids.  Replay gives any
+    other prompt, block by block, rows of a recorded sequence picked by the
+    block's token hash.
 
-    from kvfill.bank import Bank
+    The rows stream through one bounded buffer (``kvfill.bank.stream``), so
+    the host holds a chunk of the bank, never the bank.  The statistics:
+    ``mean``, ``std`` (every value), ``k_std``, ``v_std`` (None without a
+    layer of known geometry, ``v_std`` None for MLA's latent rows, which
+    hold no V), ``sequences``, ``has_state`` (recurrent state recorded), and
+    ``source``, a line saying which layers they were computed from and how
+    their bytes were read."""
+    from kvfill.bank import BankIndex
+    from kvfill.bank.stream import read_stored, row_chunks
 
-    bank = Bank.load(path)
-    index = bank.index
+    stored = read_stored(path)
+    index = BankIndex.read(path)  # metadata alone
     held = None if index.tokens is None else sum(index.holds(t) for t in ids)
-    rows = [t for t in bank.layers.values() if t.dtype.is_floating_point and t.element_size() > 1]
-    if not rows:
+    used = [layer for layer in stored.layers.values() if layer.values is not None]
+    if not used:
         return None, held
-    k = torch.cat([t[..., : t.shape[-1] // 2].float().flatten() for t in rows])
-    v = torch.cat([t[..., t.shape[-1] // 2:].float().flatten() for t in rows])
-    kv = torch.cat([k, v])
-    return {"mean": kv.mean().item(), "std": kv.std().item(), "k_std": k.std().item(), "v_std": v.std().item(),
-            "sequences": bank.num_sequences, "has_state": bool(bank.states)}, held
+    k, v, unsplit = _Moments(), _Moments(), _Moments()
+    for layer in used:
+        width = layer.kv[0] * layer.kv[1] if layer.kv else None  # K's elements: a canonical row is K then V
+        for rows in row_chunks(path, layer):
+            values = rows if rows.dtype == layer.values else rows.view(layer.values)
+            if width is None:
+                unsplit.add(values)
+            else:
+                k.add(values[:, :width])
+                v.add(values[:, width:])
+    every = _Moments.of(k, v, unsplit)
+    return {"mean": every.mean, "std": every.std(), "k_std": k.std(), "v_std": v.std(),
+            "sequences": stored.num_sequences, "has_state": stored.has_state,
+            "source": _source(stored, used, unsplit.n > 0)}, held
+
+
+class _Moments:
+    """Count, mean and sum of squared deviations of values seen a chunk at a
+    time, in float64 (each chunk's own by torch, merged by Chan, Golub and
+    LeVeque's pairwise update: no sum of squares to cancel)."""
+
+    def __init__(self):
+        self.n, self.mean, self.m2 = 0, 0.0, 0.0
+
+    @classmethod
+    def of(cls, *parts: "_Moments") -> "_Moments":
+        out = cls()
+        for p in parts:
+            out.merge(p.n, p.mean, p.m2)
+        return out
+
+    def add(self, values) -> None:
+        import torch
+
+        if values.numel():
+            var, mean = torch.var_mean(values.double(), correction=0)
+            self.merge(values.numel(), mean.item(), var.item() * values.numel())
+
+    def merge(self, n: int, mean: float, m2: float) -> None:
+        if not n:
+            return
+        total = self.n + n
+        delta = mean - self.mean
+        self.mean += delta * n / total
+        self.m2 += m2 + delta * delta * self.n * n / total
+        self.n = total
+
+    def std(self) -> float | None:
+        """The sample std (as torch's ``std()``); None of no values, NaN of one."""
+        if not self.n:
+            return None
+        return math.sqrt(self.m2 / (self.n - 1)) if self.n > 1 else math.nan
+
+
+def _source(stored, used: list, unsplit: bool) -> str:
+    """What a bank's statistics were computed from, in one line."""
+    from kvfill.bank import dtype_name
+
+    kinds = collections.Counter(dtype_name(layer.values) + ("" if layer.dtype == layer.values else
+                                                            f" stored as {dtype_name(layer.dtype)}")
+                                for layer in used)
+    if len(kinds) == 1:
+        text = f"the bank's {len(used)} KV layers of {next(iter(kinds))}"
+    else:
+        text = f"the bank's {len(used)} KV layers ({', '.join(f'{n} {kind}' for kind, n in kinds.items())})"
+    if any(layer.values.itemsize == 1 for layer in used):
+        text += ("; fp8 values as stored: the bank records no KV scales, so this is the spread vLLM reads at k/v "
+                 "scale 1 - the normal fill stores its values unscaled too, so both meet the layers' scales alike")
+    if unsplit:
+        text += (f"; K and V told apart in the {sum(layer.kv is not None for layer in used)} layers whose K/V "
+                 f"geometry the bank names")
+    left = len(stored.layers) - len(used)
+    if left:
+        text += f"; {left} layer{'' if left == 1 else 's'} of no float values (packed rows, integers) left out"
+    return text

@@ -1,0 +1,209 @@
+"""kvfill-check's inputs before any step runs: a bank's value statistics
+(streamed, fp8 decoded as stored, K and V apart), a bank that cannot replay
+into --model refused naming both, and every bad path an exit 2 with one line
+and nothing written."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+vllm = pytest.importorskip("vllm")
+pytestmark = pytest.mark.cpu_only
+
+import torch  # noqa: E402
+
+from kvfill.bank import Bank  # noqa: E402
+from kvfill.check.cli import CheckError, check_config  # noqa: E402
+from kvfill.check.inputs import prepare, read_bank  # noqa: E402
+
+KV = (2, 16, 16)  # the tiny Llama's (kvfill.bench.models.TINY_LLAMA_CONFIG): 2 KV heads of 16, 2 layers
+
+
+@pytest.fixture(autouse=True)
+def _vllm_platform(monkeypatch):
+    """vLLM's CPU platform where the installed vLLM resolves none (its CUDA
+    wheel here: make test-vllm034), so its flag parser runs (vllm_platform.py)."""
+    from vllm_platform import cpu_platform_stand_in
+
+    cpu_platform_stand_in(monkeypatch)
+
+
+@pytest.fixture
+def tiny(tmp_path):
+    from kvfill.bench.models import make_config_only
+
+    model = make_config_only(str(tmp_path / "model"))
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("w5 w6 w7\n")
+    return model, str(prompts)
+
+
+def _tiny_variant(tmp_path, name, **config):
+    """The tiny Llama (kvfill.bench.models.make_config_only) with ``config`` over its config.json."""
+    from kvfill.bench.models import make_config_only
+
+    path = make_config_only(str(tmp_path / name))
+    with open(os.path.join(path, "config.json")) as f:
+        merged = {**json.load(f), **config}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(merged, f)
+    return path
+
+
+def _save(path, layers, model=None, kv=None, value_dtypes=None, lengths=(3, 4), tokens=((5, 6, 7), (8, 9, 10, 11))):
+    """A bank file written by the project's writer (Bank.save): ``layers`` name -> rows ``[sum(lengths), row]``."""
+    Bank(layers, sequence_lengths=list(lengths), sequence_tokens=[list(t) for t in tokens] if tokens else (),
+         kv=kv, value_dtypes=value_dtypes, metadata={"model": model} if model else {}).save(str(path))
+    return str(path)
+
+
+def _llama_bank(path, model, n_layers=2, kv=KV, dtype=torch.bfloat16, extra=None):
+    """A bank of the tiny Llama's shape: ``n_layers`` attention layers of ``kv``, recorded from ``model``."""
+    torch.manual_seed(0)
+    width = kv[0] * (kv[1] + kv[2])
+    layers = {f"model.layers.{i}.self_attn.attn": torch.randn(7, width).to(dtype) for i in range(n_layers)}
+    kvs = {name: kv for name in layers}
+    for name, (g, rows) in (extra or {}).items():
+        layers[name], kvs[name] = rows, g
+    return _save(path, layers, model=model, kv=kvs)
+
+
+# ---------------------------------------------------------------- statistics
+
+
+def test_the_statistics_equal_torch_over_every_k_and_every_v_value_of_the_bank(tmp_path):
+    torch.manual_seed(1)
+    k = [torch.randn(7, 32) * s + m for s, m in ((0.5, 0.2), (2.0, -1.0))]
+    v = [torch.randn(7, 32) * s for s in (0.1, 3.0)]
+    rows = {f"l{i}": torch.cat([k[i], v[i]], dim=1).to(torch.bfloat16) for i in range(2)}
+    path = _save(tmp_path / "b.safetensors", rows, kv={n: KV for n in rows})
+    stats, _ = read_bank(path, [[5, 6, 7]])
+    ks = torch.cat([r[:, :32].double().flatten() for r in rows.values()])
+    vs = torch.cat([r[:, 32:].double().flatten() for r in rows.values()])
+    every = torch.cat([ks, vs])
+    assert stats["mean"] == pytest.approx(every.mean().item(), rel=1e-12)
+    assert stats["std"] == pytest.approx(every.std().item(), rel=1e-12)
+    assert stats["k_std"] == pytest.approx(ks.std().item(), rel=1e-12)
+    assert stats["v_std"] == pytest.approx(vs.std().item(), rel=1e-12)
+    assert (stats["sequences"], stats["has_state"]) == (2, False)
+    assert stats["source"] == "the bank's 2 KV layers of bfloat16"
+
+
+def test_the_statistics_are_the_same_whatever_chunk_the_rows_stream_in(tmp_path, monkeypatch):
+    from kvfill.bank import stream
+
+    torch.manual_seed(2)
+    path = _save(tmp_path / "b.safetensors", {"l0": (torch.randn(7, 64) * 4 + 100).to(torch.float32)},
+                 kv={"l0": KV})
+    whole, _ = read_bank(path, [])
+    monkeypatch.setattr(stream, "CHUNK_ELEMENTS", 1)  # one row per read
+    by_row, _ = read_bank(path, [])
+    assert by_row["std"] == pytest.approx(whole["std"], rel=1e-12)
+    assert by_row["mean"] == pytest.approx(whole["mean"], rel=1e-12)
+
+
+@pytest.mark.parametrize("stored, value_dtype, fp8", [
+    (torch.uint8, "float8_e4m3fn", torch.float8_e4m3fn),  # vLLM's fp8 / fp8_e4m3 cache: bytes
+    (torch.uint8, "float8_e5m2", torch.float8_e5m2),
+    (torch.float8_e4m3fn, "", torch.float8_e4m3fn),  # a native float8 cache (fp8_inc)
+])
+def test_an_fp8_bank_gives_the_spread_of_its_values_as_stored_and_says_it_holds_no_scales(tmp_path, stored,
+                                                                                         value_dtype, fp8):
+    torch.manual_seed(3)
+    values = (torch.randn(7, 64) * 3 + 0.5).to(fp8)
+    rows = values.view(torch.uint8) if stored == torch.uint8 else values
+    path = _save(tmp_path / "b.safetensors", {"l0": rows}, kv={"l0": KV},
+                 value_dtypes={"l0": value_dtype} if value_dtype else None)
+    stats, _ = read_bank(path, [])
+    direct = values.double()
+    assert stats["std"] == pytest.approx(direct.std().item(), rel=1e-12)
+    assert stats["k_std"] == pytest.approx(direct[:, :32].std().item(), rel=1e-12)
+    assert stats["mean"] == pytest.approx(direct.mean().item(), rel=1e-12)
+    kind = str(fp8).removeprefix("torch.") + ("" if stored == fp8 else " stored as uint8")
+    assert stats["source"].startswith(f"the bank's 1 KV layers of {kind}; fp8 values as stored: the bank records "
+                                      f"no KV scales, so this is the spread vLLM reads at k/v scale 1")
+
+
+def test_the_normal_fill_of_an_fp8_bank_takes_the_banks_spread_not_n_0_1(tiny, tmp_path):
+    from kvfill.check.runner import fill_config
+
+    torch.manual_seed(4)
+    values = (torch.randn(7, 64) * 0.25).to(torch.float8_e4m3fn)
+    path = _save(tmp_path / "b.safetensors", {"l0": values.view(torch.uint8)}, kv={"l0": KV},
+                 value_dtypes={"l0": "float8_e4m3fn"})
+    stats, _ = read_bank(path, [])
+    cfg = check_config(["--model", tiny[0], "--prompts", tiny[1], "--bank", path])
+    fill = fill_config("normal", cfg, path, stats)
+    assert fill["fill_std"] == pytest.approx(values.double().std().item(), rel=1e-12)
+    assert 0.2 < fill["fill_std"] < 0.3
+
+
+def test_mla_latent_rows_are_all_k_and_leave_v_unmeasured(tmp_path):
+    torch.manual_seed(5)
+    rows = torch.randn(7, 48).to(torch.bfloat16)
+    path = _save(tmp_path / "b.safetensors", {"l0": rows}, kv={"l0": (1, 48, 0)})
+    stats, _ = read_bank(path, [])
+    assert stats["v_std"] is None
+    assert stats["k_std"] == stats["std"] == pytest.approx(rows.double().std().item(), rel=1e-12)
+
+
+def test_a_layer_in_its_caches_own_order_counts_in_mean_and_std_but_not_in_k_or_v(tmp_path):
+    torch.manual_seed(6)
+    known, own = torch.randn(7, 64).to(torch.bfloat16), (torch.randn(7, 64) * 5).to(torch.bfloat16)
+    path = _save(tmp_path / "b.safetensors", {"known": known, "own": own}, kv={"known": KV})
+    stats, _ = read_bank(path, [])
+    assert stats["std"] == pytest.approx(torch.cat([known, own]).double().std().item(), rel=1e-12)
+    assert stats["k_std"] == pytest.approx(known[:, :32].double().std().item(), rel=1e-12)
+    assert stats["source"] == "the bank's 2 KV layers of bfloat16; K and V told apart in the 1 layers whose K/V " \
+                              "geometry the bank names"
+
+
+def test_packed_rows_are_no_values_and_a_bank_of_only_them_has_no_statistics(tmp_path):
+    packed = torch.randint(0, 256, (7, 132), dtype=torch.uint8)  # an indexer's fp8 keys and float32 scale
+    path = _save(tmp_path / "b.safetensors", {"indexer": packed}, value_dtypes={"indexer": "uint8"})
+    assert read_bank(path, [[5, 6, 7], [1]]) == (None, 1)
+    mixed = _save(tmp_path / "m.safetensors", {"indexer": packed, "attn": torch.ones(7, 64, dtype=torch.float16)},
+                  kv={"attn": KV}, value_dtypes={"indexer": "uint8"})
+    stats, _ = read_bank(mixed, [])
+    assert (stats["mean"], stats["std"]) == (1.0, 0.0)
+    assert stats["source"] == ("the bank's 1 KV layers of float16; 1 layer of no float values (packed rows, "
+                               "integers) left out")
+
+
+def test_reading_a_bank_holds_a_small_fraction_of_it_in_host_memory(tmp_path):
+    """The statistics stream: the peak resident memory reading a 48 MiB bank
+    adds (VmHWM reset before the read, in a fresh process) stays under half
+    the bank - the whole bank, decoded to float, took about 5x it."""
+    torch.manual_seed(7)
+    rows = {f"model.layers.{i}.self_attn.attn": torch.randn(4096, 1024).to(torch.bfloat16) for i in range(6)}
+    big = _save(tmp_path / "big.safetensors", rows, kv={n: (4, 128, 128) for n in rows}, lengths=(2048, 2048),
+                tokens=())
+    small = _save(tmp_path / "small.safetensors", {"l0": torch.randn(7, 64).to(torch.bfloat16)}, kv={"l0": KV})
+    del rows
+    script = textwrap.dedent("""
+        import json, sys
+        from kvfill.check.inputs import read_bank
+
+        def status():
+            with open("/proc/self/status") as f:
+                return {k: int(v.split()[0]) * 1024 for k, v in (line.split(":", 1) for line in f)
+                        if k in ("VmRSS", "VmHWM")}
+
+        read_bank(sys.argv[2], [[5, 6, 7]])  # torch's and the reader's first use, outside the measure
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # the peak resident size starts again from now
+        before = status()["VmRSS"]
+        stats, _ = read_bank(sys.argv[1], [[5, 6, 7]])
+        print(json.dumps({"extra": status()["VmHWM"] - before, "std": stats["std"]}))
+    """)
+    out = subprocess.run([sys.executable, "-c", script, big, small], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    measured = json.loads(out.stdout.strip().splitlines()[-1])
+    size = os.path.getsize(big)
+    assert size > 48 * 2**20
+    extra = measured["extra"]
+    assert extra < 0.5 * size, f"reading a {size / 2**20:.0f} MiB bank added {extra / 2**20:.0f} MiB resident"
+    assert measured["std"] == pytest.approx(1.0, abs=0.01)
