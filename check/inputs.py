@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
+import os
 
 from .cli import CheckConfig, CheckError
 
@@ -39,15 +40,22 @@ def prepare(cfg: CheckConfig) -> Inputs:
         raise CheckError(f"--max-model-len {given}: the longest prompt has {longest} tokens and each run generates "
                          f"up to {output} (--output-len {cfg.output_len}, --max-tokens {cfg.max_tokens}); expected "
                          f"--max-model-len >= {longest + output}, or fewer tokens asked for")
-    check_model_len(cfg, max_len, f"--max-model-len {given}" if given else
-                    f"the runs' max_model_len {max_len} (the longest prompt's {longest} tokens + {output} generated "
-                    f"+ {MAX_LEN_SLACK})", "a smaller --max-model-len" if given else
-                    "a lower --output-len / --max-tokens, or shorter prompts")
+    model = check_model_len(cfg, max_len, f"--max-model-len {given}" if given else
+                            f"the runs' max_model_len {max_len} (the longest prompt's {longest} tokens + {output} "
+                            f"generated + {MAX_LEN_SLACK})", "a smaller --max-model-len" if given else
+                            "a lower --output-len / --max-tokens, or shorter prompts")
     stats = held = None
     if cfg.bank is not None:
+        from kvfill.bank.stream import read_stored
+
+        try:
+            stored = read_stored(cfg.bank)
+        except (ValueError, OSError) as exc:  # BankError: not a bank, or one kvfill cannot read
+            raise CheckError(f"--bank: {exc}; expected a bank kvfill-record wrote") from None
+        check_bank_fits(cfg, model, stored)  # before the rows are read: a header says it
         try:
             stats, held = read_bank(cfg.bank, ids)
-        except (ValueError, OSError) as exc:  # BankError: not a bank, or one kvfill cannot read
+        except (ValueError, OSError) as exc:
             raise CheckError(f"--bank: {exc}; expected a bank kvfill-record wrote") from None
     return Inputs(tok, ids, max_len, stats, held)
 
@@ -73,16 +81,16 @@ def token_ids(cfg: CheckConfig) -> tuple[object, list[list[int]]]:
     return tok, ids
 
 
-def check_model_len(cfg: CheckConfig, max_len: int, what: str, expected: str) -> None:
+def check_model_len(cfg: CheckConfig, max_len: int, what: str, expected: str):
     """vLLM's own check of a max_model_len against the model (its derived
     maximum: positions, rope scaling, the tokenizer's limit), as each run's
-    engine makes it."""
+    engine makes it; the ``ModelConfig`` it makes."""
     from vllm.engine.arg_utils import EngineArgs
 
     args = EngineArgs(model=cfg.model, **cfg.engine)
     args.max_model_len = max_len
     try:
-        args.create_model_config()
+        return args.create_model_config()
     except ValueError as exc:  # pydantic's ValidationError
         lines = [line.strip() for line in str(exc).splitlines()]
         why = next((line for line in lines if "max_model_len" in line), lines[-1]).removeprefix("Value error, ")
@@ -91,6 +99,98 @@ def check_model_len(cfg: CheckConfig, max_len: int, what: str, expected: str) ->
     except Exception as exc:  # noqa: BLE001 - the hub's errors, a config transformers cannot read
         raise CheckError(f"--model {cfg.model!r}: vLLM cannot make its model config ({type(exc).__name__}: "
                          f"{exc})") from None
+
+
+# --kv-cache-dtype -> the float dtype an attention layer's cache values are (auto: the model's dtype); a cache
+# dtype missing here (fp8_inc, packed, per-token-head scales) is not compared.
+_CACHE_VALUES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+
+
+def check_bank_fits(cfg: CheckConfig, model, stored) -> None:
+    """A --bank whose replay into --model must fail, refused before any run:
+    CheckError naming the bank's model and geometry and the model's.
+
+    Replay checks each cache layer of the engine against the bank when vLLM
+    registers the caches (``kvfill.bank.checks.check_rows``): the bank has
+    rows of that layer's name, stored in the cache's dtype, encoding its
+    values, of its K/V geometry (num_kv_heads, head_size, head_size_v of
+    the whole model: a bank recorded at any TP, PP or DCP size holds every
+    head, layer and position, and each rank loads its part).  Without an
+    engine the check knows what vLLM's ``ModelConfig`` (``model``) says of
+    the attention layers: their KV heads and head size (MLA: one latent
+    row), how many there are, their dtype.  Refused here is only what
+    check_rows would refuse whatever the layers' names: no layer of the
+    bank has the model's geometry, the bank holds fewer layers than the model
+    has attention layers with a cache of their own, or none of its layers of
+    the model's geometry holds the values this run's cache holds.  Layers
+    beyond the model's (a drafter's), hybrid models' state layers and
+    layers in their cache's own order never refuse a bank.  The geometry
+    and count are not compared for a bank recorded from --model itself
+    (the same name), where vLLM's summary of an unusual model could be
+    wrong while the bank cannot be."""
+    from kvfill.bank import dtype_name
+
+    recorded = stored.metadata.get("model")
+    same = recorded is not None and (recorded == cfg.model or (
+        os.path.exists(recorded) and os.path.exists(cfg.model) and os.path.samefile(recorded, cfg.model)))
+    mla = bool(model.use_mla)
+    arch = getattr(model, "model_arch_config", None)
+    per_layer = [arch[i] for i in range(arch.total_num_hidden_layers)] if getattr(
+        arch, "per_layer_overrides", None) else []
+    geometry = {(1, model.get_head_size())} if mla else {(model.get_total_num_kv_heads(), model.get_head_size())}
+    geometry |= {(1, c.head_size) if mla else (c.total_num_kv_heads, c.head_size) for c in per_layer}
+    canonical = [layer for layer in stored.layers.values() if layer.kv is not None]
+    fitting = [layer for layer in canonical if tuple(layer.kv[:2]) in geometry]
+    attention = _attention_layers(model)
+    cache = str(cfg.engine.get("kv_cache_dtype") or "auto")
+    values = dtype_name(model.dtype) if cache == "auto" else _CACHE_VALUES.get(cache)
+    expected = "a bank kvfill-record wrote for --model, or no --bank (the check records one)"
+    if not same and canonical and not fitting:
+        why = "no layer of the bank has the model's K/V geometry"
+    elif not same and attention is not None and len(stored.layers) < attention:
+        why = f"the bank holds {len(stored.layers)} KV layers, the model has {attention} attention layers"
+    elif values and fitting and all(_values_name(layer) != values for layer in fitting):
+        why = f"the bank's layers hold {_values_name(fitting[0])} values, this run's KV cache holds {values}"
+        expected = (f"a bank recorded with this run's dtype ({dtype_name(model.dtype)}) and --kv-cache-dtype "
+                    f"({cache}), or no --bank (the check records one)")
+    else:
+        return
+    shapes = collections.Counter(str(list(layer.kv)) if layer.kv else "its cache's own order"
+                                 for layer in stored.layers.values())
+    bank = ((f"recorded from {recorded!r}" if recorded else "recorded from a model it does not name")
+            + f": {len(stored.layers)} KV layers, " + ", ".join(f"{n} of {shape}" for shape, n in shapes.items())
+            + " [KV heads, head_size, head_size_v]")
+    head = (f"one latent row of {model.get_head_size()} (MLA)" if mla else
+            f"{model.get_total_num_kv_heads()} KV heads x {model.get_head_size()}")
+    layers = f"{attention} attention layers" if attention is not None else "attention layers"
+    raise CheckError(f"--bank {stored.path!r} ({bank}) cannot replay into --model {cfg.model!r} ({layers} of "
+                     f"{head}, {dtype_name(model.dtype)}): {why}; expected {expected}")
+
+
+def _attention_layers(model) -> int | None:
+    """How many attention layers of ``model`` (vLLM's ModelConfig) have a KV
+    cache of their own: vLLM's count of attention layers less those that
+    share an earlier layer's cache (Gemma 3n's ``num_kv_shared_layers``);
+    None for a hybrid model, whose count vLLM reads from layer type names
+    that transformers renames (Granite-4-H's "attention" is now
+    "full_attention": vLLM counts 0), or where vLLM cannot count them."""
+    from vllm.config import ParallelConfig
+
+    if model.is_hybrid:
+        return None
+    try:
+        n = int(model.get_num_layers_by_block_type(ParallelConfig(), "attention"))
+    except Exception:  # noqa: BLE001 - vLLM's count raises for a hybrid it has no layer types of
+        return None
+    shared = getattr(model.hf_text_config, "num_kv_shared_layers", 0)
+    return n - shared if isinstance(shared, int) and 0 <= shared <= n else n
+
+
+def _values_name(layer) -> str:
+    """The float dtype a stored layer's bytes hold, by name ("" for none)."""
+    from kvfill.bank import dtype_name
+
+    return dtype_name(layer.values) if layer.values is not None else layer.value_dtype
 
 
 def read_bank(path: str, ids: list[list[int]]) -> tuple[dict | None, int | None]:

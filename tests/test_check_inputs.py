@@ -207,3 +207,106 @@ def test_reading_a_bank_holds_a_small_fraction_of_it_in_host_memory(tmp_path):
     extra = measured["extra"]
     assert extra < 0.5 * size, f"reading a {size / 2**20:.0f} MiB bank added {extra / 2**20:.0f} MiB resident"
     assert measured["std"] == pytest.approx(1.0, abs=0.01)
+
+
+# ---------------------------------------------------------------- a bank that cannot replay into --model
+
+
+def test_a_bank_of_another_models_kv_geometry_exits_2_naming_both_before_any_step(tiny, tmp_path, capsys):
+    from kvfill.check.__main__ import main
+
+    model, prompts = tiny
+    other = _tiny_variant(tmp_path, "four-heads", num_key_value_heads=4)
+    bank = _llama_bank(tmp_path / "bank.safetensors", model)
+    out = tmp_path / "report"
+    assert main(["--model", other, "--prompts", prompts, "--bank", bank, "--out", str(out)]) == 2
+    err = _error_line(capsys)
+    assert f"--bank {bank!r} (recorded from {model!r}: 2 KV layers, 2 of [2, 16, 16] [KV heads, head_size, " \
+           f"head_size_v]) cannot replay into --model {other!r} (2 attention layers of 4 KV heads x 16, " \
+           f"bfloat16): no layer of the bank has the model's K/V geometry" in err, err
+    assert not out.exists()
+
+
+def test_a_bank_with_fewer_layers_than_the_models_attention_layers_is_refused(tiny, tmp_path):
+    model, prompts = tiny
+    deeper = _tiny_variant(tmp_path, "deeper", num_hidden_layers=4)
+    bank = _llama_bank(tmp_path / "bank.safetensors", model)
+    with pytest.raises(CheckError, match=r"the bank holds 2 KV layers, the model has 4 attention layers; expected "
+                                         r"a bank kvfill-record wrote for --model"):
+        prepare(check_config(["--model", deeper, "--prompts", prompts, "--bank", bank]))
+
+
+def test_a_bank_of_another_dtype_is_refused_even_from_the_same_model(tiny, tmp_path):
+    model, prompts = tiny
+    bank = _llama_bank(tmp_path / "bank.safetensors", model, dtype=torch.float16)
+    with pytest.raises(CheckError, match=r"the bank's layers hold float16 values, this run's KV cache holds "
+                                         r"bfloat16; expected a bank recorded with this run's dtype \(bfloat16\) "
+                                         r"and --kv-cache-dtype \(auto\)"):
+        prepare(check_config(["--model", model, "--prompts", prompts, "--bank", bank]))
+
+
+@pytest.mark.parametrize("case", ["same model", "copied model folder", "drafter layers", "own-order layers"])
+def test_a_bank_that_replays_into_the_model_is_not_refused(tiny, tmp_path, case):
+    """Replay takes layers beyond the model's (a drafter's), a model under another name with the same
+    layers, and layers in their cache's own order; a TP/PP/DCP recording is the same canonical bank."""
+    model, prompts = tiny
+    recorded = _tiny_variant(tmp_path, "copy") if case == "copied model folder" else model
+    extra = {"drafter": ((1, 8, 8), torch.zeros(7, 16, dtype=torch.bfloat16))} if case == "drafter layers" else None
+    if case == "own-order layers":
+        bank = _save(tmp_path / "bank.safetensors", {f"model.layers.{i}.self_attn.attn": torch.ones(
+            7, 64, dtype=torch.bfloat16) for i in range(2)}, model=model)
+    else:
+        bank = _llama_bank(tmp_path / "bank.safetensors", recorded, extra=extra)
+    inputs = prepare(check_config(["--model", model, "--prompts", prompts, "--bank", bank]))
+    assert inputs.held == 1 and inputs.stats["sequences"] == 2
+
+
+def _hybrid_config(path):
+    """A Granite-4-H config (Mamba-2 layers 0, 1, 3; attention layer 2 of 2 KV heads x 32) and the word tokenizer."""
+    from transformers import GraniteMoeHybridConfig
+
+    from kvfill.bench.models import make_tokenizer
+
+    GraniteMoeHybridConfig(
+        vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
+        num_key_value_heads=2, max_position_embeddings=8192, layer_types=["mamba", "mamba", "attention", "mamba"],
+        position_embedding_type="rope", num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=256,
+        mamba_n_heads=8, mamba_d_head=64, mamba_n_groups=2, mamba_d_state=64, mamba_d_conv=4, mamba_expand=2,
+        mamba_chunk_size=64, dtype="bfloat16").save_pretrained(path)
+    return make_tokenizer(path)
+
+
+def _mla_config(path):
+    """A DeepSeek-V2 config (MLA: a latent row of kv_lora_rank 32 + RoPE 16) and the word tokenizer."""
+    from transformers import DeepseekV2Config
+
+    from kvfill.bench.models import make_tokenizer
+
+    DeepseekV2Config(
+        vocab_size=1024, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=16,
+        qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1,
+        max_position_embeddings=4096, dtype="bfloat16").save_pretrained(path)
+    return make_tokenizer(path)
+
+
+@pytest.mark.parametrize("make, kv, layers", [(_hybrid_config, (2, 32, 32), 1), (_mla_config, (1, 48, 0), 2)])
+def test_hybrid_and_mla_banks_replay_into_their_model_and_a_llama_bank_does_not(tiny, tmp_path, make, kv, layers):
+    """A hybrid's bank holds rows of its attention layers only (its Mamba layers' state is no row layer);
+    MLA's holds one latent row per token."""
+    llama, prompts = tiny
+    model = make(str(tmp_path / "model-2"))
+    own = _llama_bank(tmp_path / "own.safetensors", "elsewhere/" + os.path.basename(model), n_layers=layers, kv=kv)
+    assert prepare(check_config(["--model", model, "--prompts", prompts, "--bank", own])).stats is not None
+    foreign = _llama_bank(tmp_path / "llama.safetensors", llama)
+    with pytest.raises(CheckError, match=f"cannot replay into --model '{model}'.*: no layer of the bank has the "
+                                         f"model's K/V geometry"):
+        prepare(check_config(["--model", model, "--prompts", prompts, "--bank", foreign]))
+
+
+def _error_line(capsys) -> str:
+    """The one line kvfill-check printed on stderr."""
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("kvfill-check: error: ")
+    return lines[0]
