@@ -196,11 +196,10 @@ def check_config(argv: Sequence[str] | None = None) -> CheckConfig:
                          f"no block is reused)")
     if not args.run_timeout > 0:
         raise CheckError(f"--run-timeout {args.run_timeout}: expected seconds > 0")
-    if args.bank is not None and not os.path.isfile(args.bank):
-        raise CheckError(f"--bank {args.bank!r}: no such file; expected a bank kvfill-record wrote, or no --bank "
-                         f"(the check records one)")
-    if not os.path.isfile(args.prompts):
-        raise CheckError(f"--prompts {args.prompts!r}: no such file; expected a text or .jsonl file of prompts")
+    if args.bank is not None:
+        _check_file("--bank", args.bank, "a bank file kvfill-record wrote (its --out), or no --bank (the check "
+                                         "records one)")
+    _check_file("--prompts", args.prompts, "a text or .jsonl file of prompts")
     try:
         _check_engine_args(args)
     except ValueError as exc:  # RecordError: vLLM rejected the flags
@@ -255,6 +254,29 @@ def _check_out(out: str) -> None:
     if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
         raise CheckError(f"--out {out!r}: {parent!r} is not a writable folder; expected --out in a folder the "
                          f"check can write")
+    # Permission bits do not say it all (root passes them; /proc and read-only mounts refuse anyway): a folder
+    # made and removed at once says whether the check's own will be.
+    import tempfile
+
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".kvfill-check-", dir=parent))
+    except OSError as exc:
+        raise CheckError(f"--out {out!r}: no folder can be made in {parent!r} ({exc.strerror}); expected --out "
+                         f"in a folder the check can write") from None
+
+
+def _check_file(flag: str, path: str, expected: str) -> None:
+    """An input file the check reads (perhaps more than once: the recording and the runs each read the
+    prompts): a regular file that exists."""
+    if os.path.isdir(path):
+        raise CheckError(f"{flag} {path!r} is a folder; expected {expected}")
+    if not os.path.exists(path):
+        raise CheckError(f"{flag} {path!r}: no such file; expected {expected}")
+    if not os.path.isfile(path):
+        raise CheckError(f"{flag} {path!r} is not a regular file (a pipe or device is read once, the check reads "
+                         f"it more than once); expected {expected}")
+    if not os.access(path, os.R_OK):
+        raise CheckError(f"{flag} {path!r}: not readable here; expected {expected}")
 
 
 def serve_argv(argv: Sequence[str]) -> list[str]:

@@ -304,9 +304,54 @@ def test_hybrid_and_mla_banks_replay_into_their_model_and_a_llama_bank_does_not(
         prepare(check_config(["--model", model, "--prompts", prompts, "--bank", foreign]))
 
 
+# ---------------------------------------------------------------- bad paths: exit 2, one line, nothing written
+
+
 def _error_line(capsys) -> str:
     """The one line kvfill-check printed on stderr."""
     lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(lines) == 1, lines
     assert lines[0].startswith("kvfill-check: error: ")
     return lines[0]
+
+
+@pytest.mark.parametrize("flag, value, says", [
+    ("--out", "/proc/kvfill-check-report", "--out '/proc/kvfill-check-report': no folder can be made in '/proc' "),
+    ("--prompts", "DIR", "--prompts 'DIR' is a folder; expected a text or .jsonl file of prompts"),
+    ("--bank", "DIR", "--bank 'DIR' is a folder; expected a bank file kvfill-record wrote"),
+])
+def test_a_path_that_is_no_file_or_folder_of_its_kind_exits_2_with_one_line(tiny, tmp_path, capsys, flag, value,
+                                                                           says):
+    from kvfill.check.__main__ import main
+
+    model, prompts = tiny
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    value, says = value.replace("DIR", str(folder)), says.replace("DIR", str(folder))
+    out = tmp_path / "report"
+    argv = {"--model": model, "--prompts": prompts, "--out": str(out), flag: value}
+    assert main([token for pair in argv.items() for token in pair]) == 2
+    assert says in _error_line(capsys)
+    assert not out.exists() and not os.path.exists(value if flag == "--out" else out)
+
+
+@pytest.mark.parametrize("given", ["--model", "--tokenizer"])
+def test_a_folder_without_tokenizer_files_exits_2_saying_so(tiny, tmp_path, capsys, given):
+    from kvfill.check.__main__ import main
+
+    model, prompts = tiny
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_text("{}")
+    folder = model if given == "--model" else str(bare)
+    if given == "--model":
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            os.unlink(os.path.join(model, name))
+    out = tmp_path / "report"
+    assert main(["--model", model, "--prompts", prompts, "--out", str(out),
+                 *(["--tokenizer", folder] if given == "--tokenizer" else [])]) == 2
+    line = _error_line(capsys)
+    assert f"{given} {folder!r} is a folder with no tokenizer files (it holds config.json); expected the " \
+           f"model's tokenizer files there" in line, line
+    assert line.endswith("or --tokenizer naming a folder or hub model that has them") == (given == "--model")
+    assert not out.exists()
