@@ -193,7 +193,12 @@ def test_main_job_runs_vllm_with_kvfill_by_plugin_name(tmp_path, capsys):
     assert rows["NullFillConnector"]["fill_MiB"] == 0 and rows["KVFillConnector"]["null / this"] > 0
     # kvfill fills the prompt minus the last token; the in-tree fills whole blocks.
     assert 0 < rows["KVFillConnector"]["fill_MiB"] <= rows["DecodeBenchConnector"]["fill_MiB"]
-    assert "all requests produced their outputs" in capsys.readouterr().out
+    # CPU time beside wall time for the timed parts, and the host's load as each row started
+    assert all(r["generate_cpu_s"] > 0 and r["load"] >= 0 for r in rows.values())
+    assert rows["KVFillConnector"]["fill_cpu_s"] > 0 and rows["none"]["fill_cpu_s"] == 0
+    out = capsys.readouterr().out
+    assert "all requests produced their outputs" in out and "host: " in out
+    assert "not compared with the documented run" in out  # another workload than the documented one
 
 
 @pytest.mark.needs_vllm
@@ -394,3 +399,137 @@ def test_the_committed_reports_name_no_absolute_path():
     assert len(texts) > 40
     absolute = re.compile(r"""(?:^|[\s"'`(=])/(?:work|home|tmp|root|Users|mnt|scratch|var|opt)/""")
     assert {name for name, text in texts.items() if absolute.search(text) or str(ROOT) in text} == set()
+
+
+def _demo_children(monkeypatch, slower: dict[str, float], load: float):
+    """bench/e2e.py's main with its children answering what the documented
+    run's did (``slower``: a connector's times multiplied), on a 2-core host
+    at a 1-minute ``load``: the parent's table and words, no engine."""
+    from kvfill.bench import e2e
+
+    reference = e2e.documented()
+    per = {r["connector"]: r for r in reference["rows"]}
+    total = reference["args"]["requests"]
+
+    def child_result(cmd, conn):
+        r, k = per[conn], slower.get(conn, 1.0)
+        share = r["requests"] / total  # the documented row's time is scaled to all requests
+        return {"connector": conn, "fill_s": r["fill_s"] * k, "fill_cpu_s": r["fill_s"] * k / 3,
+                "fill_bytes": r["fill_bytes"], "startup_s": r["startup_s"], "generate_s": r["generate_s"] * share * k,
+                "generate_cpu_s": r["generate_s"] * share * k / 2, "outputs": [reference["args"]["output_len"]] * r["requests"]}
+
+    monkeypatch.setattr(e2e, "child_result", child_result)
+    monkeypatch.setattr(e2e, "make_model", lambda path, hybrid: path)
+    monkeypatch.setattr(e2e.os, "getloadavg", lambda: (load, load, load))
+    monkeypatch.setattr(e2e.os, "cpu_count", lambda: 2)
+    return e2e
+
+
+def test_demo_on_a_busy_host_says_its_figures_are_far_from_the_documented_ones_and_why(monkeypatch, capsys, tmp_path):
+    """The demo prints CPU time beside wall time, the host's load before,
+    per row and after, and - its fill 3x slower than the documented run's on
+    a host at load 3 on 2 cores - which figures are far and that the busy
+    host is the likely cause."""
+    import json
+
+    e2e = _demo_children(monkeypatch, {"KVFillConnector": 3.0}, load=3.0)
+    assert e2e.main(["--json", str(tmp_path / "e2e.json")]) == 0
+    out = capsys.readouterr().out
+    assert "host load now 3.00 on 2 cores" in out  # before each row
+    header = next(line for line in out.splitlines() if line.lstrip().startswith("connector"))
+    assert header.split() == ["connector", "generate_s", "generate_cpu_s", "fill_s", "fill_cpu_s", "fill_MiB",
+                              "outputs", "x", "in-tree", "null", "/", "this", "measured", "load"]
+    assert "host: 2 cores; 1-minute load average (os.getloadavg) 3.00 before the demo, 3.00 after it" in out
+    assert "FAR from the documented run (bench/results/cpu_e2e.json: the table of README.md and docs/performance.md)" \
+           ": 4 of 12 figures more than 2x off:" in out
+    assert "  KVFillConnector generate_s 3.168 vs 1.056 (3.0x off)" in out
+    assert "  KVFillConnector fill_s 0.951 vs 0.317 (3.0x off)" in out
+    assert "KVFillConnector x in-tree 3.13 vs 9.38 (3.0x off)" in out
+    assert "the host was busy (load 3.00 on 2 cores before the demo started): other work held the cores, the likely " \
+           "cause" in out
+    written = json.loads((tmp_path / "e2e.json").read_text())
+    assert written["host"]["load_before"] == 3.0 and written["args"]["model"] == "out/tiny-llama"
+    kv = next(r for r in written["rows"] if r["connector"] == "KVFillConnector")
+    assert (kv["generate_s"], kv["generate_cpu_s"], kv["fill_cpu_s"], kv["load"]) == (3.168, 1.584, 0.317, 3.0)
+    none = next(r for r in written["rows"] if r["connector"] == "none")
+    assert none["measured"] == "2 of 16, x8" and none["generate_s"] == 289.743 and none["outputs"] == "2/2 x 2"
+
+
+def test_demo_on_an_idle_host_within_the_documented_figures_says_so(monkeypatch, capsys):
+    e2e = _demo_children(monkeypatch, {}, load=0.2)
+    assert e2e.main([]) == 0
+    out = capsys.readouterr().out
+    assert "all 12 figures within 2x of the documented run" in out and "FAR" not in out and "busy" not in out
+
+
+def test_demo_far_from_the_documented_figures_on_an_idle_host_blames_the_cpu_not_the_load(monkeypatch, capsys):
+    e2e = _demo_children(monkeypatch, {"DecodeBenchConnector": 0.3}, load=0.2)
+    assert e2e.main([]) == 0
+    out = capsys.readouterr().out
+    assert "  DecodeBenchConnector generate_s 2.972 vs 9.906 (3.3x off)" in out
+    assert "the host was not busy: this CPU differs from the documented run's" in out
+
+
+def test_demo_compares_only_the_documented_workload_and_explains_every_column():
+    from kvfill.bench import e2e
+
+    reference = e2e.documented()
+    args = {**reference["args"], "requests": 4, "prompt_len": 4000}
+    assert e2e.compare_documented([], args, reference, None) == [
+        "not compared with the documented run (bench/results/cpu_e2e.json: the table of README.md and "
+        "docs/performance.md): it ran another workload (--requests 16 there, 4 here, --prompt-len 8000 there, "
+        "4000 here)"]
+    assert e2e.compare_documented([], args, reference, "load 3.00 on 2 cores before the demo started")[-1] == \
+        "(the host was busy: load 3.00 on 2 cores before the demo started; these figures are not an idle host's)"
+    assert e2e.compare_documented([{"connector": "KVFillConnector", "device": "cuda"}], reference["args"], reference,
+                                  None)[0].endswith("it ran on vLLM's CPU engine, this run on cuda")
+    for column in e2e.COLUMNS[1:]:
+        assert f"\n{column} " in "\n" + e2e.LEGEND, column
+    rows = [{"connector": "KVFillConnector", "requests": 2, "generate_s": 1.0, "generate_cpu_s": 1.5, "fill_s": 0.5,
+             "fill_cpu_s": 0.5, "fill_bytes": 2**20, "startup_s": 1.0, "outputs": [3, 1]}]
+    assert e2e.finish_rows(rows, 2, 3) is False  # one request stopped short
+    assert rows[0]["outputs"] == "1/2 x 3" and rows[0]["x in-tree"] == "" and rows[0]["fill_MiB"] == 1.0
+
+
+def _table_figures(doc: str, heading: str) -> dict[str, list[str]]:
+    """The end-to-end table under ``heading`` in ``doc``: connector -> its cells."""
+    text = (ROOT / doc).read_text()
+    lines = text[text.index(heading):].splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("| connector"))
+    rows = {}
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        label, *cells = [c.strip() for c in line.strip("|").split("|")]
+        name = next(k for k, v in (("NullFillConnector", "null reference"), ("KVFillConnector", "KVFillConnector"),
+                                   ("DecodeBenchConnector", "DecodeBenchConnector"), ("none", "no connector"))
+                    if label.startswith(v))
+        rows[name] = cells
+    return rows
+
+
+@pytest.mark.parametrize("doc,heading", [("README.md", "**End to end**"),
+                                         ("docs/performance.md", "### End to end on vLLM's CPU engine")])
+def test_the_documented_end_to_end_figures_are_the_committed_runs(doc, heading):
+    """The docs' end-to-end table states bench/results/cpu_e2e.json's
+    figures, rounded - the run make demo compares itself with."""
+    import re
+
+    from kvfill.bench import e2e
+
+    rows = {r["connector"]: r for r in e2e.documented()["rows"]}
+
+    def close(cell: str, value: float) -> bool:
+        number = re.match(r"([\d.]+) (s|MiB)", cell)
+        if number is None:
+            return cell == "—" and value == 0
+        decimals = len(number.group(1).partition(".")[2])
+        return abs(float(number.group(1)) - value) <= 0.5 * 10 ** -decimals + 1e-9
+
+    table = _table_figures(doc, heading)
+    assert set(table) == set(rows)
+    for name, (generate, fill, filled) in table.items():
+        r = rows[name]
+        assert close(generate, r["generate_s"]) and close(fill, r["fill_s"]) and close(filled, r["fill_MiB"]), (name, r)
+    if doc == "docs/performance.md":
+        assert f"({rows['KVFillConnector']['x in-tree']:.1f}× faster)" in (ROOT / doc).read_text()
