@@ -31,6 +31,9 @@ def main(argv=None) -> int:
         return 2
     try:
         res = run_all(cfg, inputs, log=lambda line: print(line, flush=True))
+    except CheckError as exc:  # the host cannot hold the runs' KV space: raised before anything is written
+        print(f"kvfill-check: error: {exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("kvfill-check: interrupted; the running step was stopped", file=sys.stderr)
         return 130
