@@ -97,6 +97,8 @@ def main(argv=None):
     print(f"\nfull-attention group only, {a.requests} requests x {a.prompt_len} tokens x {a.layers} layers "
           f"(in-tree fills whole blocks: {full_bytes / MiB:.0f} MiB):")
     print(C.table(rows, ["impl", "ms", "x"]))
+    print(f"(x: the in-tree fill's ms / this row's, how many times faster than the in-tree; wall times, one run each, "
+          f"with the host's 1-minute load at {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores)")
 
     # Triton kernel (interpreter on CPU) on the first request: same bytes as torch.
     g = plan["full_attention"]

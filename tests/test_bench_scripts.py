@@ -129,7 +129,8 @@ def test_fill_bench_runs_as_a_script_and_prints_the_normal_fills_value_statistic
 
 def test_demo_small_run_verifies(capsys):
     assert demo.main(["--requests", "2", "--prompt-len", "300", "--layers", "2"]) == 0
-    assert "demo OK" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "demo OK" in out and "(x: the in-tree fill's ms / this row's, how many times faster" in out
 
 
 def ptx_check_rows(call: str) -> list[dict]:
