@@ -3,10 +3,13 @@
     kvfill-check --model MODEL --prompts FILE [--bank BANK] [--out DIR] [check options] [vLLM engine flags]
 
 Exit 0 with the report written (a failed run is in it), 1 when real prefill
-itself failed (nothing to compare with), 2 on bad input (nothing run).
+itself failed (nothing to compare with), 2 on bad input (nothing run), and
+128 + the signal's number when SIGTERM (143), SIGHUP (129) or SIGINT (130)
+stopped it: the running step and its engine stopped, no report.
 """
 from __future__ import annotations
 
+import os
 import sys
 
 
@@ -22,26 +25,40 @@ def main(argv=None) -> int:
     from .compare import compare_all
     from .inputs import prepare
     from .report import verdicts, write
-    from .runner import run_all
+    from .runner import Stopped, run_all, stop_on_signals
 
-    try:
-        inputs = prepare(cfg)
-    except ValueError as exc:  # CheckError, or kvfill-record's RecordError about the prompts file: nothing written
-        print(f"kvfill-check: error: {exc}", file=sys.stderr)
-        return 2
-    try:
-        res = run_all(cfg, inputs, log=lambda line: print(line, flush=True))
-    except CheckError as exc:  # the host cannot hold the runs' KV space: raised before anything is written
-        print(f"kvfill-check: error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("kvfill-check: interrupted; the running step was stopped", file=sys.stderr)
-        return 130
-    cmp = compare_all(res)
-    lines = verdicts(res, cmp)
-    paths = write(cfg.out, cfg, res, cmp, lines)
+    with stop_on_signals():
+        try:
+            try:
+                inputs = prepare(cfg)
+            except ValueError as exc:  # CheckError, or kvfill-record's RecordError about the prompts file: nothing
+                print(f"kvfill-check: error: {exc}", file=sys.stderr)  # written
+                return 2
+            try:
+                res = run_all(cfg, inputs, log=lambda line: print(line, flush=True))
+            except CheckError as exc:  # the host cannot hold the runs' KV space: raised before anything is written
+                print(f"kvfill-check: error: {exc}", file=sys.stderr)
+                return 2
+            cmp = compare_all(res)
+            lines = verdicts(res, cmp)
+            paths = write(cfg.out, cfg, res, cmp, lines)
+        except Stopped as stop:
+            logs = os.path.join(cfg.out, "logs")
+            where = f"; the steps' logs are in {logs}" if os.path.isdir(logs) else ""
+            ctrl_c = " (Ctrl-C)" if stop.name == "SIGINT" else ""
+            _say(f"kvfill-check: stopped by {stop.name}{ctrl_c}: the running step and its engine were stopped, "
+                 f"nothing of the check is left running; no report written{where}")
+            return stop.exit_code
     print("\n".join(["", *lines, "", "wrote " + ", ".join(paths)]), flush=True)
     return 1 if "reference_failed" in cmp else 0
+
+
+def _say(line: str) -> None:
+    """One line on stderr, if there is still somewhere to write it (SIGHUP: the terminal may be gone)."""
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except OSError:
+        pass
 
 
 if __name__ == "__main__":  # vLLM's workers are spawned and re-import the main module

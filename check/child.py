@@ -3,11 +3,16 @@ of its own (runner.py starts it): a recording (``kind: record``, kvfill's
 ``record()``) or a run (``measure.run``).  The job is a pickle the runner
 wrote; the result is JSON.  A failure exits non-zero with the traceback in
 the step's log, which the runner quotes in the report.
+
+SIGTERM (the runner's stop: ``--run-timeout``, or the check itself
+stopped) and SIGHUP end the step as an exception, ``SystemExit(128 +
+signum)``, so its engine is shut down and its temp folders removed on the
+way out (``record.engine.llm_engine``); a second one is ignored, so it
+does not cut that short.
 """
 from __future__ import annotations
 
-import json
-import pickle
+import signal
 import sys
 
 
@@ -23,7 +28,19 @@ def execute(job: dict) -> dict:
     return run(job)
 
 
+def _exit_on(signum, frame):
+    for s in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(s, lambda *_: None)  # the first one stops the step; the way out runs whole
+    print(f"kvfill.check.child: {signal.Signals(signum).name}: stopping the step", file=sys.stderr, flush=True)
+    raise SystemExit(128 + signum)
+
+
 def main(argv=None) -> int:
+    for s in (signal.SIGTERM, signal.SIGHUP):  # first: the step's imports take seconds
+        signal.signal(s, _exit_on)
+    import json
+    import pickle
+
     job_file, result_file = sys.argv[1:3] if argv is None else argv
     with open(job_file, "rb") as f:
         job = pickle.load(f)

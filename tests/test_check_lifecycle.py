@@ -1,6 +1,17 @@
 """kvfill-check's life cycle on a shared host: each engine's KV space sized
 from the prompts (or the user's), a host that cannot hold it refused before
-anything is written."""
+anything is written; SIGTERM and SIGHUP stop the check, its running step and
+that step's engine, and leave no process and no temp folder."""
+import glob
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+
 import pytest
 
 vllm = pytest.importorskip("vllm")
@@ -29,6 +40,14 @@ def config_only(tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("w5 w6 w7\n")
     return model, str(prompts)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    """The tiny Llama with weights (4 layers, 8 KV heads x 128, bf16), made once for the module."""
+    from kvfill.bench.models import make_model, make_tokenizer
+
+    return make_tokenizer(make_model(str(tmp_path_factory.mktemp("tiny") / "tiny-llama"), init_std=0.15))
 
 
 def test_the_kv_space_is_sized_from_the_prompts_and_max_model_len_drafter_and_tp_included(config_only, tmp_path):
@@ -84,3 +103,86 @@ def test_the_users_kv_space_is_used_and_one_the_host_cannot_hold_exits_2_before_
     with pytest.raises(CheckError, match="VLLM_CPU_KVCACHE_SPACE='0'"):
         monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "0")
         kv_space(cfg, 1, 40)
+
+
+def _found(pattern: str) -> list[str]:
+    """Paths under this test's temp folder (leaves_nothing's) matching ``pattern`` at any depth."""
+    return glob.glob(os.path.join(glob.escape(tempfile.gettempdir()), "**", pattern), recursive=True)
+
+
+def _wait_for_engine(step: str, deadline: float, alive) -> str:
+    """The temp folder of ``step``'s vLLM engine, once its rendezvous file is there (the engine's worker is
+    up), under the step's own temp folder (``kvfill-step-STEP-*``) or, in-process, anywhere here."""
+    while time.monotonic() < deadline:
+        assert alive(), "the check ended before the engine came up"
+        for rendezvous in _found("vllm_dist_*"):
+            folder = os.path.dirname(rendezvous)
+            if os.path.basename(folder).startswith("kvfill-record-vllm-") and (
+                    step is None or f"kvfill-step-{step}-" in folder):
+                return folder
+        time.sleep(0.2)
+    raise AssertionError(f"no engine of step {step} came up in time")
+
+
+def _ours(mark: str) -> list:
+    """Every live process whose environment carries ``mark`` (what the check started inherits it)."""
+    import psutil
+
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if p.environ().get("KVFILL_TEST_MARK") == mark and p.status() != psutil.STATUS_ZOMBIE:
+                found.append(p)
+        except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
+            continue
+    return found
+
+
+@pytest.mark.usefixtures("leaves_nothing")
+@pytest.mark.parametrize("sig, flags", [(signal.SIGTERM, []), (signal.SIGHUP, ["--in-process"])],
+                         ids=["SIGTERM", "SIGHUP-in-process"])
+def test_a_signal_stops_the_check_its_step_and_engine_and_leaves_nothing(tiny_model, tmp_path, sig, flags):
+    """kvfill-check as a user runs it, on the tiny Llama: once its first step's engine is up (the recording's
+    worker made its rendezvous file), SIGTERM (child steps) or SIGHUP (--in-process: the engine in the check's
+    own process) stops it: exit 128 + signal, one line naming the signal, no process of the check left (its
+    processes carry a mark in their environment), no temp folder of its steps or engines, no recording's
+    work folder.  The step ran with the KV space the check sized."""
+    import psutil
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("w5 w6 w7 w8 w9\nw10 w11 w12\n")
+    out, mark = tmp_path / "check", uuid.uuid4().hex
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
+    proc = subprocess.Popen([sys.executable, "-m", "kvfill.check", "--model", tiny_model, "--prompts", str(prompts),
+                             "--out", str(out), "--fills", "zeros", "--output-len", "64", *flags],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**env, "KVFILL_TEST_MARK": mark})
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+    try:
+        engine = _wait_for_engine(None if flags else "record", time.monotonic() + 240, lambda: proc.poll() is None)
+        seen = {p.pid for p in _ours(mark)}
+        if not flags:  # the step's child holds the check's KV space in its environment
+            child = [p for p in psutil.Process(proc.pid).children() if "kvfill.check.child" in p.cmdline()]
+            assert len(child) == 1 and child[0].environ().get("VLLM_CPU_KVCACHE_SPACE") == "1", child
+        proc.send_signal(sig)
+        rc = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    reader.join(10)
+    text = "".join(lines)
+    assert rc == 128 + sig, text[-3000:]
+    name = signal.Signals(sig).name
+    said = [ln for ln in text.splitlines() if ln.startswith("kvfill-check: stopped by")]
+    assert said == [f"kvfill-check: stopped by {name}: the running step and its engine were stopped, nothing of the "
+                    f"check is left running; no report written; the steps' logs are in {out / 'logs'}"], text[-3000:]
+    assert "KV space of each engine: 1 GiB (sized from 2 prompts x max_model_len " in text, text[-3000:]
+    time.sleep(3)
+    assert not _ours(mark) and not [p for p in seen if psutil.pid_exists(p)
+                                    and psutil.Process(p).status() != psutil.STATUS_ZOMBIE], seen
+    assert not os.path.exists(engine)
+    assert not _found("kvfill-step-*") and not _found("kvfill-record-*") and not list(out.glob("kvfill-record-*"))
+    assert not (out / "report.json").exists()
