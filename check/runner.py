@@ -11,7 +11,8 @@ from the prompts and max_model_len (``kv_space``), unless the user set it;
 a host without the memory for it is refused before any step.  SIGTERM,
 SIGHUP and SIGINT stop the check (``stop_on_signals``: ``Stopped``): the
 running step's process group (or, in-process, its engine) is stopped, and
-what a step leaves in its temp folder is removed whatever ended it.
+what a step leaves in its temp folder is removed whatever ended it.  Once
+real prefill failed, the steps after it are not run.
 """
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ KV_MARGIN = 1.25  # the sized KV space over the estimate (vLLM's blocks, a hybri
 CPU_BLOCK_SIZE = 128  # vLLM CPU's block size unless --block-size
 WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
+REFERENCE_FAILED = "not run: real prefill failed"
 
 
 class Stopped(BaseException):
@@ -160,6 +162,9 @@ def run_all(cfg: CheckConfig, inputs: Inputs | None = None, log=print) -> dict:
     dataset = _served_dataset(cfg) if cfg.serve else None
     for run in runs:
         i += 1
+        if run != "prefill" and "error" in steps["prefill"]:  # nothing to compare the rest with
+            steps[run] = {"run": run, "error": REFERENCE_FAILED}
+            continue
         if run == "replay" and bank is None:
             steps[run] = {"run": run, "error": "not run: no bank (the recording failed; see above)"}
             log(f"[{i}/{n_steps}] replay: not run - no bank (the recording failed)")
@@ -175,6 +180,8 @@ def run_all(cfg: CheckConfig, inputs: Inputs | None = None, log=print) -> dict:
             steps[run].update(serve_step(run, cfg, engine, connector, dataset, base["decoys"], len(ids),
                                          f"[{i}/{n_steps}]", log, env))
             _raise_if_stopped()
+        if run == "prefill" and "error" in steps[run] and runs[1:]:
+            log(f"real prefill failed: {', '.join(runs[1:])} not run (nothing to compare them with)")
     return {"prompt_tokens": [len(t) for t in ids], "max_model_len": max_len, "kv_space": kv, "bank": bank,
             "bank_recorded": made,
             "bank_stats": stats, "bank_prompts_held": held, "moe": moe, "moe_note": _moe_note(config, moe),

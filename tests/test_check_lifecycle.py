@@ -1,8 +1,11 @@
 """kvfill-check's life cycle on a shared host: each engine's KV space sized
 from the prompts (or the user's), a host that cannot hold it refused before
 anything is written; SIGTERM and SIGHUP stop the check, its running step and
-that step's engine, and leave no process and no temp folder."""
+that step's engine; every stop (a signal, --run-timeout, a step killed)
+leaves no process and no temp folder; after real prefill failed no further
+step runs."""
 import glob
+import json
 import os
 import signal
 import subprocess
@@ -186,3 +189,49 @@ def test_a_signal_stops_the_check_its_step_and_engine_and_leaves_nothing(tiny_mo
     assert not os.path.exists(engine)
     assert not _found("kvfill-step-*") and not _found("kvfill-record-*") and not list(out.glob("kvfill-record-*"))
     assert not (out / "report.json").exists()
+
+
+@pytest.mark.usefixtures("leaves_nothing")
+def test_a_killed_step_and_a_step_past_run_timeout_leave_no_temp_folder_and_a_failed_reference_ends_the_check(
+        tiny_model, tmp_path):
+    """The runner on the tiny Llama, the test stopping its steps once each engine is up: the recording's child
+    killed (SIGKILL: it cleans nothing up itself) - the runner removes its temp folder and the recording's work
+    folder; real prefill past --run-timeout (shortened while it runs) - stopped, its folder gone; then no fill
+    runs (replay, zeros: 'not run: real prefill failed'), one line saying why."""
+    import psutil
+
+    from kvfill.check.runner import run_all
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("w5 w6 w7 w8 w9\nw10 w11 w12\n")
+    out = tmp_path / "check"
+    cfg = check_config(["--model", tiny_model, "--prompts", str(prompts), "--out", str(out), "--fills", "replay",
+                        "zeros", "--output-len", "64"])
+    lines, got = [], {}
+    runner = threading.Thread(target=lambda: got.update(run_all(cfg, log=lines.append)), daemon=True)
+    runner.start()
+    deadline = time.monotonic() + 240
+    recording = _wait_for_engine("record", deadline, runner.is_alive)
+    work = list(out.glob("kvfill-record-*"))  # the recorder's work folder beside the bank
+    assert work, os.listdir(out)
+    child = [p for p in psutil.Process().children() if "kvfill.check.child" in p.cmdline()]
+    assert len(child) == 1, child
+    child[0].send_signal(signal.SIGKILL)
+    prefill = _wait_for_engine("prefill", deadline, runner.is_alive)
+    assert not os.path.exists(recording) and not any(os.path.exists(w) for w in work)  # gone before the next step
+    cfg.run_timeout = 0.1
+    runner.join(120)
+    assert not runner.is_alive()
+    steps = got["steps"]
+    assert steps["record"]["error"].startswith("exit -9: "), steps["record"]
+    assert steps["prefill"]["error"].startswith("stopped after --run-timeout 0.1 s: "), steps["prefill"]
+    assert {run: steps[run] for run in ("replay", "zeros")} == {
+        run: {"run": run, "error": "not run: real prefill failed"} for run in ("replay", "zeros")}
+    assert "real prefill failed: replay, zeros not run (nothing to compare them with)" in lines, lines
+    assert not any(ln.startswith(("[3/4]", "[4/4]")) for ln in lines), lines
+    assert got["kv_space"]["gib"] == 1 and got["kv_space"]["source"].startswith("sized from 2 prompts"), got
+    assert not os.path.exists(prefill)
+    assert not _found("kvfill-step-*") and not _found("kvfill-record-*") and not list(out.glob("kvfill-record-*"))
+    with open(out / "logs" / "prefill.log") as f:  # the child stopped its engine on the runner's SIGTERM
+        assert "kvfill.check.child: SIGTERM: stopping the step" in f.read()
+    json.dumps(got["kv_space"])  # as report.json holds it
