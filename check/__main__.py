@@ -24,7 +24,8 @@ def main(argv=None) -> int:
         return 2
     from .compare import compare_all
     from .inputs import prepare
-    from .report import verdicts, write
+    from .report import write
+    from .verdict import verdicts
     from .runner import Stopped, run_all, stop_on_signals
 
     with stop_on_signals():

@@ -11,7 +11,7 @@ vllm = pytest.importorskip("vllm")
 pytestmark = pytest.mark.cpu_only
 
 from conftest import check_preset  # noqa: E402
-from kvfill.check import compare, report  # noqa: E402
+from kvfill.check import compare, report, verdict  # noqa: E402
 from kvfill.check.cli import CheckError, check_config  # noqa: E402
 
 
@@ -138,7 +138,7 @@ def test_verdicts_tell_replay_from_a_distorting_fill_and_report_a_failed_run(tmp
              "zeros": {"run": "zeros", "error": "exit 1: RuntimeError: boom (log x.log)", "step_s": 2.0}}
     res = {**_res(steps), "samples": {"prefill": "one | two", "normal": "x\ny"}}
     cmp = compare.compare_all(res)
-    lines = report.verdicts(res, cmp)
+    lines = verdict.verdicts(res, cmp)
     text = "\n".join(lines)
     assert "replay: greedy tokens = real prefill's (8/8 over 4 prompts" in text
     assert "replay: EOS-honoured output length 15 vs 15 real tokens, ending at EOS 100 % vs 100 % (4 prompts, 4 of " \
@@ -172,7 +172,7 @@ def test_a_probe_that_could_not_read_the_runner_is_named_and_the_fill_not_called
              "replay": {**_step("replay", [[1, 2], [3, 4]], [], [], {}), "model_runner": "V2",
                         "probe_notes": ["expert counts stopped: reading the v2 runner's batch raised KeyError: 'x'"]}}
     res = _res(steps)
-    lines = report.verdicts(res, compare.compare_all(res))
+    lines = verdict.verdicts(res, compare.compare_all(res))
     assert "replay: expert counts stopped: reading the v2 runner's batch raised KeyError: 'x'" in lines, lines
     assert "=> replay: not shown valid (a probe could not read vLLM's model runner (above))" in lines, lines
     cfg = check_config(["--model", str(tmp_path), "--prompts", __file__, "--out", str(tmp_path / "r")])
@@ -188,7 +188,7 @@ def test_a_fill_equal_to_unsplit_prefill_but_not_to_the_split_is_called_equal_na
              "replay": _step("replay", [[1, 2], [3, 4]], [], [], {}),
              "normal": _step("normal", [[5, 2], [3, 9]], [], [], {})}
     res = _res(steps)
-    lines = report.verdicts(res, compare.compare_all(res))
+    lines = verdict.verdicts(res, compare.compare_all(res))
     assert "replay: greedy tokens = real prefill's (4/4 over 2 prompts, |Δlogprob| <= 0); 3/4 of the split " \
            "reference's (vLLM's own prefill split there differs)" in lines, lines
     assert any(line.startswith("normal: 1/4 greedy tokens as real prefill's") for line in lines), lines
@@ -203,13 +203,13 @@ def test_decoys_report_each_runs_prefix_cache_hits_and_name_a_run_without_reuse(
     steps = {"prefill": {"counters": {"prefix_cache_hit_tokens": 512}},
              "replay": {"counters": {"prefix_cache_hit_tokens": 512}},
              "normal": {"counters": {"prefix_cache_hit_tokens": 0}}, "zeros": {"error": "exit 1"}}
-    line = report.decoy_line({"decoys": 256, "steps": steps})
+    line = verdict.decoy_line({"decoys": 256, "steps": steps})
     assert line == ("prefix caching: after unrecorded decoys sharing each prompt's first 256 tokens, cached tokens "
                     "reused - prefill 512, replay 512, normal 0 (no reuse in normal: a block size above --decoys? "
                     "nothing shown about reuse there)"), line
     steps["prefill"]["served"] = {"prefix_cache_hit_tokens": 512}  # --serve: each server's own count
     steps["replay"]["served"] = {"prefix_cache_hit_tokens": 0}
-    assert report.decoy_line({"decoys": 256, "steps": steps}).endswith(
+    assert verdict.decoy_line({"decoys": 256, "steps": steps}).endswith(
         "normal 0, prefill served 512, replay served 0 (no reuse in normal, replay served: a block size above "
         "--decoys? nothing shown about reuse there)")
     model, prompts = tiny
@@ -227,7 +227,7 @@ def test_an_expert_load_sample_too_small_to_tell_loads_apart_is_inconclusive_not
              (("prefill", [[1, 2]] * 4, ref_counts), ("normal", [[1, 3]] * 4, [[[2, 2]]] * 4),
               ("replay", [[1, 2]] * 4, [[[3, 1]], [[2, 2]], [[3, 1]], [[1, 3]]]))}
     res = _res(steps)
-    lines = report.verdicts(res, compare.compare_all(res))
+    lines = verdict.verdicts(res, compare.compare_all(res))
     normal = next(line for line in lines if line.startswith("normal: expert load TV 0.125, floor 0.250 (0.5x) ("))
     assert "0/1 layers above real prefill's floor there" in normal and "thin: 1 layers" in normal
     assert normal.endswith("more prompts or --output-len") and "- inconclusive" in normal
@@ -241,7 +241,7 @@ def test_an_expert_load_sample_too_small_to_tell_loads_apart_is_inconclusive_not
 def test_without_real_prefill_there_is_nothing_to_compare_with(tmp_path):
     res = _res({"prefill": {"run": "prefill", "error": "exit 1: OOM"}})
     cmp = compare.compare_all(res)
-    assert report.verdicts(res, cmp) == ["real prefill failed (exit 1: OOM): nothing to compare with"]
+    assert verdict.verdicts(res, cmp) == ["real prefill failed (exit 1: OOM): nothing to compare with"]
 
 
 def test_a_burst_of_load_in_one_pass_is_noise_with_its_interval_never_the_fills_effect():
@@ -255,7 +255,7 @@ def test_a_burst_of_load_in_one_pass_is_noise_with_its_interval_never_the_fills_
         cmp = compare.compare_all(res)
         t = cmp["replay"]["decode_time"]
         assert t["interval"][0] <= 1 <= t["interval"][1], t
-        lines = report.verdicts(res, cmp)
+        lines = verdict.verdicts(res, cmp)
         line = next(line for line in lines if line.startswith("replay: decode "))
         assert line.endswith("the interval holds 1: noise, not the fill's") and f"[{t['interval'][0]:g}, " in line
         assert any(line.startswith("=> replay: valid only for EOS-ignored runs") for line in lines), lines
@@ -275,7 +275,7 @@ def test_a_fill_slower_in_every_pass_is_reported_outside_its_interval_and_not_va
     cmp = compare.compare_all(res)
     lo, hi = cmp["normal"]["decode_time"]["interval"]
     assert 1.1 < lo <= 1.5 <= hi, (lo, hi)
-    lines = report.verdicts(res, cmp)
+    lines = verdict.verdicts(res, cmp)
     assert any(line.startswith("normal: decode 3 vs 2 ms") and "slower than real prefill beyond this host's noise"
                in line for line in lines), lines
     assert "=> normal: not valid for this benchmark (decode time differs) - use replay" in lines
@@ -292,7 +292,7 @@ def test_a_host_whose_own_passes_differ_says_so_once_and_widens_what_counts_as_d
              "normal": _step("normal", [[1, 2]] * 2, [], [], {}, ms=3.0),
              "zeros": _step("zeros", [[1, 2]] * 2, [], [], {}, ms=3.0)}
     res = _res(steps)
-    lines = report.verdicts(res, compare.compare_all(res))
+    lines = verdict.verdicts(res, compare.compare_all(res))
     host = [line for line in lines if "not measurable on this host" in line]
     assert len(host) == 1 and host[0].startswith("decode time on this host: real prefill against itself"), lines
     assert not any("slower than real prefill" in line for line in lines), lines
@@ -307,12 +307,12 @@ def test_a_fill_is_valid_only_for_what_was_measured_eos_that_no_real_output_reac
     steps = {"prefill": _step("prefill", [[1, 2]] * 4, [24] * 4, [False] * 4, {}),
              "constant": _step("constant", [[7, 7]] * 4, [24] * 4, [False] * 4, {})}
     res = _res(steps)
-    lines = report.verdicts(res, compare.compare_all(res))
+    lines = verdict.verdicts(res, compare.compare_all(res))
     assert "=> constant: valid only for EOS-ignored runs or outputs capped at 24 tokens (no real output ended at " \
         "EOS: raise --max-tokens); measured: decode time (3+3 passes)" in lines, lines
     for step in steps.values():
         step.pop("timing")
-    lines = report.verdicts(res, compare.compare_all(res))
+    lines = verdict.verdicts(res, compare.compare_all(res))
     summary = next(line for line in lines if line.startswith("=> constant: valid only for"))
     assert "not timed: --time-passes 0" in summary, summary
 
@@ -323,7 +323,7 @@ def test_a_one_prompt_moe_check_judges_no_expert_load_and_calls_no_fill_valid():
     steps = {"prefill": _step("prefill", [[1, 2]], [], [], {}, [[[3, 1]]]),
              "normal": _step("normal", [[1, 2]], [], [], {}, [[[1, 3]]])}
     res = {**_res(steps), "prompt_tokens": [3]}
-    lines = report.verdicts(res, compare.compare_all(res))
+    lines = verdict.verdicts(res, compare.compare_all(res))
     assert "normal: expert load TV 0.500 - not judged: real prefill's own floor needs 2 or more prompts (1 here)" \
         in lines, lines
     assert "=> normal: not shown valid (expert load not judged: 1 prompt(s), and real prefill's floor needs 2 or " \
@@ -342,7 +342,7 @@ def test_expert_load_is_judged_per_layer_a_shift_in_most_layers_is_a_difference_
     cmp = compare.compare_all(res)
     x = cmp["normal"]["expert_load"]
     assert (x["layers"], x["layers_above_floor"], x["sign_p_more"]) == (6, 6, round(1 / 64, 4))
-    lines = report.verdicts(res, cmp)
+    lines = verdict.verdicts(res, cmp)
     line = next(line for line in lines if line.startswith("normal: expert load TV"))
     assert "6/6 layers above real prefill's floor there" in line and line.endswith("moves MoE routing in most layers")
     assert "=> normal: not valid for this benchmark (expert load differs) - use replay" in lines
@@ -496,7 +496,7 @@ def test_moe_and_indexer_are_read_off_the_models_config_and_an_indexer_is_said_n
     assert moe_shape(model_config(str(tmp_path))) == (4, 1)
     assert model_config(str(tmp_path / "no-such-model")) == {}
     res = {**_res({"prefill": _step("prefill", [[1]], [], [], {})}), "indexer": True}
-    line = report.verdicts(res, compare.compare_all(res))[-1]
+    line = verdict.verdicts(res, compare.compare_all(res))[-1]
     assert line.startswith("indexer top-k: not measured - vLLM CPU does not run sparse attention")
 
 
@@ -588,7 +588,7 @@ def test_the_report_json_is_strict_and_a_failed_plot_leaves_no_earlier_png(tiny,
     open(os.path.join(cfg.out, "report.png"), "w").close()  # an earlier check's
     res = {**_res({"prefill": {"run": "prefill", "error": "exit 1"}}), "bank_stats": {"std": float("nan")}}
     cmp = compare.compare_all(res)
-    paths = report.write(cfg.out, cfg, res, cmp, report.verdicts(res, cmp))
+    paths = report.write(cfg.out, cfg, res, cmp, verdict.verdicts(res, cmp))
     assert json.loads(open(paths[0]).read())["bank_stats"] == {"std": "nan"}  # strict JSON: no NaN token
     assert paths[2].startswith("no report.png") and not os.path.exists(os.path.join(cfg.out, "report.png"))
 
@@ -609,11 +609,11 @@ def test_a_bank_that_holds_only_some_prompts_is_named_on_replays_lines_and_in_th
     assert read_bank(path, [[1, 2, 3], [5, 6, 9], [5, 6]])[1] == 2
     steps = {run: _step(run, [[1, 2]] * 2, [], [], {}) for run in ("prefill", "replay")}
     res = {**_res(steps), "bank_prompts_held": 1, "bank": path, "bank_recorded": False}
-    lines = report.verdicts(res, compare.compare_all(res))
+    lines = verdict.verdicts(res, compare.compare_all(res))
     assert lines[1] == ("replay: the bank holds 1/2 prompts whole; the others replay rows of its recorded sequences "
                         "picked by each block's token hash (another text's KV), so their tokens need not be real "
                         "prefill's")
-    again = report.verdicts({**res, "bank_prompts_held": 2}, compare.compare_all(res))
+    again = verdict.verdicts({**res, "bank_prompts_held": 2}, compare.compare_all(res))
     assert not any("the bank holds" in line for line in again)
     cfg = check_config(["--model", tiny[0], "--prompts", tiny[1], "--bank", path])
     assert f"bank {path} (holding 1/2 prompts whole);" in report.markdown(cfg, res, compare.compare_all(res), lines)

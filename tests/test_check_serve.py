@@ -81,7 +81,7 @@ def test_serve_options_the_check_cannot_run_with_are_refused_naming_the_value(tm
 def test_a_failed_served_run_is_reported_and_leaves_the_fills_eos_lengths_unjudged():
     """--serve: a fill whose served run failed, or real prefill's, is named;
     its EOS lengths were not measured, so no fill is called valid on them."""
-    from kvfill.check import compare, report
+    from kvfill.check import compare, verdict
 
     rows = [{"tokens": [1, 2], "logprobs": [-1.0, -1.0]}] * 2
     served = {"request_throughput": 1.0, "mean_tpot_ms": 10.0, "concurrency": 2}
@@ -95,7 +95,7 @@ def test_a_failed_served_run_is_reported_and_leaves_the_fills_eos_lengths_unjudg
                                    {"eos": eos, "served": served, "texts": ["a", "b"]}))
                  for run in ("prefill", "replay")}
         res = {"steps": steps, "prompt_tokens": [3, 4], "bank_recorded": True, "runtime_s": 1.0, "moe_note": None}
-        lines = report.verdicts(res, compare.compare_all(res))
+        lines = verdict.verdicts(res, compare.compare_all(res))
         assert f"{failed}: served run failed - server exited with 1" in lines, lines
         assert "=> replay: not shown valid (EOS lengths not measured: a served run failed)" in lines, lines
 

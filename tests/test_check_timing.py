@@ -10,7 +10,7 @@ import pytest
 vllm = pytest.importorskip("vllm")
 pytestmark = [pytest.mark.cpu_only, pytest.mark.e2e]
 
-from kvfill.check import compare, report  # noqa: E402
+from kvfill.check import compare, verdict  # noqa: E402
 from kvfill.check.cli import check_config, engine_kwargs  # noqa: E402
 from kvfill.check.inputs import prepare  # noqa: E402
 from kvfill.check.runner import step  # noqa: E402
@@ -70,12 +70,12 @@ def timed(tmp_path_factory):
     return got
 
 
-def _time_line(timed: dict, run: str) -> tuple[dict, str, report.Evidence]:
+def _time_line(timed: dict, run: str) -> tuple[dict, str, verdict.Evidence]:
     """The run's decode-time line as the report writes it, judged against
     real prefill's own noise (its band)."""
-    _, band = report.time_host_line(compare.decode_time(timed["prefill"]["timing"]))
-    t, ev = compare.decode_time(timed[run]["timing"]), report.Evidence()
-    return t, report.time_lines("zeros", t, band, ev)[0], ev
+    _, band = verdict.time_host_line(compare.decode_time(timed["prefill"]["timing"]))
+    t, ev = compare.decode_time(timed[run]["timing"]), verdict.Evidence()
+    return t, verdict.time_lines("zeros", t, band, ev)[0], ev
 
 
 def test_two_checks_of_the_same_fill_one_under_a_burst_of_load_report_noise_never_the_fills_effect(timed):
@@ -94,6 +94,6 @@ def test_two_checks_of_the_same_fill_one_under_a_burst_of_load_report_noise_neve
 
 def test_a_fill_slower_in_every_step_is_reported_outside_its_interval(timed):
     t, line, ev = _time_line(timed, "slow")
-    assert t["interval"][0] > report.TIME_BAND and t["ratio"] > 2, t
+    assert t["interval"][0] > verdict.TIME_BAND and t["ratio"] > 2, t
     assert "slower than real prefill beyond this host's noise" in line and ev.differs == ["decode time"], line
     assert all(min(p["ms"]) >= DELAY_MS for p in timed["slow"]["timing"]["passes"] if p["kind"] == "fill")
