@@ -70,6 +70,23 @@ def _eos_run(cfg) -> str:
     return f"EOS-honoured run up to {cfg.max_tokens} tokens, {how}"
 
 
+def _setting_lines(cfg, res: dict) -> list[str]:
+    """What the runs were given that the user did not choose: each engine's
+    KV space (vLLM CPU), the normal fill's mean and std and where they come
+    from."""
+    out = []
+    kv = res.get("kv_space")
+    if kv:
+        out.append(f"- KV space per engine (vLLM CPU): {kv['gib']} GiB - {kv['source']}")
+    normal = (res.get("fills") or {}).get("normal")
+    if normal:
+        stats = res.get("bank_stats")
+        why = ("--normal" if cfg.normal else f"the bank's KV values: {stats['source']}" if stats and stats.get("source")
+               else "the bank's KV values" if stats else "N(0, 1): the bank holds no float KV rows to take a spread from")
+        out.append(f"- normal fill: mean {normal['fill_mean']:.4g}, std {normal['fill_std']:.4g} - {why}")
+    return out + [""] if out else []
+
+
 def _runners(res: dict) -> str:
     """"; vLLM's model runner V2" (each run's, as its worker reported it; several when runs differ)."""
     seen = sorted({s["model_runner"] for s in res["steps"].values() if s.get("model_runner")})
@@ -83,7 +100,8 @@ def markdown(cfg, res: dict, cmp: dict, lines: list[str]) -> str:
            f"{cfg.output_len} greedy tokens (EOS ignored); "
            f"{_eos_run(cfg)}; bank {'recorded over these prompts' if res['bank_recorded'] else res['bank']}"
            f"{_held(res)}"
-           f"; {res['runtime_s']:.0f} s in all{_runners(res)}.", "", "## Verdicts", ""]
+           f"; {res['runtime_s']:.0f} s in all{_runners(res)}.", "", *_setting_lines(cfg, res),
+           "## Verdicts", ""]
     out += [f"- {line}" for line in lines]
     served = " served req/s | served TPOT ms |" if cfg.serve else ""
     out += ["", "## Runs", "", "Decode time: ms per request-token (median of the timed passes' pure decode steps), the "

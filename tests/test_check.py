@@ -617,3 +617,17 @@ def test_a_bank_that_holds_only_some_prompts_is_named_on_replays_lines_and_in_th
     assert not any("the bank holds" in line for line in again)
     cfg = check_config(["--model", tiny[0], "--prompts", tiny[1], "--bank", path])
     assert f"bank {path} (holding 1/2 prompts whole);" in report.markdown(cfg, res, compare.compare_all(res), lines)
+
+
+def test_the_report_says_each_engines_kv_space_and_where_the_normal_fills_spread_came_from(tiny, tmp_path):
+    steps = {run: _step(run, [[1, 2]] * 2, [], [], {}) for run in ("prefill", "normal")}
+    stats = {"mean": 0.01, "std": 0.5, "source": "the bank's 4 KV layers of float8_e4m3fn stored as uint8"}
+    res = {**_res(steps), "kv_space": {"gib": 2, "source": "sized from 2 prompts x max_model_len 64"},
+           "fills": {"normal": {"fill_mean": 0.01, "fill_std": 0.5}}, "bank_stats": stats}
+    cfg = check_config(["--model", tiny[0], "--prompts", tiny[1]])
+    md = report.markdown(cfg, res, compare.compare_all(res), [])
+    assert "- KV space per engine (vLLM CPU): 2 GiB - sized from 2 prompts x max_model_len 64" in md
+    assert "- normal fill: mean 0.01, std 0.5 - the bank's KV values: the bank's 4 KV layers of float8_e4m3fn" in md
+    cfg = check_config(["--model", tiny[0], "--prompts", tiny[1], "--normal", "0", "2"])
+    md = report.markdown(cfg, {**res, "kv_space": None}, compare.compare_all(res), [])
+    assert "KV space" not in md and "- normal fill: mean 0.01, std 0.5 - --normal" in md
