@@ -312,9 +312,10 @@ def engine_kwargs(cfg: CheckConfig, prompts: int, max_model_len: int) -> dict:
 
 def eager(cfg: CheckConfig) -> dict:
     """Eager unless the user chose a mode (--enforce-eager, -O, --compilation-config), or pipeline
-    parallelism (vLLM CPU's PP fails eager)."""
+    parallelism on vLLM CPU (whose PP fails eager; other platforms run it eager)."""
     chosen = {"enforce_eager", "compilation_config"} & set(cfg.engine)
-    return {} if chosen or int(cfg.engine.get("pipeline_parallel_size") or 1) > 1 else {"enforce_eager": True}
+    cpu_pp = int(cfg.engine.get("pipeline_parallel_size") or 1) > 1 and on_cpu()
+    return {} if chosen or cpu_pp else {"enforce_eager": True}
 
 
 def record_call(cfg: CheckConfig, bank: str, max_model_len: int) -> dict:

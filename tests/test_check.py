@@ -631,3 +631,17 @@ def test_the_report_says_each_engines_kv_space_and_where_the_normal_fills_spread
     cfg = check_config(["--model", tiny[0], "--prompts", tiny[1], "--normal", "0", "2"])
     md = report.markdown(cfg, {**res, "kv_space": None}, compare.compare_all(res), [])
     assert "KV space" not in md and "- normal fill: mean 0.01, std 0.5 - --normal" in md
+
+
+def test_pipeline_parallel_runs_are_compiled_only_on_vllm_cpu(tiny, monkeypatch):
+    """vLLM CPU's PP fails eager, so the check compiles there; elsewhere PP
+    runs eager as every other run does (router hooks need it)."""
+    from kvfill.check import cli
+
+    cfg = check_config(["--model", tiny[0], "--prompts", tiny[1], "--pipeline-parallel-size", "2"])
+    monkeypatch.setattr(cli, "on_cpu", lambda: True)
+    assert cli.eager(cfg) == {}
+    monkeypatch.setattr(cli, "on_cpu", lambda: False)
+    assert cli.eager(cfg) == {"enforce_eager": True}
+    cfg = check_config(["--model", tiny[0], "--prompts", tiny[1], "--pipeline-parallel-size", "2", "--enforce-eager"])
+    assert cli.eager(cfg) == {}  # the user's choice stands (in the engine flags)
