@@ -159,7 +159,7 @@ def record_bank(args: list[str], tp: int, pp: int, work: str) -> list[str]:
     the cores on vLLM CPU; eager, but compiled at PP > 1: vLLM CPU's pipeline
     fails eager), the check given it with ``--bank``: replay from a bank
     recorded at another parallel size than the runs'."""
-    from kvfill.check.runner import worker_cores
+    from kvfill.check.steps import worker_cores
 
     bank = os.path.join(work, f"bank-tp{tp}-pp{pp}.safetensors")
     rec = [sys.executable, "-m", "kvfill.record", *record_flags(args), "--out", bank,

@@ -26,7 +26,8 @@ def main(argv=None) -> int:
     from .inputs import prepare
     from .report import write
     from .verdict import verdicts
-    from .runner import Stopped, run_all, stop_on_signals
+    from .runner import run_all
+    from .steps import Stopped, stop_on_signals
 
     with stop_on_signals():
         try:

@@ -448,7 +448,7 @@ def test_a_step_that_fails_or_overruns_is_reported_with_its_log_and_leaves_no_pr
     group) and reported so; progress lines name each step."""
     import psutil
 
-    from kvfill.check.runner import step
+    from kvfill.check.steps import step
 
     model, prompts = tiny
     cfg = check_config(["--model", model, "--prompts", prompts, "--out", str(tmp_path / "r")])
@@ -474,7 +474,7 @@ def test_several_vllm_cpu_workers_get_a_share_of_the_cores_each_unless_the_user_
     """vLLM CPU's own binding gives each worker a NUMA node and refuses more
     workers than nodes: the check splits this process's cores between TP x PP
     workers, and keeps a VLLM_CPU_OMP_THREADS_BIND the user set."""
-    from kvfill.check.runner import child_env
+    from kvfill.check.steps import child_env
 
     model, prompts = tiny
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)

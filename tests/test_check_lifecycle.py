@@ -57,7 +57,7 @@ def test_the_kv_space_is_sized_from_the_prompts_and_max_model_len_drafter_and_tp
     """10000 prompts x max_model_len 2000 (16 blocks of 128 = 2048 tokens) x 256 B per token =
     4.883 GiB, x1.25 = 6.1: 7 GiB; decoys double the sequences, TP 2 halves each worker's share, a drafter
     of the same size doubles the bytes per token."""
-    from kvfill.check.runner import sized_kv_space
+    from kvfill.check.kv_space import sized_kv_space
 
     model, prompts = config_only
     cfg = check_config(["--model", model, "--prompts", prompts, "--out", str(tmp_path / "r")])
@@ -84,7 +84,7 @@ def test_the_users_kv_space_is_used_and_one_the_host_cannot_hold_exits_2_before_
     import psutil
 
     from kvfill.check.__main__ import main
-    from kvfill.check.runner import kv_space
+    from kvfill.check.kv_space import kv_space
 
     model, prompts = config_only
     cfg = check_config(["--model", model, "--prompts", prompts])

@@ -13,7 +13,7 @@ pytestmark = [pytest.mark.cpu_only, pytest.mark.e2e]
 from kvfill.check import compare, verdict  # noqa: E402
 from kvfill.check.cli import check_config, engine_kwargs  # noqa: E402
 from kvfill.check.inputs import prepare  # noqa: E402
-from kvfill.check.runner import step  # noqa: E402
+from kvfill.check.steps import step  # noqa: E402
 
 PROMPTS = 2
 # The tiny Llama's decode step takes about 5 ms on a quiet host; on one running three other engines its real
