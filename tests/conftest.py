@@ -203,7 +203,8 @@ def check_preset(tmp_path, argv: list[str], runner: str | None = None):
     """``python bench/check_presets.py PRESET ...`` in a process of its own, as a user runs it (``--in-process``
     runs vLLM's engines there: a test process's modules trip vLLM CPU's kernel rebinding), its work and
     results in ``tmp_path``, under vLLM's model runner ``runner`` (``runner_env``; its log checked to say
-    so): exit code, the one report.json it published (check-NAME-cpu.json), work folder."""
+    so): exit code, the one report.json it published (check-NAME-cpu.json, ``<work>`` read as the work
+    folder), work folder."""
     import json
     import subprocess
     import sys
@@ -216,7 +217,8 @@ def check_preset(tmp_path, argv: list[str], runner: str | None = None):
     assert len(published) == 1, out.stdout[-3000:] + out.stderr[-3000:]
     assert_runner(runner, out.stdout + out.stderr)
     assert published[0].with_suffix(".md").read_text().startswith("# kvfill-check")
-    return out.returncode, json.loads(published[0].read_text()), work
+    # published with <work> for the work folder (check_presets.without_machine_paths): the tests read its files
+    return out.returncode, json.loads(published[0].read_text().replace("<work>", str(work))), work
 
 
 @pytest.fixture

@@ -367,7 +367,8 @@ def test_check_on_a_trained_model_finds_replay_exact_and_a_constant_fill_distort
     assert cmp["replay"]["tokens"]["identical"] and cmp["replay"]["tokens"]["max_abs_logprob_diff"] <= 1e-3
     assert cmp["replay"]["eos_lengths_identical"] and data["samples"]["replay"] == data["samples"]["prefill"]
     assert all(f is not None for f in cmp["constant"]["tokens"]["first_divergence"]), cmp["constant"]["tokens"]
-    assert "=> replay: valid for this benchmark" in v
+    # no real output reaches EOS within 24 tokens: the verdicts hold for EOS-ignored or capped runs only
+    assert "=> replay: valid only for EOS-ignored runs or outputs capped at 24 tokens" in v
     assert any(line.startswith("constant: ") and "greedy tokens as real prefill's" in line for line in data["verdicts"])
     assert not os.path.exists(work / "logs" / "replay.job")  # each step's job file removed after it
 
