@@ -174,7 +174,8 @@ def decode_time(timing: dict | None) -> dict | None:
     tokens each request gained in it) over the second kind's, at the
     largest batch both ran pure decode steps at (a drafter's runs finish
     requests at different steps).  Beside it each kind's pass medians, the
-    host's load and the process's CPU seconds per wall second.  None
+    host's load and CPU seconds per wall second: the process's (every torch
+    thread) and the engine's own thread's.  None
     without passes; ``error`` when no batch size is common to both."""
     passes = (timing or {}).get("passes")
     if not passes:
@@ -197,6 +198,7 @@ def decode_time(timing: dict | None) -> dict | None:
             "pass_medians": [[round(statistics.median(s), 3) for s in per[k]] for k in kinds],
             "load": [min(min(p["load"]) for p in passes), max(max(p["load"]) for p in passes)],
             "cpu_per_wall": round(sum(p["cpu_s"] for p in passes) / sum(p["wall_s"] for p in passes), 2),
+            "thread_cpu_per_wall": round(sum(p["thread_cpu_s"] for p in passes) / sum(p["wall_s"] for p in passes), 2),
             "torch_threads": timing.get("torch_threads"), "cores": timing.get("cores")}
 
 

@@ -82,7 +82,8 @@ def _setting_lines(cfg, res: dict) -> list[str]:
     if normal:
         stats = res.get("bank_stats")
         why = ("--normal" if cfg.normal else f"the bank's KV values: {stats['source']}" if stats and stats.get("source")
-               else "the bank's KV values" if stats else "N(0, 1): the bank holds no float KV rows to take a spread from")
+               else "the bank's KV values" if stats else
+               "N(0, 1): the bank holds no float KV rows to take a spread from")
         out.append(f"- normal fill: mean {normal['fill_mean']:.4g}, std {normal['fill_std']:.4g} - {why}")
     return out + [""] if out else []
 

@@ -78,7 +78,8 @@ def run_all(cfg: CheckConfig, inputs: Inputs | None = None, log=print) -> dict:
     config = probes.model_config(cfg.model, bool(cfg.engine.get("trust_remote_code", False)))
     moe = probes.moe_shape(config) if engine.get("enforce_eager") else None
     base = {"kind": "run", "ids": ids, "engine": engine, "output_len": cfg.output_len,
-            "max_tokens": 0 if cfg.serve else cfg.max_tokens, "temperature": cfg.temperature, "moe": moe, "spec": bool(spec),
+            "max_tokens": 0 if cfg.serve else cfg.max_tokens, "temperature": cfg.temperature, "moe": moe,
+            "spec": bool(spec),
             "spec_tokens": _spec_tokens(spec), "decoys": decoys(ids, cfg.decoys) if cfg.decoys else None,
             "time_passes": cfg.time_passes}
     runs = ["prefill", *(["prefill_split"] if split else []), *cfg.fills]

@@ -261,8 +261,8 @@ def time_host_line(t: dict | None) -> tuple[str | None, float]:
         return None, TIME_BAND
     lo, hi = t["interval"]
     band = max(TIME_BAND, hi, 1 / lo)
-    host = (f"load {t['load'][0]:g}-{t['load'][1]:g} on {t['cores']} cores, {t['cpu_per_wall']:g} CPU s per wall s "
-            f"with {t['torch_threads']} torch threads")
+    host = (f"load {t['load'][0]:g}-{t['load'][1]:g} on {t['cores']} cores, {_cpu(t)} with {t['torch_threads']} torch "
+            f"threads")
     line = (f"decode time on this host: real prefill against itself {t['ratio']:g}x [{lo:g}, {hi:g}] "
             f"({t['passes'][0]}+{t['passes'][1]} passes, {t['steps'][0]}+{t['steps'][1]} steps at batch "
             f"{t['batch']}; {host})")
@@ -272,6 +272,13 @@ def time_host_line(t: dict | None) -> tuple[str | None, float]:
     if band > TIME_BAND:
         return line + f" - a fill's time counts as different only beyond {band:.2g}x", band
     return line, band
+
+
+def _cpu(t: dict) -> str:
+    """CPU seconds per wall second over the timed passes: the process's and its engine thread's."""
+    thread = t.get("thread_cpu_per_wall")
+    return f"{t['cpu_per_wall']:g} CPU s per wall s" + (f" ({thread:g} in the engine's thread)" if thread is not None
+                                                         else "")
 
 
 def _ms(values: list[float]) -> str:
@@ -294,7 +301,8 @@ def time_lines(run: str, t: dict | None, band: float, ev: Evidence) -> list[str]
     what = (f"{run}: decode {fill:.3g} vs {real:.3g} ms per request-token of real prefill interleaved in the same "
             f"engine: {t['ratio']:g}x [{lo:g}, {hi:g}] ({t['passes'][0]}+{t['passes'][1]} passes, "
             f"{t['steps'][0]}+{t['steps'][1]} steps at batch {t['batch']}; pass medians "
-            f"{_ms(t['pass_medians'][0])} vs {_ms(t['pass_medians'][1])} ms; load {t['load'][0]:g}-{t['load'][1]:g}, {t['cpu_per_wall']:g} CPU s per wall s)")
+            f"{_ms(t['pass_medians'][0])} vs {_ms(t['pass_medians'][1])} ms; load {t['load'][0]:g}-{t['load'][1]:g}, "
+            f"{_cpu(t)})")
     if lo <= 1 <= hi:
         ev.measured.append(f"decode time ({t['passes'][0]}+{t['passes'][1]} passes)")
         return [f"{what} - the interval holds 1: noise, not the fill's"]

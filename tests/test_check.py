@@ -392,7 +392,11 @@ def test_check_on_a_tiny_moe_counts_every_decode_tokens_experts_and_measures_eac
     for run in ("replay", "zeros"):
         tv = data["comparison"][run]["expert_load"]["tv_per_layer"]
         assert len(tv) == 4 and all(0.0 <= x <= 1.0 for x in tv), run
-        assert any(line.startswith(f"{run}: expert load TV") and "floor" in line for line in data["verdicts"])
+        line = next(line for line in data["verdicts"] if line.startswith(f"{run}: expert load"))
+        x = data["comparison"][run]["expert_load"]  # judged per layer, the count on the line (4 layers: thin)
+        assert x["layers"] == 4 and 0 <= x["layers_above_floor"] <= 4, x
+        assert line.startswith(f"{run}: expert load = real prefill's") or (
+            f"{x['layers_above_floor']}/4 layers above real prefill's floor there" in line and "thin: 4 layers" in line)
 
 
 @pytest.mark.usefixtures("leaves_nothing")
