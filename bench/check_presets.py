@@ -49,11 +49,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
 
+from kvfill.bench.common import without_machine_paths
 from kvfill.bench.models import HYBRID_KINDS, PEAKED_STD, make_hybrid_model, make_model, make_moe_model, \
     make_tokenizer, make_topic_prompts, nested_prompts, word_prompts, write_lines
 
@@ -183,21 +183,6 @@ def result_name(a, extra: list[str]) -> str:
         if size or recorded and tag == "tp":
             name += f"-{tag}{size or 1}"
     return name + (f"-{a.tag}" if a.tag else "") + "-serve" * a.serve
-
-
-def without_machine_paths(text: str, work: str, root: str = ROOT) -> str:
-    """A report's text as bench/results publishes it: paths in the project
-    relative to it (``out/check-llama/prompts.txt``), the work folder
-    ``<work>`` where it lies outside the project - no absolute path of the
-    machine that ran the check (numbers and everything else unchanged)."""
-    root, work = os.path.abspath(root), os.path.abspath(work)
-    names = ([(work, "<work>")] if os.path.relpath(work, root).startswith("..") else []) + [(root, ".")]
-    for folder, name in names:
-        for spelled in {folder, json.dumps(folder)[1:-1]}:  # as written, and as JSON escapes it
-            # the folder whole: followed by '/' or by no further character of a name (/work/main2 is another)
-            whole = re.escape(spelled) + r"(/|(?![\w\-]|\.\w))"
-            text = re.sub(whole, lambda m: name + m.group(1) if name != "." else "" if m.group(1) else ".", text)
-    return text
 
 
 def publish(work: str, results: str, name: str) -> None:

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -24,6 +26,9 @@ import numpy as np
 import torch
 
 from kvfill.kernels.testing import standard_views  # noqa: F401  (the benches build caches with it)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the project
+
 
 def scattered_requests(num_requests, blocks_per_request, num_blocks, seed=0):
     """Disjoint, randomly placed block tables (like a busy block pool)."""
@@ -179,8 +184,26 @@ def _child_failed(out: subprocess.CompletedProcess, what: str):
 
 
 def write_json(path, payload):
+    """``payload`` as indented JSON, naming paths in the project relative to
+    it (``without_machine_paths``): results name no machine's folders."""
     with open(path, "w") as f:
-        json.dump(payload, f, indent=2)
+        f.write(without_machine_paths(json.dumps(payload, indent=2)) + "\n")
+
+
+def without_machine_paths(text: str, work: str | None = None, root: str = ROOT) -> str:
+    """A report's text as bench/results publishes it: paths in the project
+    relative to it (``out/check-llama/prompts.txt``), the work folder
+    ``<work>`` where it lies outside the project - no absolute path of the
+    machine that ran the check (numbers and everything else unchanged)."""
+    root = os.path.abspath(root)
+    work = os.path.abspath(work) if work else None
+    names = ([(work, "<work>")] if work and os.path.relpath(work, root).startswith("..") else []) + [(root, ".")]
+    for folder, name in names:
+        for spelled in {folder, json.dumps(folder)[1:-1]}:  # as written, and as JSON escapes it
+            # the folder whole: followed by '/' or by no further character of a name (/work/main2 is another)
+            whole = re.escape(spelled) + r"(/|(?![\w\-]|\.\w))"
+            text = re.sub(whole, lambda m: name + m.group(1) if name != "." else "" if m.group(1) else ".", text)
+    return text
 
 
 def table(rows, columns) -> str:

@@ -391,11 +391,14 @@ def test_a_published_check_report_names_no_absolute_path_of_this_machine(tmp_pat
 
 
 def test_the_committed_reports_name_no_absolute_path():
-    """Every report bench/check_presets.py and the demo published in
-    bench/results names its files relative to the project."""
+    """Every report bench/check_presets.py, the demo, the serving benchmark
+    and the soak published in bench/results names its files relative to the
+    project (bench/common.write_json)."""
     import re
 
-    reports = sorted((ROOT / "bench" / "results").glob("check-*-cpu.*")) + [ROOT / "bench/results/cpu_e2e.json"]
+    reports = sorted((ROOT / "bench" / "results").glob("check-*-cpu.*")) + [
+        ROOT / "bench/results" / name for name in ("cpu_e2e.json", "serve-cpu.json", "serve-c8-cpu.json",
+                                                   "serve-replay-cpu.json", "soak-cpu.json")]
     texts = {p.name: p.read_text() for p in reports if p.suffix in (".json", ".md")}
     assert len(texts) > 40
     absolute = re.compile(r"""(?:^|[\s"'`(=])/(?:work|home|tmp|root|Users|mnt|scratch|var|opt)/""")
