@@ -32,6 +32,7 @@ import random
 import statistics
 
 REFERENCE = "prefill"
+REFERENCE_FAILED = "not run: real prefill failed"  # the error of each step after a failed real prefill
 BOOTSTRAP = 2000  # resamples behind a decode-time interval
 
 

@@ -16,13 +16,13 @@ import os
 import time
 
 from . import probes
+from .compare import REFERENCE_FAILED
 from .cli import CheckConfig, engine_kwargs, on_cpu, record_call
 from .inputs import Inputs, prepare, read_bank
 from .kv_space import kv_env, kv_space
 from .steps import _raise_if_stopped, child_env, step
 
 SAMPLE_TOKENS = 16
-REFERENCE_FAILED = "not run: real prefill failed"
 
 
 def fill_config(fill: str, cfg: CheckConfig, bank: str | None, stats: dict | None) -> dict:

@@ -13,7 +13,7 @@ whatever they are.
 """
 from __future__ import annotations
 
-from .compare import REFERENCE
+from .compare import REFERENCE, REFERENCE_FAILED
 
 # A fill's expert-load TV within this many times real prefill's halves floor is noise: the floor is
 # itself one draw of a noisy statistic (two halves of one sample), measured once.
@@ -107,7 +107,9 @@ def verdicts(res: dict, cmp: dict) -> list[str]:
     """One line per fill and observable, each naming its sample, then one
     summary line per fill saying what it holds for."""
     if "reference_failed" in cmp:
-        return [f"real prefill failed ({cmp['reference_failed']}): nothing to compare with"]
+        skipped = [run for run, step in res["steps"].items() if step.get("error") == REFERENCE_FAILED]
+        return [f"real prefill failed ({cmp['reference_failed']}): nothing to compare with"
+                + (f"; not run: {', '.join(skipped)}" if skipped else "")]
     lines, ref = [], cmp[REFERENCE]
     split = cmp.get("prefill_split")
     if split:

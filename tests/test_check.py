@@ -242,6 +242,9 @@ def test_without_real_prefill_there_is_nothing_to_compare_with(tmp_path):
     res = _res({"prefill": {"run": "prefill", "error": "exit 1: OOM"}})
     cmp = compare.compare_all(res)
     assert verdict.verdicts(res, cmp) == ["real prefill failed (exit 1: OOM): nothing to compare with"]
+    res["steps"].update({run: {"run": run, "error": "not run: real prefill failed"} for run in ("replay", "zeros")})
+    assert verdict.verdicts(res, cmp) == ["real prefill failed (exit 1: OOM): nothing to compare with; not run: "
+                                          "replay, zeros"]
 
 
 def test_a_burst_of_load_in_one_pass_is_noise_with_its_interval_never_the_fills_effect():
