@@ -192,9 +192,13 @@ def decode_time(timing: dict | None) -> dict | None:
     per = {k: [steps for steps in v if steps] for k, v in per.items()}
     a, b = kinds
     med = {k: statistics.median([x for steps in per[k] for x in steps]) for k in kinds}
+    raw = {k: statistics.median([ms for p in ps for ms, b in zip(p["ms"], p["batch"]) if b == batch])
+           for k, ps in groups.items()}  # per step, whatever each request gained in it
+    gained = {k: round(statistics.fmean(p["tokens_per_step"] for p in ps), 3) for k, ps in groups.items()}
     lo, hi = _interval(per[a], per[b])
     return {"kinds": kinds, "batch": batch, "ms_per_token": [round(med[a], 4), round(med[b], 4)],
             "ratio": round(med[a] / med[b], 3), "interval": [round(lo, 3), round(hi, 3)],
+            "step_ratio": round(raw[a] / raw[b], 3), "tokens_per_step": [gained[a], gained[b]],
             "passes": [len(per[a]), len(per[b])], "steps": [sum(map(len, per[a])), sum(map(len, per[b]))],
             "pass_medians": [[round(statistics.median(s), 3) for s in per[k]] for k in kinds],
             "load": [min(min(p["load"]) for p in passes), max(max(p["load"]) for p in passes)],

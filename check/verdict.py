@@ -305,6 +305,10 @@ def time_lines(run: str, t: dict | None, band: float, ev: Evidence) -> list[str]
             f"{t['steps'][0]}+{t['steps'][1]} steps at batch {t['batch']}; pass medians "
             f"{_ms(t['pass_medians'][0])} vs {_ms(t['pass_medians'][1])} ms; load {t['load'][0]:g}-{t['load'][1]:g}, "
             f"{_cpu(t)})")
+    gained = t.get("tokens_per_step")
+    if gained and gained[0] != gained[1]:  # a drafter's acceptance moves time per token, not per step
+        what += (f"; per step {t['step_ratio']:g}x, requests gaining {gained[0]:g} vs {gained[1]:g} tokens a step: "
+                 f"the difference is acceptance's")
     if lo <= 1 <= hi:
         ev.measured.append(f"decode time ({t['passes'][0]}+{t['passes'][1]} passes)")
         return [f"{what} - the interval holds 1: noise, not the fill's"]

@@ -105,7 +105,7 @@ def _res(steps):
     return {"steps": steps, "prompt_tokens": [3, 4], "bank_recorded": True, "runtime_s": 1.0, "moe_note": None}
 
 
-def _timing(kinds, ms, real_ms=2.0, passes=3, steps=8, batch=2, slow_pass=None):
+def _timing(kinds, ms, real_ms=2.0, passes=3, steps=8, batch=2, slow_pass=None, gained=(1.0, 1.0)):
     """Timed passes as measure.time_passes writes them: ``kinds`` alternating, each step's ms around ``ms``
     (the first kind) or ``real_ms`` (the second) with a fixed 2 % wobble; ``slow_pass``: that pass (its index
     among all) 3x slower in every step - a burst of load on the host."""
@@ -113,7 +113,7 @@ def _timing(kinds, ms, real_ms=2.0, passes=3, steps=8, batch=2, slow_pass=None):
     for i in range(2 * passes):
         base = (ms if i % 2 == 0 else real_ms) * (3 if i == slow_pass else 1)
         out.append({"kind": kinds[i % 2], "ms": [base * (1 + 0.02 * ((j * 7 + i) % 5 - 2)) for j in range(steps)],
-                    "batch": [batch] * steps, "tokens_per_step": 1.0, "wall_s": 1.0, "cpu_s": 1.9,
+                    "batch": [batch] * steps, "tokens_per_step": gained[i % 2], "wall_s": 1.0, "cpu_s": 1.9,
                     "thread_cpu_s": 0.9, "load": [0.5, 0.7]})
     return {"passes": out, "torch_threads": 2, "cores": 2}
 
@@ -150,6 +150,7 @@ def test_verdicts_tell_replay_from_a_distorting_fill_and_report_a_failed_run(tmp
     assert "normal: 2/8 greedy tokens as real prefill's (25 %, 4 prompts), first divergence at token 0" in text
     assert "normal: acceptance 3 % vs 67 % real, 1.1 vs 3 tokens per step (30 vs 10 drafts) - use replay" in text
     assert "normal: decode 3 vs 2 ms per request-token of real prefill interleaved in the same engine: 1.5x [" in text
+    assert "; per step 1.5x, requests gaining 1 vs 1 tokens a step" not in text  # said only where they differ
     assert "=> normal: not valid for this benchmark (EOS lengths, acceptance, expert load, decode time differ) - use " \
         "replay" in text
     assert "zeros: run failed - exit 1: RuntimeError: boom" in text
@@ -285,6 +286,21 @@ def test_a_fill_slower_in_every_pass_is_reported_outside_its_interval_and_not_va
     zeros = next(line for line in lines if line.startswith("zeros: decode "))
     assert zeros.endswith("below what this host resolves") and "1.05x [" in zeros
     assert any(line.startswith("=> zeros: valid only for EOS-ignored runs") for line in lines)
+
+
+def test_with_a_drafter_time_per_token_differs_by_acceptance_and_the_line_says_so_per_step():
+    """A fill whose drafts are never accepted (1 token a step against real
+    prefill's 4), its steps as fast: 4x the time per request-token, the
+    benchmark's TPOT, and the line says each step took the same."""
+    steps = {"prefill": _step("prefill", [[1, 2]] * 2, [], [], {}),
+             "normal": {**_step("normal", [[1, 2]] * 2, [], [], {}),
+                        "timing": _timing(("fill", "real"), 2.0, gained=(1.0, 4.0))}}
+    res = _res(steps)
+    cmp = compare.compare_all(res)
+    t = cmp["normal"]["decode_time"]
+    assert (t["ratio"], t["step_ratio"], t["tokens_per_step"]) == (4.0, 1.0, [1.0, 4.0]), t
+    line = next(line for line in verdict.verdicts(res, cmp) if line.startswith("normal: decode "))
+    assert "; per step 1x, requests gaining 1 vs 4 tokens a step: the difference is acceptance's" in line, line
 
 
 def test_a_host_whose_own_passes_differ_says_so_once_and_widens_what_counts_as_different():
