@@ -224,8 +224,9 @@ def read_bank(path: str, ids: list[list[int]]) -> tuple[dict | None, int | None]
     (its float rows, decoded as stored: an fp8 cache's bytes as fp8; K and V
     apart where the bank names a layer's K/V geometry), None when it holds
     no float rows; and how many of the prompts it holds whole (one recorded
-    sequence starts with all of a prompt's tokens, from the bank's index),
-    None for a bank without its sequences' token ids.  Replay gives any
+    sequence starts with every token of the prompt a fill writes - all but
+    its last, which vLLM computes; a hybrid's recording ends there - from
+    the bank's index), None for a bank without its sequences' token ids.  Replay gives any
     other prompt, block by block, rows of a recorded sequence picked by the
     block's token hash.
 
@@ -241,7 +242,7 @@ def read_bank(path: str, ids: list[list[int]]) -> tuple[dict | None, int | None]
 
     stored = read_stored(path)
     index = BankIndex.read(path)  # metadata alone
-    held = None if index.tokens is None else sum(index.holds(t) for t in ids)
+    held = None if index.tokens is None else sum(index.holds(t[:max(len(t) - 1, 1)]) for t in ids)
     used = [layer for layer in stored.layers.values() if layer.values is not None]
     if not used:
         return None, held

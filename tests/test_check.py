@@ -630,7 +630,9 @@ def test_a_bank_that_holds_only_some_prompts_is_named_on_replays_lines_and_in_th
                 value_dtypes={"layers.0.attn": "bfloat16"}, metadata={"model": "m", "block_size": "8"}, source="whole")
     path = str(tmp_path / "bank.safetensors")
     bank.save(path)
-    assert read_bank(path, [[1, 2, 3], [5, 6, 9], [5, 6]])[1] == 2
+    # held: a recorded sequence starts with every token a fill writes, all but the prompt's last (vLLM computes
+    # it; a hybrid's recording ends there): [1, 2, 3, 4] and [5, 6, 9] are held, [5, 7, 9] is not
+    assert read_bank(path, [[1, 2, 3, 4], [5, 6, 9], [5, 7, 9]])[1] == 2
     steps = {run: _step(run, [[1, 2]] * 2, [], [], {}) for run in ("prefill", "replay")}
     res = {**_res(steps), "bank_prompts_held": 1, "bank": path, "bank_recorded": False}
     lines = verdict.verdicts(res, compare.compare_all(res))
