@@ -199,16 +199,19 @@ def assert_runner(runner: str | None, log: str):
         assert V2_LINE not in log, f"KVFILL_VLLM_RUNNER={runner} but vLLM ran V2: " + log[-3000:]
 
 
-def check_preset(tmp_path, argv: list[str], runner: str | None = None):
+def check_preset(tmp_path, argv: list[str], runner: str | None = None, timed: bool = False):
     """``python bench/check_presets.py PRESET ...`` in a process of its own, as a user runs it (``--in-process``
     runs vLLM's engines there: a test process's modules trip vLLM CPU's kernel rebinding), its work and
     results in ``tmp_path``, under vLLM's model runner ``runner`` (``runner_env``; its log checked to say
     so): exit code, the one report.json it published (check-NAME-cpu.json, ``<work>`` read as the work
-    folder), work folder."""
+    folder), work folder.  Unless ``timed``, the check times no decode (``--time-passes 0``): its passes doubled
+    the check tests' time in CI, and decode time has tests of its own (test_check_timing.py; the MoE check's)."""
     import json
     import subprocess
     import sys
 
+    if not timed:
+        argv = [*argv, "--time-passes", "0"] if "--" in argv else [*argv, "--", "--time-passes", "0"]
     work, results = tmp_path / "work", tmp_path / "results"
     script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "check_presets.py")
     out = subprocess.run([sys.executable, script, *argv[:1], "--work", str(work), "--results", str(results),

@@ -399,7 +399,8 @@ def test_check_on_a_tiny_moe_counts_every_decode_tokens_experts_and_measures_eac
     [0, 1] with real prefill's halves floor beside it.  Model Runner V2
     (its batch read from prepare_inputs: probes.py)."""
     rc, data, _ = check_preset(tmp_path, ["moe", "--held-out", "6", "--record", "3", "--prompt-len", "48", "--",
-                                     "--output-len", "5", "--fills", "replay", "zeros", "--in-process"], runner="v2")
+                                     "--output-len", "5", "--fills", "replay", "zeros", "--in-process"], runner="v2",
+                              timed=True)
     assert rc == 0, data["verdicts"]
     assert {data["steps"][run]["model_runner"] for run in ("prefill", "replay", "zeros")} == {"V2"}
     for run in ("prefill", "replay", "zeros"):
@@ -416,6 +417,9 @@ def test_check_on_a_tiny_moe_counts_every_decode_tokens_experts_and_measures_eac
         assert x["layers"] == 4 and 0 <= x["layers_above_floor"] <= 4, x
         assert line.startswith(f"{run}: expert load = real prefill's") or (
             f"{x['layers_above_floor']}/4 layers above real prefill's floor there" in line and "thin: 4 layers" in line)
+        t = data["comparison"][run]["decode_time"]  # timed in the run's engine against real prefill's passes
+        assert t["kinds"] == ["fill", "real"] and t["passes"] == [3, 3] and t["interval"][0] <= t["ratio"] <= \
+            t["interval"][1], t
 
 
 @pytest.mark.usefixtures("leaves_nothing")

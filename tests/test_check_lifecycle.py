@@ -142,6 +142,7 @@ def _ours(mark: str) -> list:
 
 
 @pytest.mark.usefixtures("leaves_nothing")
+@pytest.mark.xdist_group("e2e")  # beside the other engine tests: the leaves_nothing group is the longest
 @pytest.mark.parametrize("sig, flags", [(signal.SIGTERM, []), (signal.SIGHUP, ["--in-process"])],
                          ids=["SIGTERM", "SIGHUP-in-process"])
 def test_a_signal_stops_the_check_its_step_and_engine_and_leaves_nothing(tiny_model, tmp_path, sig, flags):
@@ -192,6 +193,7 @@ def test_a_signal_stops_the_check_its_step_and_engine_and_leaves_nothing(tiny_mo
 
 
 @pytest.mark.usefixtures("leaves_nothing")
+@pytest.mark.xdist_group("e2e")  # beside the other engine tests: the leaves_nothing group is the longest
 def test_a_killed_step_and_a_step_past_run_timeout_leave_no_temp_folder_and_a_failed_reference_ends_the_check(
         tiny_model, tmp_path):
     """The runner on the tiny Llama, the test stopping its steps once each engine is up: the recording's child

@@ -500,11 +500,24 @@ def test_a_signal_vllm_turns_into_its_own_error_is_reported_as_the_signal(signum
     the recorder reports the signal (exit 130, or 128 + SIGTERM), with the
     error as its cause; a second signal during the cleanup is ignored; the
     handlers are restored."""
+    # the precondition: no handler of the caller's (stop_signals leaves one alone), whatever a test before this one
+    # in the same pytest worker left installed
+    inherited = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        _signal_into_vllms_error(signum, raised, before)
+    finally:
+        for s, handler in inherited.items():
+            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+
+
+def _signal_into_vllms_error(signum, raised, before):
     import time
 
     from kvfill.record.signals import stop_signals
 
-    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     with pytest.raises(raised) as exc:
         with stop_signals():
             try:
