@@ -70,10 +70,11 @@ def timed(tmp_path_factory):
     return got
 
 
-def _time_line(timed: dict, run: str) -> tuple[dict, str, verdict.Evidence]:
+def _time_line(timed: dict, run: str, host_band: bool = True) -> tuple[dict, str, verdict.Evidence]:
     """The run's decode-time line as the report writes it, judged against
-    real prefill's own noise (its band)."""
+    real prefill's own noise (its band), or at the check's least band."""
     _, band = verdict.time_host_line(compare.decode_time(timed["prefill"]["timing"]))
+    band = band if host_band else verdict.TIME_BAND
     t, ev = compare.decode_time(timed[run]["timing"]), verdict.Evidence()
     return t, verdict.time_lines("zeros", t, band, ev)[0], ev
 
@@ -93,7 +94,11 @@ def test_two_checks_of_the_same_fill_one_under_a_burst_of_load_report_noise_neve
 
 
 def test_a_fill_slower_in_every_step_is_reported_outside_its_interval(timed):
-    t, line, ev = _time_line(timed, "slow")
+    """Judged at the check's least band (1.1x): where the host's own noise
+    is wider still (CI's two pytest workers on 2 cores stalled real
+    prefill's 5 ms steps to 200 ms, its band 25x) the report rightly calls
+    every ratio unresolvable, which says nothing of the interval."""
+    t, line, ev = _time_line(timed, "slow", host_band=False)
     assert t["interval"][0] > verdict.TIME_BAND and t["ratio"] > 2, t
     assert "slower than real prefill beyond this host's noise" in line and ev.differs == ["decode time"], line
     assert all(min(p["ms"]) >= DELAY_MS for p in timed["slow"]["timing"]["passes"] if p["kind"] == "fill")
