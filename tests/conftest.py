@@ -279,3 +279,24 @@ def pytest_unconfigure(config):
         import shutil
 
         shutil.rmtree(_WORKER_TMP, ignore_errors=True)
+
+
+@pytest.fixture
+def vllm_cpu_platform(monkeypatch):
+    """vLLM's CPU platform where the installed vLLM resolves none (its CUDA
+    wheel here: make test-vllm034), so its flag parser runs (vllm_platform.py)."""
+    from vllm_platform import cpu_platform_stand_in
+
+    cpu_platform_stand_in(monkeypatch)
+
+
+@pytest.fixture
+def check_model(tmp_path):
+    """kvfill-check's smallest inputs: a tiny Llama without weights (2 layers, 2 KV heads x 16, bf16: 256 B
+    of KV per token) and a prompts file of one prompt."""
+    from kvfill.bench.models import make_config_only
+
+    model = make_config_only(str(tmp_path / "model"))
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("w5 w6 w7\n")
+    return model, str(prompts)

@@ -16,22 +16,13 @@ from kvfill.check.cli import CheckError, check_config  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
-def _vllm_platform(monkeypatch):
-    """vLLM's CPU platform where the installed vLLM resolves none (its CUDA
-    wheel here: make test-vllm034), so its flag parser runs (vllm_platform.py)."""
-    from vllm_platform import cpu_platform_stand_in
-
-    cpu_platform_stand_in(monkeypatch)
+def _vllm_platform(vllm_cpu_platform):
+    """conftest's vllm_cpu_platform for every test here."""
 
 
 @pytest.fixture
-def tiny(tmp_path):
-    from kvfill.bench.models import make_config_only
-
-    model = make_config_only(str(tmp_path / "model"))
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text("w5 w6 w7\n")
-    return model, str(prompts)
+def tiny(check_model):
+    return check_model
 
 
 @pytest.mark.parametrize("flags, named", [

@@ -26,23 +26,13 @@ GiB = 2**30
 
 
 @pytest.fixture(autouse=True)
-def _vllm_platform(monkeypatch):
-    """vLLM's CPU platform where the installed vLLM resolves none (its CUDA
-    wheel here: make test-vllm034), so its flag parser runs (vllm_platform.py)."""
-    from vllm_platform import cpu_platform_stand_in
-
-    cpu_platform_stand_in(monkeypatch)
+def _vllm_platform(vllm_cpu_platform):
+    """conftest's vllm_cpu_platform for every test here."""
 
 
 @pytest.fixture
-def config_only(tmp_path):
-    """A tiny Llama without weights (2 layers, 2 KV heads x 16, bf16: 256 B of KV per token) and one prompt."""
-    from kvfill.bench.models import make_config_only
-
-    model = make_config_only(str(tmp_path / "model"))
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text("w5 w6 w7\n")
-    return model, str(prompts)
+def config_only(check_model):
+    return check_model
 
 
 @pytest.fixture(scope="module")
