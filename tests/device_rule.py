@@ -8,7 +8,9 @@ device").  On the CPU every tensor is a host tensor, so a test that mixes them
 passes here and fails on the lent GPU.  ``DeviceRule`` (a TorchFunctionMode)
 marks as on the device every tensor made by a factory without a device or
 with ``device="cpu:0"`` (``DEVICE``, what ``KVFILL_TEST_DEVICE=cpu:0``
-gives the tests), and every result of an op on marked tensors; it reports
+gives the tests), and every result of an op on marked tensors; such a
+factory makes a host tensor whatever torch's default device is (``cuda`` in
+the GPU run, ``meta`` in the stand-in's), so the rule's own tests hold there; it reports
 their ``.device`` as ``cpu:0``, refuses ``.numpy()`` on them, and raises
 CUDA's error when an op mixes marked tensors with host tensors of one
 element or more (copies, indexing with host indices, moves between the two and
@@ -86,9 +88,9 @@ class DeviceRule(TorchFunctionMode):
         if func in _FACTORIES or (func is torch.as_tensor and not isinstance(args[0] if args else None,
                                                                             torch.Tensor)):
             where = _is_device(kwargs.get("device"))
-            if where:
+            if where is not False:  # the stand-in device is host memory, whatever torch's default device is
                 kwargs = dict(kwargs, device="cpu")
-            return _mark(func(*args, **kwargs), where is None or where)
+            return _mark(func(*args, **kwargs), where is not False)
         if func is torch.Tensor.to:
             device, _, _, _ = torch._C._nn._parse_to(*args[1:], **kwargs)
             where = _is_device(device)

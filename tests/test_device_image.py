@@ -142,12 +142,17 @@ def test_the_suite_passes_in_the_image_with_every_vllm_test_skipped(inner, outer
         assert skipped is not None and "needs vLLM" in skipped.get("message", ""), node
 
 
-def test_banks_load_into_host_memory_in_the_image_with_a_non_cpu_default_device(image):
-    """The bank file tests with torch's default device ``meta`` (tensor
-    factories follow it, as they follow ``cuda`` in the GPU run)."""
-    inner = in_image(image, "-m", "pytest", "-p", "no:cacheprovider", "-rfE", "tests/test_bank_files.py",
+def test_banks_load_into_host_memory_and_the_device_rule_holds_with_a_non_cpu_default_device(image, tmp_path):
+    """The bank file tests and the accelerator stand-in's own tests with
+    torch's default device ``meta`` (tensor factories follow it, as they
+    follow ``cuda`` in the GPU run): every one runs and passes."""
+    report = tmp_path / "junit.xml"
+    inner = in_image(image, "-m", "pytest", "-p", "no:cacheprovider", "-rfEs", f"--junitxml={report}",
+                     "tests/test_bank_files.py", "tests/test_device_rule.py",
                      env={"KVFILL_TEST_DEFAULT_DEVICE": "meta"}, timeout=600)
     assert inner.returncode == 0, inner.stdout[-4000:]
-    assert "default device meta" in inner.stdout and "vLLM absent" in inner.stdout, inner.stdout[:1000]
-    passed = re.search(r"(\d+) passed", inner.stdout)
-    assert passed and int(passed.group(1)) > 50, inner.stdout[-1000:]
+    cases = list(ET.parse(report).iter("testcase"))
+    rule = [c for c in cases if c.get("classname") == "tests.test_device_rule"]
+    assert len(rule) >= 3 and len(cases) > len(rule), [c.get("name") for c in cases]
+    ran = [c for c in cases if c.find("skipped") is None and c.find("failure") is None and c.find("error") is None]
+    assert all(c in ran for c in rule), [c.get("name") for c in rule if c not in ran]
