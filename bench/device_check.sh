@@ -7,8 +7,9 @@
 # A lent GPU gives ~15 minutes in all, machine start included, so the run must
 # report everything the first time and fit in ~8 minutes, compiles included:
 #   * the suite runs to the end (no -x) under a time budget
-#     (KVFILL_TEST_BUDGET_S, default 210 s): tests past it are skipped and named
-#     in the summary; a hard limit 60 s past it kills a hung suite;
+#     (KVFILL_TEST_BUDGET_S, default 210 s), GPU-relevant files first and the
+#     compile-heavy ones last: tests past it are skipped and named in the
+#     summary; a hard limit 60 s past it kills a hung suite;
 #   * gpu_check.py runs whatever the suite did, under its own budget
 #     (KVFILL_CHECK_BUDGET_S, default 170 s; sections past it are named; a hard
 #     limit 90 s past it);
@@ -42,10 +43,25 @@ nvidia-smi -L || true
 "$PY" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA device')"
 end_phase "machine" $?
 
-echo "== test suite on CUDA (budget ${TEST_BUDGET} s)"
+# The suite's files in the order a short budget should reach them: what only a GPU's compiled kernels can
+# show first (packed rows, replay, values, page images, state pages), every other file, then the
+# compile-heavy ones (each layout or example a new constexpr set: minutes with a cold Triton cache).
+first=(tests/test_packed_rows.py tests/test_replay.py tests/test_values.py tests/test_page_images.py
+       tests/test_bank_states.py)
+last=(tests/test_canonical_rows.py tests/test_fill_layouts.py tests/test_fuzz.py)
+for f in "${first[@]}" "${last[@]}"; do
+  [ -f "$f" ] || { echo "device_check.sh: $f is gone; update the suite order here"; exit 2; }
+done
+suite=("${first[@]}")
+for f in tests/test_*.py; do
+  case " ${first[*]} ${last[*]} " in *" $f "*) ;; *) suite+=("$f") ;; esac
+done
+suite+=("${last[@]}")
+
+echo "== test suite on CUDA (budget ${TEST_BUDGET} s; ${#suite[@]} files, ${first[0]} first, ${last[-1]} last)"
 KVFILL_TEST_DEVICE=cuda KVFILL_TEST_BUDGET_S=$TEST_BUDGET \
   timeout -k 10 $((TEST_BUDGET + 60)) \
-  "$PY" -m pytest -q -p no:cacheprovider -rfEs tests >"$out/gpu-tests.log" 2>&1
+  "$PY" -m pytest -q -p no:cacheprovider -rfEs "${suite[@]}" >"$out/gpu-tests.log" 2>&1
 tests_rc=$?
 tail -5 "$out/gpu-tests.log"
 end_phase "test suite" $tests_rc
@@ -72,8 +88,10 @@ end_phase "gpu_check" $check_rc
   grep -E '^(FAILED|ERROR) ' "$out/gpu-tests.log" | cut -c1-160
   budget_skips=$(grep -E "^BUDGET-SKIPPED " "$out/gpu-tests.log")
   if [ -n "$budget_skips" ]; then
-    echo "skipped for the time budget:"
+    echo "skipped for the time budget (${TEST_BUDGET} s), in suite order:"
     echo "$budget_skips" | cut -c1-160
+  else
+    echo "skipped for the time budget (${TEST_BUDGET} s): none"
   fi
   echo "-- gpu_check (log: $out/gpu-check.log)"
   case $check_rc in

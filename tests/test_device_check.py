@@ -31,9 +31,9 @@ esac
 """
 
 
-def run_device_check(tmp_path, pytest_rc, check_rc):
+def run_device_check(tmp_path, pytest_rc, check_rc, fake_py=FAKE_PY):
     fake = tmp_path / "python"
-    fake.write_text(FAKE_PY)
+    fake.write_text(fake_py)
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     out = tmp_path / "out"
     env = {**os.environ, "PY": str(fake), "OUT": str(out), "CALLS": str(tmp_path / "calls"),
@@ -62,6 +62,25 @@ def test_failing_tests_make_the_run_fail_and_gpu_check_still_runs(tmp_path):
     for phase in ("machine", "test suite", "gpu_check"):
         assert any(line.startswith(phase) and line.rstrip().split()[-1] for line in summary.splitlines())
     assert (out / "device-check-summary.txt").read_text().endswith(summary)
+
+
+def test_the_suite_runs_every_test_file_once_gpu_relevant_first_compile_heavy_last(tmp_path):
+    proc, calls, _ = run_device_check(tmp_path, pytest_rc=0, check_rc=0)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    args = next(c for c in calls if c.startswith("-m pytest")).split("|")[0].split()
+    files = [a for a in args if a.startswith("tests/")]
+    assert sorted(files) == sorted(str(p.relative_to(ROOT)) for p in ROOT.glob("tests/test_*.py"))
+    assert files[:5] == ["tests/test_packed_rows.py", "tests/test_replay.py", "tests/test_values.py",
+                         "tests/test_page_images.py", "tests/test_bank_states.py"]
+    assert files[-1] == "tests/test_fuzz.py" and set(files[-3:]) >= {"tests/test_fill_layouts.py"}
+    assert "skipped for the time budget (30 s), in suite order:" in proc.stdout
+
+
+def test_a_run_that_skipped_nothing_says_so(tmp_path):
+    fake_py = FAKE_PY.replace('echo "BUDGET-SKIPPED tests/test_fuzz.py: 4 tests, from test_random_plans"\n', "")
+    assert fake_py != FAKE_PY
+    proc, _, _ = run_device_check(tmp_path, pytest_rc=0, check_rc=0, fake_py=fake_py)
+    assert "skipped for the time budget (30 s): none" in proc.stdout, proc.stdout
 
 
 @pytest.mark.parametrize("pytest_rc, check_rc, ok", [(0, 0, True), (0, 3, False)])
