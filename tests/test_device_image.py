@@ -156,3 +156,33 @@ def test_banks_load_into_host_memory_and_the_device_rule_holds_with_a_non_cpu_de
     assert len(rule) >= 3 and len(cases) > len(rule), [c.get("name") for c in cases]
     ran = [c for c in cases if c.find("skipped") is None and c.find("failure") is None and c.find("error") is None]
     assert all(c in ran for c in rule), [c.get("name") for c in rule if c not in ran]
+
+
+def test_gpu_check_runs_every_section_byte_exact_in_the_image_on_the_device_stand_in(image, tmp_path):
+    """``bench/gpu_check.py --smoke`` as device_check.sh runs it on CUDA, in
+    the image, on the accelerator stand-in (device ``cpu:0``,
+    ``tests/device_rule.py``: a host tensor mixed with the device's raises):
+    every layout x dtype x mode, the packed rows, every section and the
+    timings at toy sizes, byte-exact; the summary and JSON say so."""
+    import json
+
+    from kvfill.bench import gpu_check
+
+    out = tmp_path / "out"
+    run = in_image(image, "tests/device_rule.py", "bench/gpu_check.py", "--smoke", "--device", "cpu:0",
+                   "--out", str(out), timeout=900)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-3000:]
+    assert "'device': 'cpu:0'" in run.stdout
+    assert "correctness: constant 130/130, normal 130/130, replay 130/130 cases byte-exact" in run.stdout
+    assert "perf rows verified: 12/12" in run.stdout and "packed rows byte-exact: True" in run.stdout
+    assert "sections: " + "; ".join(f"{name} ok" for name, _ in gpu_check.SECTIONS) in run.stdout
+    report = json.loads((out / "gpu_check.json").read_text())
+    assert report["errors"] == [] and report["skipped_for_budget"] == []
+    assert report["correctness"]["sections"] == {name: {"ok": True, "failed": []} for name, _ in gpu_check.SECTIONS}
+    assert list(report["replay_over_normal_bandwidth"]) == ["1MiB L2 R16"] + [
+        f"packed {kind} L2 B2" for kind in ("indexer", "fp8_ds_mla", "nvfp4_ds_mla")]
+    assert {r["case"] for r in report["perf"]} >= {"state pages L2 x1 4KiB", "packed indexer L2 B2",
+                                                    "launch-bound R4 L3"}
+    # The summary file device_check.sh prints last: the same lines and the table.
+    summary = (out / "gpu-check-summary.txt").read_text()
+    assert "replay 130/130 cases byte-exact" in summary and "launch-bound R4 L3" in summary

@@ -33,6 +33,7 @@ def test_what_cuda_allows_across_devices_passes():
     with DeviceRule():
         device, host = torch.zeros(4), torch.arange(4.0, device="cpu")
         device.copy_(host)  # copies between the two
+        assert on_device(host.to(DEVICE, copy=True)) and not on_device(device.to("cpu", copy=True))
         assert torch.equal(device, host.to(device.device)) and torch.equal(device.cpu(), host)
         assert device[torch.tensor([1, 2], device="cpu")].tolist() == [1.0, 2.0]  # host indices
         assert (device * torch.tensor(2.0, device="cpu")).tolist() == [0.0, 2.0, 4.0, 6.0]  # a 0-dim host scalar
