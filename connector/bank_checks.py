@@ -12,6 +12,7 @@ said at startup.
 """
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Mapping
 
 import torch
@@ -19,6 +20,7 @@ from vllm.logger import init_logger
 
 from kvfill.bank import NO_DCP, Bank, BankError, BankPart, dtype_name
 from kvfill.kernels import CacheGroup
+from kvfill.kernels.packed_rows import part_dtypes
 
 from .bank_fit import fit_error
 from .drafter import check_drafter
@@ -144,6 +146,9 @@ def count_nonfinite(bank: Bank) -> dict[str, int]:
         vdtype = bank.value_dtypes.get(name) or dtype_name(t.dtype)
         target = getattr(torch, vdtype, None)
         if not isinstance(target, torch.dtype) or not target.is_floating_point:
+            bad = _nonfinite_packed(t, bank.parts.get(name))  # DeepSeek's rows: each part its own dtype
+            if bad:
+                out[name] = bad
             continue
         flat = t.reshape(-1)
         if t.dtype != target:
@@ -158,6 +163,27 @@ def count_nonfinite(bank: Bank) -> dict[str, int]:
         if bad:
             out[f"{name} (state)"] = bad
     return out
+
+
+def _nonfinite_packed(rows: torch.Tensor, parts) -> int:
+    """NaN or inf in a packed layer's rows ``[T, R]`` of bytes, each part's
+    columns read as the dtype it encodes (``packed_rows.part_dtypes``); 0
+    for rows of another kind."""
+    dtypes = part_dtypes(parts)
+    if dtypes is None or rows.dim() != 2 or rows.element_size() != 1:
+        return 0
+    widths = [math.prod(p) for p in parts]
+    if sum(widths) != rows.shape[1]:
+        return 0
+    bad, at = 0, 0
+    for width, dtype in zip(widths, dtypes):
+        if dtype is not None:
+            step = max(1, (1 << 24) // width)  # bounded temporaries
+            for a in range(0, rows.shape[0], step):
+                values = rows[a:a + step, at:at + width].contiguous().view(torch.uint8).view(dtype)
+                bad += int((~torch.isfinite(values.float())).sum())
+        at += width
+    return bad
 
 
 def _nonfinite(flat: torch.Tensor) -> int:

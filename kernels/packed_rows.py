@@ -116,6 +116,23 @@ def nvfp4_ds_mla_parts(cache: torch.Tensor) -> RowParts:
                      _view(cache, blocks, tokens, 32, stride, width, 256 + DS_MLA_ROPE)))
 
 
+def part_dtypes(parts) -> tuple[torch.dtype | None, ...] | None:
+    """The dtype each part of a recorded packed row encodes, known from the
+    parts' element dims (what a bank records of a layer: ``Bank.parts``),
+    None for a part that cannot hold NaN or inf (e2m1); None where the parts
+    are none of the rows above.  An indexer's scale reads as float32 either
+    way it is stored: four equal UE8M0 bytes make a finite float32 unless
+    the byte is 255, UE8M0's NaN."""
+    dims = tuple(tuple(int(d) for d in p) for p in parts or ())
+    if len(dims) == 2 and len(dims[0]) == 1 and dims[1] == (SCALE_BYTES,):
+        return torch.float8_e4m3fn, torch.float32
+    if dims == ((DS_MLA_TILES * DS_MLA_TILE,), (DS_MLA_TILES * SCALE_BYTES,), (DS_MLA_ROPE * 2,)):
+        return torch.float8_e4m3fn, torch.float32, torch.bfloat16
+    if dims == ((256,), (DS_MLA_ROPE,), (32,)):
+        return None, torch.float8_e4m3fn, torch.float8_e4m3fn
+    return None
+
+
 def power_of_two_scale(mean: float, std: float) -> float:
     """The scale vLLM's writers pick for keys of ``mean + std * z`` (their
     absolute maximum taken as ``|mean| + 4 std``): ``2^ceil(log2(max(amax,

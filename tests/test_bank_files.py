@@ -300,6 +300,37 @@ def test_non_finite_recorded_values_are_counted_per_layer(tmp_path):
 
 
 @pytest.mark.needs_vllm
+def test_non_finite_recorded_values_in_packed_rows_are_counted_part_by_part():
+    """DeepSeek's sparse-attention rows are bytes of parts that each encode
+    their own dtype (kernels/packed_rows.py): fp8 keys, float32 scales, bf16
+    RoPE values, e4m3 scales; e2m1 values have no NaN or inf.  A NaN or inf
+    in any of them is counted and named in the start-up warning as in a
+    float layer's rows (issue 52)."""
+    from kvfill.connector.bank_checks import count_nonfinite, nonfinite_warning
+
+    rows = {"idx": torch.zeros(4, 132, dtype=torch.uint8, device="cpu"),
+            "mla": torch.zeros(4, 656, dtype=torch.uint8, device="cpu"),
+            "fp4": torch.zeros(4, 352, dtype=torch.uint8, device="cpu"),
+            "raw": torch.zeros(4, 132, dtype=torch.uint8, device="cpu")}
+    parts = {"idx": [[128], [4]], "mla": [[512], [16], [128]], "fp4": [[256], [64], [32]], "raw": [[132]]}
+    bank = Bank(rows, sequence_lengths=[4], parts=parts)
+    assert count_nonfinite(bank) == {}
+    rows["idx"][0, 5] = 0x7F  # an fp8 key: NaN
+    rows["idx"][3, 128:132] = 0xFF  # a scale: NaN (as float32, and as UE8M0 bytes)
+    rows["mla"][1, 511] = 0xFF  # an fp8 value: NaN
+    rows["mla"][2, 512:516] = torch.tensor([0, 0, 0x80, 0x7F], dtype=torch.uint8)  # a float32 scale: inf
+    rows["mla"][2, 528:530] = torch.tensor([0x80, 0xFF], dtype=torch.uint8)  # a bf16 RoPE value: -inf
+    rows["fp4"][0, :256] = 0xFF  # e2m1 codes: -6, finite
+    rows["fp4"][1, 256 + 3] = 0x7F  # an e4m3 RoPE value: NaN
+    rows["fp4"][3, 351] = 0xFF  # an e4m3 scale: NaN
+    rows["raw"][:] = 0xFF  # bytes of no known kind: not counted
+    counts = count_nonfinite(bank)
+    assert counts == {"idx": 2, "mla": 3, "fp4": 2}
+    line = nonfinite_warning("b.kv", counts)
+    assert "7 recorded values are NaN or infinite in 3 layers" in line and "mla: 3" in line
+
+
+@pytest.mark.needs_vllm
 def test_provenance_that_differs_from_the_serving_run_is_named():
     from kvfill.connector.bank_checks import nonfinite_warning, provenance_mismatches
 
