@@ -24,7 +24,7 @@ from vllm.engine.arg_utils import EngineArgs
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
 from .inputs import RecordError, unresolved
-from .liveness import NODE_WAIT_S
+from .liveness import NODE_SILENCE_S, NODE_WAIT_S
 
 USAGE = "kvfill-record --model MODEL --prompts FILE --out BANK [kvfill options] [vLLM engine options]"
 
@@ -159,6 +159,10 @@ def build_parser() -> RecordArgumentParser:
     own.add_argument("--node-wait", type=float, default=NODE_WAIT_S, metavar="SECONDS",
                      help="over several nodes (--nnodes): how long a node waits for the others to come up; a node "
                           "that goes away later fails every node within seconds (default %(default)g)")
+    own.add_argument("--node-silence", type=float, default=NODE_SILENCE_S, metavar="SECONDS",
+                     help="over several nodes: how long a node may go without a beat (one a second) before the "
+                          "others take it as gone and stop the recording; raise it on hosts that pause "
+                          "processes (a loaded host, a debugger, a live migration) (default %(default)g)")
     own.add_argument("--config", default=None,
                      help="a YAML file of vLLM engine flags (as `vllm serve --config`); flags given on the "
                           "command line win")
@@ -246,7 +250,7 @@ def record_call(argv: Sequence[str] | None = None) -> dict:
     engine = {name: getattr(args, name) for name in sorted(given & fields) if name != "model"}
     named = {name: engine.pop(name) for name in NAMED if name in engine}
     return dict(model=args.model, prompts_file=args.prompts, out=args.out, positions=args.positions,
-                budget_gib=args.budget_gib, node_wait=args.node_wait, **named, llm_kwargs=engine)
+                budget_gib=args.budget_gib, node_wait=args.node_wait, node_silence=args.node_silence, **named, llm_kwargs=engine)
 
 
 def _check_engine_args(args: argparse.Namespace) -> None:

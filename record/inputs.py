@@ -131,13 +131,17 @@ def check_out(out: str) -> None:
                           f"recorder can write the bank (and its work folder) in")
 
 
-def check_nodes(llm_kwargs: dict, node_wait: float) -> None:
+def check_nodes(llm_kwargs: dict, node_wait: float, node_silence: float) -> None:
     """``--node-rank`` names a node of a recording over ``--nnodes`` > 1
     nodes: without it a further node would start workers that join whatever
-    listens at the default master address.  ``--node-wait``: seconds > 0."""
-    if isinstance(node_wait, bool) or not isinstance(node_wait, (int, float)) or not 0 < node_wait < float("inf"):
-        raise RecordError(f"--node-wait {node_wait!r}: expected a number of seconds > 0 (how long a node waits for "
-                          f"the other nodes of a recording to come up)")
+    listens at the default master address.  ``--node-wait`` and
+    ``--node-silence``: seconds > 0."""
+    for flag, value, what in (("--node-wait", node_wait, "how long a node waits for the other nodes of a recording "
+                                                         "to come up"),
+                              ("--node-silence", node_silence, "how long a node may go without a beat before the "
+                                                               "others take it as gone")):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+            raise RecordError(f"{flag} {value!r}: expected a number of seconds > 0 ({what})")
     node, nnodes = int(llm_kwargs.get("node_rank") or 0), int(llm_kwargs.get("nnodes") or 1)
     if node and nnodes <= 1:
         raise RecordError(f"--node-rank {node} without --nnodes: expected --nnodes N > {node} (the recording's "

@@ -10,7 +10,8 @@ recording's own rendezvous (torch.distributed's store at ``--master-addr``:
   then adds to its beat key every ``BEAT_S``; the store going away before the
   first node ended the recording is the first node gone;
 - the first node waits ``--node-wait`` seconds (from its store's start) for
-  each further node's first beat, and takes a beat that stalls ``LOST_AFTER_S``
+  each further node's first beat, and takes a beat that stalls ``silence_s``
+  (``--node-silence``, default ``NODE_SILENCE_S``)
   (a process killed, a machine gone) or a further node's own last word (its
   gone key: it was stopped) as that node gone.
 
@@ -35,7 +36,7 @@ from datetime import timedelta
 from .inputs import RecordError
 
 BEAT_S = 1.0            # a further node adds to its beat key this often
-LOST_AFTER_S = 10.0     # a further node whose beat stalls this long is gone
+NODE_SILENCE_S = 10.0   # default --node-silence: a further node whose beat stalls this long is gone
 NODE_WAIT_S = 120.0     # --node-wait's default: how long a node waits for its peers to come up
 INTERRUPT_AFTER_S = 5.0  # the first node's main thread is interrupted if vLLM has not failed by then
 GRACE_S = 3.0           # a further node's wait for the first node's end message once its store is gone
@@ -76,8 +77,9 @@ class NodeWatch:
     an event a further node sets when the first node ended the recording."""
 
     def __init__(self, head: tuple[str, int], node: int, nnodes: int, wait_s: float, log=print,
-                 ended: threading.Event | None = None):
+                 ended: threading.Event | None = None, silence_s: float | None = None):
         self.head, self.node, self.nnodes, self.wait_s, self.log = head, node, nnodes, float(wait_s), log
+        self.silence_s = float(NODE_SILENCE_S if silence_s is None else silence_s)
         self.ended = ended or threading.Event()
         self.reason: str | None = None
         self.store = None
@@ -94,7 +96,7 @@ class NodeWatch:
     def stop(self, gone: str | None = None) -> None:
         """Stop watching; a further node leaving for ``gone`` (not the
         first node's end) says so in its gone key, so the first node names
-        it at once instead of after ``LOST_AFTER_S``."""
+        it at once instead of after ``silence_s``."""
         self._done.set()
         self._left.set()
         if self._thread.is_alive():
@@ -142,10 +144,16 @@ class NodeWatch:
                 failing = None
             except Exception:  # a slow store, or none: the first node's engine stopped or ended the recording
                 self.store, failing = None, failing or time.monotonic()
-                gone = not listening(*self.head) or time.monotonic() - failing > LOST_AFTER_S
+                closed = not listening(*self.head)
+                gone = closed or time.monotonic() - failing > self.silence_s
                 if gone and not self._done.is_set() and not self.ended.wait(GRACE_S):
-                    return self._lost(f"node {self.node}: the first node's engine at {self._where()} stopped before "
-                                      f"it ended the recording (its own error says why); this node's workers stopped")
+                    if closed:
+                        return self._lost(f"node {self.node}: the first node's engine at {self._where()} stopped "
+                                          f"before it ended the recording (its own error says why); this node's "
+                                          f"workers stopped")
+                    return self._lost(f"node {self.node}: no answer from the first node's store at {self._where()} "
+                                      f"for {time.monotonic() - failing:.0f} s (--node-silence {self.silence_s:g} s: "
+                                      f"it stopped, is paused or cannot be reached); this node's workers stopped")
                 if gone:
                     return
             self._done.wait(BEAT_S)
@@ -178,10 +186,11 @@ class NodeWatch:
                     return self._lost(f"node {node} of {self.nnodes} did not join the recording within --node-wait "
                                       f"{self.wait_s:g} s of this node's engine start at {self._where()}; nothing "
                                       f"written, this node's workers stopped")
-                elif node in seen and now - seen[node][1] > LOST_AFTER_S:
-                    return self._lost(f"node {node} of {self.nnodes} went away during the recording (no sign of "
-                                      f"life for {now - seen[node][1]:.0f} s: its process or machine stopped); "
-                                      f"nothing written, this node's workers stopped")
+                elif node in seen and now - seen[node][1] > self.silence_s:
+                    return self._lost(f"node {node} of {self.nnodes} went away during the recording (no beat for "
+                                      f"{now - seen[node][1]:.0f} s, --node-silence {self.silence_s:g} s: its "
+                                      f"process or machine stopped, is paused or cannot be reached); nothing "
+                                      f"written, this node's workers stopped")
 
     def _lost(self, reason: str) -> None:
         """Stop this node's workers - again each half second while the block
@@ -206,7 +215,8 @@ class NodeWatch:
 
 
 @contextlib.contextmanager
-def watching(llm_kwargs: dict, wait_s: float, log=print, ended: threading.Event | None = None):
+def watching(llm_kwargs: dict, wait_s: float, log=print, ended: threading.Event | None = None,
+             silence_s: float | None = None):
     """A ``NodeWatch`` of this node while the block runs (None on one
     node).  On the first node, in the main thread, SIGUSR2 raises
     ``NodeLost`` while the block runs (the watch's last resort); an error
@@ -217,7 +227,7 @@ def watching(llm_kwargs: dict, wait_s: float, log=print, ended: threading.Event 
         return
     node = int(llm_kwargs.get("node_rank") or 0)
     head = (str(llm_kwargs.get("master_addr") or "127.0.0.1"), int(llm_kwargs.get("master_port") or 29501))
-    watch = NodeWatch(head, node, nnodes, wait_s, log, ended)
+    watch = NodeWatch(head, node, nnodes, wait_s, log, ended, silence_s)
     main = threading.current_thread() is threading.main_thread()
     previous = None
 

@@ -14,7 +14,7 @@ import threading
 from .engine import _private_tempdir
 from .engine_config import check_engine_config, engine_kwargs, given_flags, vllm_failed
 from .inputs import RecordError
-from .liveness import NODE_WAIT_S, NodeLost, watching
+from .liveness import NODE_SILENCE_S, NODE_WAIT_S, NodeLost, watching
 from .transfer import drop_parts
 
 
@@ -33,7 +33,8 @@ def end_nodes(llm, rpc_end_node) -> None:
 
 
 def host_workers(model, token_ids, dtype, kv_cache_dtype, block_size, max_model_len, llm_kwargs,
-                 tokenizer=None, log=print, node_wait: float = NODE_WAIT_S) -> None:
+                 tokenizer=None, log=print, node_wait: float = NODE_WAIT_S,
+                 node_silence: float = NODE_SILENCE_S) -> None:
     """A node other than the first (``--node-rank`` > 0 with ``--nnodes``):
     start this node's workers of the recording as vLLM's headless node does
     (its ``MultiprocExecutor``; they join the first node's engine at
@@ -66,7 +67,7 @@ def host_workers(model, token_ids, dtype, kv_cache_dtype, block_size, max_model_
         with _private_tempdir():
             try:
                 # watched from before the workers start: vLLM's own wait for the first node has no bound
-                with watching(llm_kwargs, node_wait, log, ended) as watch:
+                with watching(llm_kwargs, node_wait, log, ended, node_silence) as watch:
                     log(f"node {node} of {config.parallel_config.nnodes}: starting this node's workers; they join "
                         f"the first node at {config.parallel_config.master_addr}:"
                         f"{config.parallel_config.master_port} (waiting up to --node-wait {node_wait:g} s for it)")

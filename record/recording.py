@@ -59,7 +59,7 @@ from .inputs import (
     RecordError, check_budget, check_max_model_len, check_nodes, check_out, check_prompt_lengths, choose_positions,
     default_max_model_len, estimate, read_prompt_lines, unresolved, with_drafter,
 )
-from .liveness import NODE_WAIT_S
+from .liveness import NODE_SILENCE_S, NODE_WAIT_S
 from .nodes import host_workers
 from .run import run_vllm as _run_vllm  # _run_vllm: tests stand in for it (patch it here)
 from .run import without_tail
@@ -86,6 +86,7 @@ def record(
     llm_kwargs: dict | None = None,
     node_wait: float = NODE_WAIT_S,
     log=print,
+    node_silence: float = NODE_SILENCE_S,
 ) -> Bank | None:
     """Record the bank (module docstring); returns it after writing ``out``
     (None on a node other than the first, which writes nothing)."""
@@ -94,7 +95,7 @@ def record(
     check_budget(budget_gib)
     check_out(out)
     check_max_model_len(max_model_len, positions)
-    check_nodes(llm_kwargs or {}, node_wait)
+    check_nodes(llm_kwargs or {}, node_wait, node_silence)
     lines = read_prompt_lines(prompts_file)
     line_numbers = [no for no, _ in lines]
     # vLLM's --trust-remote-code holds for the recorder's own reads of the model folder too
@@ -137,7 +138,7 @@ def record(
     if node > 0:  # a further node: its workers join the first node's recording; the bank is written there
         with stop_signals():
             host_workers(model, unique, dtype, kv_cache_dtype, block_size, run_max_len, llm_kwargs or {},
-                         tokenizer or model, log=log, node_wait=node_wait)
+                         tokenizer or model, log=log, node_wait=node_wait, node_silence=node_silence)
         return None
     with open(prompts_file, "rb") as f:  # the prompts recorded, not the file as it is after the run
         prompts_sha = hashlib.sha256(f.read()).hexdigest()
@@ -145,7 +146,7 @@ def record(
     with stop_signals(), _work_dir(out) as work:
         engine = _run_vllm(model, unique, work, dtype, kv_cache_dtype, block_size, run_max_len,
                            llm_kwargs or {}, tokenizer or model, _state_estimate(est, budget, budget_gib, log),
-                           node_wait, log)
+                           node_wait, log, node_silence)
         tail = int(engine.get("state_tail") or 0)
         if tail:  # a model with recurrent state: each prompt recorded without the tokens vLLM computes itself
             unique = without_tail(unique, tail)

@@ -17,13 +17,14 @@ import os
 from .engine import llm_engine
 from .engine_config import check_engine_config, engine_kwargs, given_flags, vllm_failed
 from .inputs import RecordError
-from .liveness import NODE_WAIT_S, NodeLost, watching
+from .liveness import NODE_SILENCE_S, NODE_WAIT_S, NodeLost, watching
 from .nodes import end_nodes
 from .transfer import drop_parts, fetch_parts
 
 
 def run_vllm(model, token_ids, record_dir, dtype, kv_cache_dtype, block_size, max_model_len, llm_kwargs,
-             tokenizer=None, check_config=None, node_wait: float = NODE_WAIT_S, log=print) -> dict[str, str]:
+             tokenizer=None, check_config=None, node_wait: float = NODE_WAIT_S, log=print,
+             node_silence: float = NODE_SILENCE_S) -> dict[str, str]:
     """Real prefill of every prompt (its recorded tokens, one output token)
     with the record role on, each prompt's positions recorded whole;
     returns the run's provenance: the vLLM version, and the max_model_len,
@@ -38,7 +39,8 @@ def run_vllm(model, token_ids, record_dir, dtype, kv_cache_dtype, block_size, ma
     (the recorder's estimate of the state section).  Over several nodes,
     the other nodes are watched from before the workers start until this
     node ends them (``liveness.watching``: ``node_wait`` seconds for each to
-    join; one gone fails the recording naming it)."""
+    join, ``node_silence`` seconds without a beat from one that joined; one
+    gone fails the recording naming it)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     import vllm
@@ -56,7 +58,7 @@ def run_vllm(model, token_ids, record_dir, dtype, kv_cache_dtype, block_size, ma
         check_config(config)
     params = SamplingParams(max_tokens=1, ignore_eos=True, detokenize=False, temperature=0.0)
     try:
-        with watching(llm_kwargs, node_wait, log) as watch, llm_engine(**kw) as llm:
+        with watching(llm_kwargs, node_wait, log, silence_s=node_silence) as watch, llm_engine(**kw) as llm:
             try:
                 tail = state_tail(llm.llm_engine.vllm_config)
                 sent = without_tail(token_ids, tail)

@@ -8,6 +8,7 @@ thread is interrupted when vLLM's wait does not fail on its own.  The same
 on vLLM's engines, measured: ``tests/test_record.py``'s two-node test and
 ``bench/node_failures.py``."""
 import multiprocessing
+import re
 import socket
 import threading
 import time
@@ -23,7 +24,7 @@ from kvfill.record.liveness import NodeLost, NodeWatch, watching
 def fast(monkeypatch):
     """The watch's periods cut to fractions of a second."""
     monkeypatch.setattr(liveness, "BEAT_S", 0.1)
-    monkeypatch.setattr(liveness, "LOST_AFTER_S", 0.6)
+    monkeypatch.setattr(liveness, "NODE_SILENCE_S", 0.6)
     monkeypatch.setattr(liveness, "GRACE_S", 0.2)
     monkeypatch.setattr(liveness, "INTERRUPT_AFTER_S", 0.3)
 
@@ -100,7 +101,31 @@ def test_a_further_node_that_stops_beating_is_named_within_the_stall_bound(fast)
     second.stop()  # no last word
     took = until(lambda: first.reason is not None, 5)
     assert 0.5 < took < 2.5, took
-    assert first.reason.startswith("node 1 of 2 went away during the recording (no sign of life for"), first.reason
+    assert first.reason.startswith("node 1 of 2 went away during the recording (no beat for"), first.reason
+    assert "--node-silence 0.6 s" in first.reason and "paused" in first.reason
+    first.stop()
+
+
+def test_a_pause_shorter_than_node_silence_is_not_a_node_gone_and_a_longer_one_is_named_with_it(fast):
+    """A node paused (SIGSTOP, a debugger, a live migration) beats again
+    when it resumes: within ``--node-silence`` (here 2 s, over the 0.6 s the
+    other tests use) the recording goes on; past it the node is named with
+    the silence it was given."""
+    store = first_node_store()
+    first = NodeWatch(("127.0.0.1", store.port), 0, 2, wait_s=5, log=lambda m: None, silence_s=2.0)
+    second = NodeWatch(("127.0.0.1", store.port), 1, 2, wait_s=5, log=lambda m: None)
+    second.start(), first.start()
+    time.sleep(0.5)
+    second.stop()  # paused: no beat, no last word
+    time.sleep(1.2)  # twice the default here, under the silence given
+    resumed = NodeWatch(("127.0.0.1", store.port), 1, 2, wait_s=5, log=lambda m: None).start()  # beats again
+    time.sleep(0.5)
+    assert first.reason is None
+    resumed.stop()
+    took = until(lambda: first.reason is not None, 6)
+    assert 1.8 < took < 4, took
+    assert re.search(r"\(no beat for \d+ s, --node-silence 2 s: its process or machine stopped, is paused", first.reason), \
+        first.reason
     first.stop()
 
 

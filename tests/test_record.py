@@ -345,13 +345,13 @@ def test_a_two_node_recording_fails_on_the_other_node_within_seconds_when_one_st
     time (``bench/node_failures.py`` measures every way)."""
     from kvfill.bench import node_failures
     from kvfill.bench.models import word_prompts, write_lines
-    from kvfill.record.liveness import LOST_AFTER_S
+    from kvfill.record.liveness import NODE_SILENCE_S
 
     model = tp2_recording["model"]
     prompts = write_lines(tmp_path / "prompts.txt", word_prompts([150] * 30, seed=3))  # node 0 still prefills
     crashed = node_failures.scenario("further-killed", model, prompts, str(tmp_path), node_wait=60, limit=120)
     assert crashed["triggered"] and crashed["rc"] == 2, crashed
-    assert crashed["seconds"] is not None and crashed["seconds"] < LOST_AFTER_S + 20, crashed
+    assert crashed["seconds"] is not None and crashed["seconds"] < NODE_SILENCE_S + 20, crashed
     assert crashed["error"].startswith("kvfill-record: error: node 1 of 2 went away during the recording"), crashed
     never = node_failures.scenario("first-never", model, prompts, str(tmp_path), node_wait=5, limit=120)
     assert never["rc"] == 2 and never["seconds"] is not None and never["seconds"] < 5 + 30, never

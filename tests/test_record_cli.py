@@ -185,12 +185,14 @@ def test_without_engine_flags_the_recorder_keeps_its_own_settings(base, calls):
     rc, call = run(base, calls)
     assert rc == 0
     assert call == {"model": base[1], "prompts_file": base[3], "out": base[5], "positions": None, "budget_gib": None,
-                    "node_wait": 120.0, "llm_kwargs": {}}
+                    "node_wait": 120.0, "node_silence": 10.0, "llm_kwargs": {}}
 
 
 def test_kvfills_own_flags_are_parsed(base, calls):
-    rc, call = run(base + ["--positions", "5", "--budget-gib", "1.5", "--node-wait", "7"], calls)
-    assert rc == 0 and (call["positions"], call["budget_gib"], call["node_wait"]) == (5, 1.5, 7.0)
+    rc, call = run(base + ["--positions", "5", "--budget-gib", "1.5", "--node-wait", "7", "--node-silence", "30"],
+                   calls)
+    assert rc == 0 and (call["positions"], call["budget_gib"], call["node_wait"], call["node_silence"]) == \
+        (5, 1.5, 7.0, 30.0)
 
 
 def test_a_flag_given_at_vllms_default_still_overrides_the_recorders_setting(base, calls):

@@ -138,6 +138,16 @@ def test_a_node_wait_that_is_not_a_positive_number_of_seconds_is_refused(model, 
     assert os.listdir(out_dir) == []
 
 
+@pytest.mark.parametrize("silence", [0, -1, float("inf"), "10"])
+def test_a_node_silence_that_is_not_a_positive_number_of_seconds_is_refused(model, prompts, out_dir, no_vllm,
+                                                                            silence):
+    with pytest.raises(RecordError, match=rf"^--node-silence {re.escape(repr(silence))}: expected a number of "
+                                          rf"seconds > 0 \(how long a node may go without a beat"):
+        recorder.record(model, prompts, str(out_dir / "b.safetensors"), node_silence=silence,
+                        llm_kwargs={"nnodes": 2, "node_rank": 1})
+    assert os.listdir(out_dir) == []
+
+
 def test_a_missing_folder_of_out_is_named_before_vllm_starts(model, prompts, out_dir, no_vllm):
     missing = out_dir / "missing"
     with pytest.raises(RecordError, match=rf"its folder '{re.escape(str(missing))}' does not exist; expected an "
