@@ -56,6 +56,7 @@ from kvfill.bench.gpu_check_sections import (
     check_replay_capture, correctness, isolated,
 )
 from kvfill.bench.gpu_check_state import check_state_pages, time_state_pages
+from kvfill.kernels import testing as LZ
 
 MiB = 1 << 20
 # Sections after the packed rows, each a list of failed checks ([]: passed), run on any device (CUDA graphs
@@ -89,6 +90,9 @@ def main(argv=None):
     p.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for gpu_check.json")
     p.add_argument("--sizes", type=int, nargs="+", default=[64, 256, 1024], help="fill sizes (MiB)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes: a dry run of the script itself")
+    p.add_argument("--dtypes", nargs="+", default=None, choices=[d[0] for d in LZ.DTYPES], metavar="DTYPE",
+                   help="the cache dtypes the correctness sweep covers (default: all of the layout zoo's: "
+                        + ", ".join(d[0] for d in LZ.DTYPES) + ")")
     p.add_argument("--budget-s", type=float, default=None,
                    help="skip sections that would start past this many seconds (named in the summary)")
     a = p.parse_args(argv)
@@ -100,7 +104,7 @@ def main(argv=None):
     budget = Budget(a.budget_s)
     # Every layout and mode in one dtype first, then the CUDA-graph and speed sections, then the other
     # dtypes: a short lease always reaches the sections only a GPU can run (what was cut is named).
-    rows, failures = correctness(device, log, budget, "first")
+    rows, failures = correctness(device, log, budget, "first", a.dtypes)
     log(f"correctness, first dtype: {len(rows)} layout x mode cases, {failures} with mismatched bytes")
     errors = []  # the sections' (the correctness cases' go first in the summary)
 
@@ -171,7 +175,7 @@ def main(argv=None):
         perf += got or []
         if not error:
             log(f"timed launch-bound step {mode}")
-    more, more_failures = correctness(device, log, budget, "rest")
+    more, more_failures = correctness(device, log, budget, "rest", a.dtypes)
     rows, failures = rows + more, failures + more_failures
     log(f"correctness: {len(rows)} layout x dtype x mode cases, {failures} with mismatched bytes")
     errors = [f"{r['layout']} {r['dtype']} {r['mode']}: {r['error']}" for r in rows if r["error"]] + errors

@@ -99,13 +99,17 @@ def isolated(name, log, fn, *args, **kwargs):
         return None, error
 
 
-def correctness(device, log, budget, part="all"):
+def correctness(device, log, budget, part="all", only=None):
     """A row per layout x dtype x mode: ``bad_bytes`` (0: byte-exact; None:
     it raised, ``error`` says what); failures counts both.  ``part``:
     ``first``, every layout and mode in the zoo's first dtype (the sample run
     before the CUDA-graph and speed sections, so those run within a short
-    lease); ``rest``, the other dtypes (run after them); ``all``."""
+    lease); ``rest``, the other dtypes (run after them); ``all``.  ``only``:
+    the dtype names to keep of those (None: all)."""
     dtypes = {"first": LZ.DTYPES[:1], "rest": LZ.DTYPES[1:], "all": LZ.DTYPES}[part]
+    dtypes = [d for d in dtypes if only is None or d[0] in only]
+    if not dtypes:
+        return [], 0
     which = {"first": f"({LZ.DTYPES[0][0]})", "rest": "(other dtypes)", "all": "(all dtypes)"}[part]
     rows, failures = [], 0
     for case in LZ.CASES:

@@ -43,13 +43,14 @@ SCENARIOS = ("further-killed", "further-stopped", "first-killed", "first-stopped
 
 
 def start_node(rank: int, model: str, prompts: str, port: int, out: str, log_path: str, node_wait: float,
-               tmpdir: str, extra=()) -> subprocess.Popen:
+               tmpdir: str, extra=(), node_silence: float | None = None) -> subprocess.Popen:
     """One node's ``kvfill-record`` (TP 2 over 2 nodes, eager, float32),
     its output into ``log_path``, in a session of its own, with a temp
     folder of its own (``tmpdir``: its machine's disk)."""
     flags = ["--model", model, "--prompts", prompts, "--dtype", "float32", "--tensor-parallel-size", "2",
              "--enforce-eager", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port),
-             "--out", out, "--node-rank", str(rank), "--node-wait", f"{node_wait:g}", *extra]
+             "--out", out, "--node-rank", str(rank), "--node-wait", f"{node_wait:g}",
+             *(["--node-silence", f"{node_silence:g}"] if node_silence is not None else []), *extra]
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": str(rank), "VLLM_CPU_KVCACHE_SPACE": "1",
            "VLLM_TARGET_DEVICE": "cpu", "TMPDIR": tmpdir,
            "VLLM_RPC_BASE_PATH": tmpdir}  # vLLM's ZMQ sockets: short paths (at most 107 characters)
@@ -96,7 +97,8 @@ def _stop(procs) -> None:
             proc.wait()
 
 
-def scenario(name: str, model: str, prompts: str, work: str, node_wait: float = 30.0, limit: float = 120.0) -> dict:
+def scenario(name: str, model: str, prompts: str, work: str, node_wait: float = 30.0, limit: float = 120.0,
+             node_silence: float | None = None) -> dict:
     """One scenario (module docstring): the surviving node's exit code,
     seconds to exit (None: still running after ``limit``), error line and
     what it left in its temp folder (``left``: vLLM's rendezvous and
@@ -114,9 +116,10 @@ def scenario(name: str, model: str, prompts: str, work: str, node_wait: float = 
     row = {"scenario": name, "survivor": f"node {survivor}", "triggered": True}
     try:
         if name != "further-never":
-            procs[1] = start_node(1, model, prompts, port, os.path.join(work, "n1"), logs[1], node_wait, tmp[1])
+            procs[1] = start_node(1, model, prompts, port, os.path.join(work, "n1"), logs[1], node_wait, tmp[1],
+                                  node_silence=node_silence)
         out = os.path.join(work, "missing", "bank.safetensors") if name == "first-never" else bank
-        procs[0] = start_node(0, model, prompts, port, out, logs[0], node_wait, tmp[0])
+        procs[0] = start_node(0, model, prompts, port, out, logs[0], node_wait, tmp[0], node_silence=node_silence)
         since = time.monotonic()
         if name == "first-never":
             procs[0].wait(timeout=limit)

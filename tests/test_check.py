@@ -390,8 +390,8 @@ def test_check_on_a_tiny_moe_counts_every_decode_tokens_experts_and_measures_eac
     [0, 1] with real prefill's halves floor beside it.  Model Runner V2
     (its batch read from prepare_inputs: probes.py)."""
     rc, data, _ = check_preset(tmp_path, ["moe", "--held-out", "6", "--record", "3", "--prompt-len", "48", "--",
-                                     "--output-len", "5", "--fills", "replay", "zeros", "--in-process"], runner="v2",
-                              timed=True)
+                                     "--output-len", "5", "--fills", "replay", "zeros", "--in-process",
+                                     "--time-passes", "2"], runner="v2", timed=True)
     assert rc == 0, data["verdicts"]
     assert {data["steps"][run]["model_runner"] for run in ("prefill", "replay", "zeros")} == {"V2"}
     for run in ("prefill", "replay", "zeros"):
@@ -409,7 +409,7 @@ def test_check_on_a_tiny_moe_counts_every_decode_tokens_experts_and_measures_eac
         assert line.startswith(f"{run}: expert load = real prefill's") or (
             f"{x['layers_above_floor']}/4 layers above real prefill's floor there" in line and "thin: 4 layers" in line)
         t = data["comparison"][run]["decode_time"]  # timed in the run's engine against real prefill's passes
-        assert t["kinds"] == ["fill", "real"] and t["passes"] == [3, 3] and t["interval"][0] <= t["ratio"] <= \
+        assert t["kinds"] == ["fill", "real"] and t["passes"] == [2, 2] and t["interval"][0] <= t["ratio"] <= \
             t["interval"][1], t
 
 
@@ -449,15 +449,16 @@ def test_on_model_runner_v2_an_eagle_head_and_an_mtp_layer_draft_from_replay_as_
     """Model Runner V2 with a drafter of its own layers (a random EAGLE head on
     the tiny Llama; a tiny MiMo's MTP layer), recorded with the target's:
     replay's greedy tokens, vLLM's counters and every draft the speculator
-    proposed equal real prefill's; a normal fill's drafts differ."""
+    proposed equal real prefill's.  (That a fill which is not replay moves
+    drafts, these counters and the verdict: the self-drafting test above.)"""
     rc, data, _ = check_preset(tmp_path, ["spec", "--drafter", drafter, "--lens", "70", "110", "--", "--output-len",
-                                          "12", "--fills", "replay", "normal", "--in-process"], runner="v2")
+                                          "12", "--fills", "replay", "--in-process"], runner="v2")
     assert rc == 0, data["verdicts"]
     cmp = data["comparison"]
     assert cmp["replay"]["tokens"]["identical"] and cmp["replay"]["tokens"]["total"] == 24
     assert cmp["replay"]["spec"] == cmp["prefill"]["spec"] and cmp["prefill"]["spec"]["drafts"] > 0
     drafts = cmp["replay"]["drafts_equal"]
-    assert drafts["equal"] == drafts["total"] >= 12 and cmp["normal"]["drafts_equal"]["equal"] < drafts["total"]
+    assert drafts["equal"] == drafts["total"] >= 12
 
 
 @pytest.mark.e2e  # its steps import vLLM

@@ -162,18 +162,20 @@ def test_gpu_check_runs_every_section_byte_exact_in_the_image_on_the_device_stan
     """``bench/gpu_check.py --smoke`` as device_check.sh runs it on CUDA, in
     the image, on the accelerator stand-in (device ``cpu:0``,
     ``tests/device_rule.py``: a host tensor mixed with the device's raises):
-    every layout x dtype x mode, the packed rows, every section and the
-    timings at toy sizes, byte-exact; the summary and JSON say so."""
+    every layout x mode in four dtypes (float, bf16, fp8 in bytes, zero-
+    filled bytes: tests/test_fill_layouts.py holds every dtype on the CPU),
+    the packed rows, every section and the timings at toy sizes, byte-exact;
+    the summary and JSON say so."""
     import json
 
     from kvfill.bench import gpu_check
 
     out = tmp_path / "out"
     run = in_image(image, "tests/device_rule.py", "bench/gpu_check.py", "--smoke", "--device", "cpu:0",
-                   "--out", str(out), timeout=900)
+                   "--dtypes", "fp32", "bf16", "u8-fp8e4m3", "u8-packed", "--out", str(out), timeout=900)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-3000:]
     assert "'device': 'cpu:0'" in run.stdout
-    assert "correctness: constant 130/130, normal 130/130, replay 130/130 cases byte-exact" in run.stdout
+    assert "correctness: constant 52/52, normal 52/52, replay 52/52 cases byte-exact" in run.stdout
     assert "perf rows verified: 12/12" in run.stdout and "packed rows byte-exact: True" in run.stdout
     assert "sections: " + "; ".join(f"{name} ok" for name, _ in gpu_check.SECTIONS) in run.stdout
     report = json.loads((out / "gpu_check.json").read_text())
@@ -185,4 +187,5 @@ def test_gpu_check_runs_every_section_byte_exact_in_the_image_on_the_device_stan
                                                     "launch-bound R4 L3"}
     # The summary file device_check.sh prints last: the same lines and the table.
     summary = (out / "gpu-check-summary.txt").read_text()
-    assert "replay 130/130 cases byte-exact" in summary and "launch-bound R4 L3" in summary
+    assert "replay 52/52 cases byte-exact" in summary and "launch-bound R4 L3" in summary
+    assert {r["dtype"] for r in report["correctness"]["rows"]} == {"fp32", "bf16", "u8-fp8e4m3", "u8-packed"}
