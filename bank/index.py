@@ -105,6 +105,33 @@ class BankIndex:
         exact = np.flatnonzero((self.lengths == n) & (self._agree(ids[:n]) >= n))
         return int(exact[0]) if exact.size else -1
 
+    def coverage(self, prompt_token_ids: Sequence[int] | np.ndarray, n: int, block_size: int) -> tuple[int, int, int]:
+        """``(own, other, wrapped)``: of positions ``[0, n)`` filled in blocks
+        of ``block_size`` positions, how many replay the prompt's own
+        recorded rows (a sequence whose tokens are the prompt's through the
+        block), another recorded text's (a sequence picked by the block's
+        token hash, its tokens not the prompt's), and a sequence's rows past
+        its recorded length (they wrap: row ``t mod N_s``, a repeated
+        context)."""
+        ids = np.asarray(prompt_token_ids, dtype=np.int64).reshape(-1)
+        if n <= 0 or block_size <= 0:
+            return 0, 0, 0
+        ends = np.minimum(np.arange(1, -(-n // block_size) + 1, dtype=np.int64) * block_size, n)
+        seqs = self.sequences_for(ids, ends)
+        agree = self._agree(ids) if self.tokens is not None else None
+        own = other = wrapped = 0
+        lo = 0
+        for end, s in zip(ends.tolist(), seqs.tolist()):
+            length = int(self.lengths[s])
+            wrapped += max(0, end - max(lo, length))
+            inside = max(0, min(end, length) - lo)
+            if agree is not None and agree[s] >= min(end, length):
+                own += inside
+            else:
+                other += inside
+            lo = end
+        return own, other, wrapped
+
     def holds(self, prompt_token_ids: Sequence[int] | np.ndarray) -> bool:
         """Whether one recorded sequence starts with every token of the
         prompt: replay then writes the prompt's own rows in every block."""

@@ -219,6 +219,29 @@ def _values_name(layer) -> str:
     return dtype_name(layer.values) if layer.values is not None else layer.value_dtype
 
 
+def bank_coverage(path: str, ids: list[list[int]], block_size: int) -> dict | None:
+    """What replay writes of the prompts (each all but its last token),
+    position by position (``BankIndex.coverage``): ``own`` (the prompt's
+    recorded rows), ``other`` (another recorded text's), ``wrapped`` (a
+    sequence's rows past its recorded length, again from its start),
+    ``positions`` in all and ``prompts_wrapped``; None for a bank without
+    its sequences' token ids (every block then picked by hash)."""
+    from kvfill.bank import BankIndex
+
+    index = BankIndex.read(path)
+    if index.tokens is None:
+        return None
+    out = {"own": 0, "other": 0, "wrapped": 0, "positions": 0, "prompts_wrapped": 0}
+    for t in ids:
+        n = max(len(t) - 1, 1)
+        own, other, wrapped = index.coverage(t, n, block_size)
+        out["own"], out["other"], out["wrapped"] = out["own"] + own, out["other"] + other, out["wrapped"] + wrapped
+        out["positions"] += n
+        out["prompts_wrapped"] += wrapped > 0
+    out["longest_sequence"] = int(index.lengths.max())
+    return out
+
+
 def read_bank(path: str, ids: list[list[int]]) -> tuple[dict | None, int | None]:
     """A bank read once for two facts: the mean and std of its KV values
     (its float rows, decoded as stored: an fp8 cache's bytes as fp8; K and V

@@ -18,8 +18,8 @@ import time
 from . import probes
 from .compare import REFERENCE_FAILED
 from .cli import CheckConfig, engine_kwargs, on_cpu, record_call
-from .inputs import Inputs, prepare, read_bank
-from .kv_space import kv_env, kv_space
+from .inputs import Inputs, bank_coverage, prepare, read_bank
+from .kv_space import CPU_BLOCK_SIZE, kv_env, kv_space
 from .steps import _raise_if_stopped, child_env, step
 
 SAMPLE_TOKENS = 16
@@ -67,6 +67,9 @@ def run_all(cfg: CheckConfig, inputs: Inputs | None = None, log=print) -> dict:
             steps["record"] = {**steps["record"], "error": f"its bank cannot be read: {exc}"}
             log(f"record: its bank cannot be read - {exc}")
             bank = None
+    # replay's blocks as vLLM cuts them (vLLM CPU's unless --block-size; 16, most GPU backends', elsewhere)
+    block = int(cfg.engine.get("block_size") or (CPU_BLOCK_SIZE if on_cpu() else 16))
+    coverage = bank_coverage(bank, ids, block) if bank else None
     split = cfg.split == "on" or (cfg.split == "auto" and bool(stats and stats["has_state"]))
     n_steps = made + 1 + split + len(cfg.fills) + served
     spec = cfg.engine.get("speculative_config")
@@ -109,7 +112,7 @@ def run_all(cfg: CheckConfig, inputs: Inputs | None = None, log=print) -> dict:
             log(f"real prefill failed: {', '.join(runs[1:])} not run (nothing to compare them with)")
     return {"prompt_tokens": [len(t) for t in ids], "max_model_len": max_len, "kv_space": kv, "bank": bank,
             "bank_recorded": made,
-            "bank_stats": stats, "bank_prompts_held": held, "moe": moe, "moe_note": _moe_note(config, moe),
+            "bank_stats": stats, "bank_prompts_held": held, "bank_coverage": coverage, "moe": moe, "moe_note": _moe_note(config, moe),
             "speculative_config": spec,
             "indexer": any(k in config for k in ("index_topk", "index_n_heads")),
             "fills": fills, "steps": steps, "samples": samples(tok, steps),

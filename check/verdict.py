@@ -103,6 +103,29 @@ class Evidence:
                 f"within its floor{on}")
 
 
+def coverage_lines(cov: dict | None, prompts: int, ev: Evidence) -> list[str]:
+    """What replay wrote, by where its rows came from (``inputs.bank_coverage``):
+    positions past a recorded sequence's length wrap - a repeated context,
+    not the prompt's, so replay is not shown valid there whatever the tokens
+    say; positions of another recorded text are named (a bank over other
+    prompts: the moe preset's)."""
+    if not cov:
+        return []
+    lines, total = [], cov["positions"]
+    if cov["other"]:
+        lines.append(f"replay: {cov['other']} of the {total} filled positions replay another recorded text's rows "
+                     f"(a sequence whose tokens differ there, picked by the block's token hash), so those prompts' "
+                     f"tokens need not be real prefill's")
+    if cov["wrapped"]:
+        lines.append(f"replay: {cov['wrapped']} of the {total} filled positions ({cov['prompts_wrapped']} of {prompts} "
+                     f"prompts) lie past their recorded sequence's length (the longest holds "
+                     f"{cov['longest_sequence']}) and wrap: they replay it again from its start (row t mod N, keys "
+                     f"rotated for position t mod N), so decode reads a short text repeated, not the prompt - record "
+                     f"prompts as long as the benchmark's")
+        ev.unknown.append(f"{cov['wrapped']} of {total} filled positions wrapped past the bank's sequences")
+    return lines
+
+
 def verdicts(res: dict, cmp: dict) -> list[str]:
     """One line per fill and observable, each naming its sample, then one
     summary line per fill saying what it holds for."""
@@ -133,10 +156,8 @@ def verdicts(res: dict, cmp: dict) -> list[str]:
             lines.append(f"{run}: run failed - {step['error']}")
             continue
         row, ev = cmp[run], Evidence()
-        if run == "replay" and res.get("bank_prompts_held") is not None and res["bank_prompts_held"] < prompts:
-            lines.append(f"replay: the bank holds {res['bank_prompts_held']}/{prompts} prompts "
-                         f"whole; the others replay rows of its recorded sequences picked by each block's token hash "
-                         f"(another text's KV), so their tokens need not be real prefill's")
+        if run == "replay":
+            lines += coverage_lines(res.get("bank_coverage"), prompts, ev)
         line, exact = token_verdict(run, row)
         lines.append(line)
         if exact:

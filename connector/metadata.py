@@ -152,7 +152,7 @@ class KVFillStats(KVConnectorStats):
 
     def reset(self):
         self.data = {"fills": 0, "requests": 0, "entries": 0, "bytes": 0, "seconds": 0.0, "verified": 0,
-                     "mismatched": 0}
+                     "mismatched": 0, "wrapped_positions": 0, "wrapped_requests": 0}
 
     def __post_init__(self):
         if not self.data:
@@ -164,6 +164,12 @@ class KVFillStats(KVConnectorStats):
         self.data["entries"] += entries
         self.data["bytes"] += nbytes
         self.data["seconds"] += seconds
+
+    def record_wrapped(self, positions: int) -> None:
+        """One request (the scheduler's) whose fill replays ``positions``
+        positions past its sequences' recorded lengths."""
+        self.data["wrapped_positions"] = self.data.get("wrapped_positions", 0) + positions
+        self.data["wrapped_requests"] = self.data.get("wrapped_requests", 0) + 1
 
     def record_verify(self, mismatched_elements: int) -> None:
         """One fill re-checked by the ``verify`` option."""
@@ -183,10 +189,12 @@ class KVFillStats(KVConnectorStats):
             "kvfill_ms": round(self.data["seconds"] * 1e3, 3),
             "kvfill_verified_fills": self.data.get("verified", 0),
             "kvfill_mismatched_elements": self.data.get("mismatched", 0),
+            "kvfill_wrapped_positions": self.data.get("wrapped_positions", 0),
+            "kvfill_wrapped_requests": self.data.get("wrapped_requests", 0),
         }
 
     def is_empty(self) -> bool:
-        return self.data.get("fills", 0) == 0
+        return self.data.get("fills", 0) == 0 and self.data.get("wrapped_requests", 0) == 0
 
 
 # Prometheus counters on the served /metrics: KVFillStats.data key -> (name, help).
@@ -197,6 +205,10 @@ PROM_COUNTERS = {
     "seconds": ("vllm:kvfill_seconds", "Host seconds KVFillConnector spent issuing fills."),
     "verified": ("vllm:kvfill_verified_fills", "Fills re-checked against the value function (verify option)."),
     "mismatched": ("vllm:kvfill_mismatched_elements", "Elements a verified fill found wrong (goal: 0)."),
+    "wrapped_positions": ("vllm:kvfill_wrapped_positions", "Replayed positions past their recorded sequence's "
+                                                           "length, which replay it again from its start."),
+    "wrapped_requests": ("vllm:kvfill_wrapped_requests", "Requests with replayed positions past their recorded "
+                                                         "sequences' lengths."),
 }
 
 

@@ -201,6 +201,25 @@ def _state_block(req_id, geo: GroupGeometry, table, ids_of, lo: int, hi: int, nu
     return GroupSelection(k, ids_of(table[k:k + 1]), lo, hi)
 
 
+def wrapped_positions(groups: Sequence[GroupGeometry], selections: Sequence[GroupSelection], lengths) -> int:
+    """How many of a request's filled positions replay a sequence past its
+    recorded length (``lengths[s]``: there a sequence wraps, row ``t mod
+    N_s``: ``kvfill/bank/format.py``): per group, each block's global
+    positions ``>=`` its sequence's length; the most over the groups (each
+    fills the same positions, a sliding window fewer)."""
+    lengths = np.asarray(lengths, np.int64)
+    most = 0
+    for geo, sel in zip(groups, selections):
+        if sel.sequences is None or geo.whole_blocks or geo.kind == GroupKind.MAMBA or not len(sel.block_ids):
+            continue
+        k = sel.first_block + np.arange(len(sel.block_ids), dtype=np.int64)
+        lo = np.maximum(k * geo.span, sel.token_lo)
+        hi = np.minimum((k + 1) * geo.span, sel.token_hi)
+        start = np.maximum(lo, lengths[np.asarray(sel.sequences, np.int64)])
+        most = max(most, int(np.clip(hi - start, 0, None).sum()))
+    return most
+
+
 def _assign_sequences(groups: Sequence[GroupGeometry], selections: list[GroupSelection],
                       sequences_at: Callable[[np.ndarray], np.ndarray], num_tokens: int) -> None:
     """Each token-range selection's per-block sequences, from one call of

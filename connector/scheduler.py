@@ -29,9 +29,9 @@ from vllm.logger import init_logger
 
 from kvfill.bank import sequence_key
 
-from .metadata import KVFillConnectorMetadata, RecordItem
+from .metadata import KVFillConnectorMetadata, KVFillStats, RecordItem
 from .options import FillOptions
-from .planner import RECORDED_KINDS, GroupKind, Planner, RequestSelection
+from .planner import RECORDED_KINDS, GroupKind, Planner, RequestSelection, wrapped_positions
 from .specs import geometries_from_config, select_request, startup_fill_group_ids
 
 # kv_transfer_params key: a request carrying it true is prefilled by vLLM, not filled (kvfill-check times
@@ -80,6 +80,19 @@ def check_state_cache_mode(vllm_config: "VllmConfig") -> None:
                          f"this engine runs {mode!r}; serve with one of them, or a synthetic fill_mode")
 
 
+def wrap_line(lengths, max_model_len: int) -> str | None:
+    """The start-up line when a request may run past every recorded
+    sequence (None when the longest covers ``max_model_len``)."""
+    longest = int(max(lengths, default=0))
+    if longest >= max_model_len:
+        return None
+    return (f"replay: the bank's longest recorded sequence holds {longest} positions, max_model_len is "
+            f"{max_model_len}: a request's positions past its sequence's length replay that sequence again from its "
+            f"start (row t mod N, keys rotated for position t mod N: attention sees a short text repeated, not one "
+            f"long one); counted as vllm:kvfill_wrapped_positions_total and kvfill_wrapped_requests - record "
+            f"prompts as long as the benchmark's to replay them whole")
+
+
 class KVFillScheduler:
     def __init__(self, vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", options: FillOptions):
         self.options = options
@@ -108,6 +121,12 @@ class KVFillScheduler:
         self.state_sequences: dict[str, int] = {}  # request -> the sequence its state block replays
         if self.state_replay:
             check_state_cache_mode(vllm_config)
+        # Replayed positions past their sequence's recorded length (they wrap), for vLLM's connector stats.
+        self.stats = KVFillStats()
+        if options.bank_index is not None:
+            line = wrap_line(options.bank_index.lengths, vllm_config.model_config.max_model_len)
+            if line:
+                logger.warning("KVFillConnector: %s", line)
         if self.computed_tail > 1:
             logger.info("KVFillConnector: speculative decoding (method %r): the last %d prompt tokens of each "
                         "request are computed by vLLM, the rest filled", _spec_method(vllm_config),
@@ -178,6 +197,12 @@ class KVFillScheduler:
         # those are never replayed (circular buffers zeroed, cross attention synthetic).
         sel = select_request(self.planner, request, blocks, num_external_tokens, num_local,
                              skip_groups=self.startup_groups, sequences_at=sequences_at, tail=self.computed_tail)
+        if index is not None:
+            wrapped = wrapped_positions(self.planner.groups, sel.groups, index.lengths)
+            if wrapped:
+                self.stats.record_wrapped(wrapped)
+                logger.debug("KVFillConnector: request %s: %d of its filled positions are past its recorded "
+                             "sequences' lengths and replay them again from their start", request.request_id, wrapped)
         state = self.state_sequences.pop(request.request_id, -1)
         if state >= 0:  # a state block takes the sequence recorded at exactly the filled length
             for geo, g in zip(self.planner.groups, sel.groups):

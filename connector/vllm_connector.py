@@ -113,9 +113,12 @@ class KVFillConnector(KVConnectorBase_V1, SupportsHMA):
             self.worker.record(meta)
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        if self.worker is None or self.worker.stats.is_empty():
+        """The worker's fill figures; the scheduler's wrapped positions (vLLM
+        sums both sides' into one)."""
+        side = self.worker if self.worker is not None else self.scheduler
+        if side is None or side.stats.is_empty():
             return None
-        stats, self.worker.stats = self.worker.stats, KVFillStats()
+        stats, side.stats = side.stats, KVFillStats()
         return stats
 
     @classmethod

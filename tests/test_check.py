@@ -615,11 +615,13 @@ def test_the_report_json_is_strict_and_a_failed_plot_leaves_no_earlier_png(tiny,
 
 def test_a_bank_that_holds_only_some_prompts_is_named_on_replays_lines_and_in_the_header(tiny, tmp_path):
     """A --bank over other prompts is allowed (the moe preset's): the report says how many it holds whole,
-    read from the bank file's own token ids."""
+    read from the bank file's own token ids, and where replay's rows come from position by position: the
+    prompt's own, another recorded text's, or past a recorded sequence's length, where they wrap - which
+    leaves replay not shown valid, never a text's KV of its own."""
     import torch
 
     from kvfill.bank import Bank
-    from kvfill.check.inputs import read_bank
+    from kvfill.check.inputs import bank_coverage, read_bank
 
     bank = Bank({"layers.0.attn": torch.zeros(7, 4, dtype=torch.bfloat16)}, sequence_lengths=[3, 4],
                 sequence_tokens=[[1, 2, 3], [5, 6, 7, 8]], kv={"layers.0.attn": (1, 2, 2)},
@@ -629,16 +631,29 @@ def test_a_bank_that_holds_only_some_prompts_is_named_on_replays_lines_and_in_th
     # held: a recorded sequence starts with every token a fill writes, all but the prompt's last (vLLM computes
     # it; a hybrid's recording ends there): [1, 2, 3, 4] and [5, 6, 9] are held, [5, 7, 9] is not
     assert read_bank(path, [[1, 2, 3, 4], [5, 6, 9], [5, 7, 9]])[1] == 2
+    # [1..7]: its 6 filled positions from [1, 2, 3]'s rows, the last 3 past its length (wrapped); [5, 7, 9]:
+    # no sequence is its text, so its 2 positions replay a hash-picked one (another text's)
+    ids = [[1, 2, 3, 4, 5, 6, 7], [5, 7, 9]]
+    cov = bank_coverage(path, ids, 8)
+    assert cov == {"own": 3, "other": 2, "wrapped": 3, "positions": 8, "prompts_wrapped": 1, "longest_sequence": 4}
+    assert bank_coverage(path, [[1, 2, 3, 4]], 8)["wrapped"] == 0
     steps = {run: _step(run, [[1, 2]] * 2, [], [], {}) for run in ("prefill", "replay")}
-    res = {**_res(steps), "bank_prompts_held": 1, "bank": path, "bank_recorded": False}
+    res = {**_res(steps), "bank_prompts_held": read_bank(path, ids)[1], "bank": path, "bank_recorded": False,
+           "bank_coverage": cov}
     lines = verdict.verdicts(res, compare.compare_all(res))
-    assert lines[1] == ("replay: the bank holds 1/2 prompts whole; the others replay rows of its recorded sequences "
-                        "picked by each block's token hash (another text's KV), so their tokens need not be real "
-                        "prefill's")
-    again = verdict.verdicts({**res, "bank_prompts_held": 2}, compare.compare_all(res))
-    assert not any("the bank holds" in line for line in again)
+    assert lines[1] == ("replay: 2 of the 8 filled positions replay another recorded text's rows (a sequence whose "
+                        "tokens differ there, picked by the block's token hash), so those prompts' tokens need not be "
+                        "real prefill's")
+    assert lines[2].startswith("replay: 3 of the 8 filled positions (1 of 2 prompts) lie past their recorded "
+                               "sequence's length (the longest holds 4) and wrap: they replay it again from its start")
+    assert not any("another text's KV" in line for line in lines)
+    assert "=> replay: not shown valid (3 of 8 filled positions wrapped past the bank's sequences)" in lines
+    whole = {**cov, "other": 0, "wrapped": 0, "own": 8, "prompts_wrapped": 0}
+    again = verdict.verdicts({**res, "bank_coverage": whole}, compare.compare_all(res))
+    assert not any("filled positions" in line for line in again)
+    assert any(line.startswith("=> replay: valid") for line in again), again
     cfg = check_config(["--model", tiny[0], "--prompts", tiny[1], "--bank", path])
-    assert f"bank {path} (holding 1/2 prompts whole);" in report.markdown(cfg, res, compare.compare_all(res), lines)
+    assert f"bank {path} (holding 0/2 prompts whole);" in report.markdown(cfg, res, compare.compare_all(res), lines)
 
 
 def test_the_report_says_each_engines_kv_space_and_where_the_normal_fills_spread_came_from(tiny, tmp_path):

@@ -856,6 +856,61 @@ def bank_of_layers(path, seed=0):
     return str(path)
 
 
+def test_positions_past_a_recorded_sequence_are_counted_as_wrapped_and_named_at_start(tmp_path):
+    """A prompt longer than the bank's one 40-token sequence (its first 40
+    tokens are that sequence's) replays positions 40.. from the sequence's
+    start again (row t mod 40): the scheduler counts them per request in
+    vLLM's connector stats, which reach /metrics beside the worker's fill
+    figures; the start-up line names the longest sequence against
+    max_model_len; a prompt within the sequence counts none."""
+    import prometheus_client
+    from conftest import connector_lines
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
+
+    path = bank_of_layers(tmp_path / "bank.safetensors")
+    with connector_lines() as said:
+        h = make_harness(tmp_path / "h", [(LAYERS, FullAttentionSpec(**ATT))],
+                         extra={"fill_mode": "replay", "bank": path})
+    longest = [line for line in said if "longest recorded sequence" in line]
+    assert len(longest) == 1 and "holds 40 positions, max_model_len is " \
+        f"{h.config.model_config.max_model_len}" in longest[0], said
+    assert "vllm:kvfill_wrapped_positions_total" in longest[0]
+    h.add("long", list(range(100, 140)) + list(range(1, 61)), max_tokens=1)  # 100 tokens: 99 filled, 59 past 40
+    h.add("within", list(range(100, 130)), max_tokens=1)
+    out = h.scheduler.schedule()
+    conn = h.scheduler.connector
+    stats = conn.get_kv_connector_stats()
+    assert stats is not None and (stats.data["wrapped_positions"], stats.data["wrapped_requests"]) == (59, 1)
+    assert conn.get_kv_connector_stats() is None  # reset after reporting
+    h.worker.bind_connector_metadata(out.kv_connector_metadata)
+    h.worker.start_load_kv(None)
+    both = h.worker.get_kv_connector_stats().aggregate(stats)  # as vLLM's scheduler sums the two sides
+    assert both.reduce()["kvfill_wrapped_positions"] == 59 and both.reduce()["kvfill_requests"] == 2
+    before = set(prometheus_client.REGISTRY._names_to_collectors)
+    prom = KVConnectorProm(h.config, ["engine"], {0: ["0"]})
+    try:
+        prom.observe(both.data, 0)
+        value = lambda name: prometheus_client.REGISTRY.get_sample_value(name, {"engine": "0"})  # noqa: E731
+        assert value("vllm:kvfill_wrapped_positions_total") == 59 and value("vllm:kvfill_wrapped_requests_total") == 1
+    finally:
+        for name, collector in list(prometheus_client.REGISTRY._names_to_collectors.items()):
+            if name not in before:
+                try:
+                    prometheus_client.REGISTRY.unregister(collector)
+                except KeyError:
+                    pass
+
+
+def test_a_bank_as_long_as_max_model_len_says_nothing_of_wrapping(tmp_path):
+    from conftest import connector_lines
+
+    path = bank_of_layers(tmp_path / "bank.safetensors")
+    with connector_lines() as said:
+        make_harness(tmp_path / "h", [(LAYERS, FullAttentionSpec(**ATT))], extra={"fill_mode": "replay", "bank": path},
+                     max_model_len=40)
+    assert not [line for line in said if "longest recorded sequence" in line], said
+
+
 def replay_connectors(tmp_path, scheduler_bank, worker_banks):
     """vLLM's connector objects as the engine makes them: the scheduler's
     over ``scheduler_bank``, one worker per entry of ``worker_banks`` (its
