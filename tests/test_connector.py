@@ -1,5 +1,7 @@
 """KVFillConnector through vLLM's real Scheduler and the worker connector over
 real CPU caches in vLLM's standard layout, in poisoned memory."""
+import contextlib
+
 import pytest
 import torch
 
@@ -711,28 +713,34 @@ def test_a_skipped_fill_is_reported_and_vllm_applies_its_failure_policy(tmp_path
 def test_fill_figures_reach_vllms_prometheus_metrics(full):
     """build_prom_metrics: kvfill's bytes, seconds, requests and fills become
     counters in vLLM's Prometheus registry (the served /metrics)."""
-    import prometheus_client
-    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
-
     h = full
     h.add("a", list(range(1, 41)))
     h.step()
     stats = h.worker.get_kv_connector_stats()
-    before = set(prometheus_client.REGISTRY._names_to_collectors)
-    prom = KVConnectorProm(h.config, ["engine"], {0: ["0"]})
-    try:
-        prom.observe(stats.data, 0)
-        value = lambda name: prometheus_client.REGISTRY.get_sample_value(name, {"engine": "0"})  # noqa: E731
+    with observed(h.config, stats.data) as value:
         assert value("vllm:kvfill_bytes_total") == 2 * 39 * 32 * 2
         assert value("vllm:kvfill_requests_total") == 1 and value("vllm:kvfill_fills_total") == 1
         assert value("vllm:kvfill_seconds_total") > 0
+
+
+@contextlib.contextmanager
+def observed(config, data: dict):
+    """``data`` (a connector's stats) observed by vLLM's Prometheus metrics
+    as the engine's logger does; yields ``name -> value``, the metrics made
+    unregistered after."""
+    import prometheus_client
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
+
+    before = set(prometheus_client.REGISTRY._names_to_collectors)
+    prom = KVConnectorProm(config, ["engine"], {0: ["0"]})
+    try:
+        prom.observe(data, 0)
+        yield lambda name: prometheus_client.REGISTRY.get_sample_value(name, {"engine": "0"})
     finally:
         for name, collector in list(prometheus_client.REGISTRY._names_to_collectors.items()):
             if name not in before:
-                try:
+                with contextlib.suppress(KeyError):
                     prometheus_client.REGISTRY.unregister(collector)
-                except KeyError:
-                    pass
 
 
 def test_verified_fills_and_mismatches_are_counted(tmp_path, monkeypatch):
@@ -863,9 +871,7 @@ def test_positions_past_a_recorded_sequence_are_counted_as_wrapped_and_named_at_
     vLLM's connector stats, which reach /metrics beside the worker's fill
     figures; the start-up line names the longest sequence against
     max_model_len; a prompt within the sequence counts none."""
-    import prometheus_client
     from conftest import connector_lines
-    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 
     path = bank_of_layers(tmp_path / "bank.safetensors")
     with connector_lines() as said:
@@ -886,19 +892,8 @@ def test_positions_past_a_recorded_sequence_are_counted_as_wrapped_and_named_at_
     h.worker.start_load_kv(None)
     both = h.worker.get_kv_connector_stats().aggregate(stats)  # as vLLM's scheduler sums the two sides
     assert both.reduce()["kvfill_wrapped_positions"] == 59 and both.reduce()["kvfill_requests"] == 2
-    before = set(prometheus_client.REGISTRY._names_to_collectors)
-    prom = KVConnectorProm(h.config, ["engine"], {0: ["0"]})
-    try:
-        prom.observe(both.data, 0)
-        value = lambda name: prometheus_client.REGISTRY.get_sample_value(name, {"engine": "0"})  # noqa: E731
+    with observed(h.config, both.data) as value:
         assert value("vllm:kvfill_wrapped_positions_total") == 59 and value("vllm:kvfill_wrapped_requests_total") == 1
-    finally:
-        for name, collector in list(prometheus_client.REGISTRY._names_to_collectors.items()):
-            if name not in before:
-                try:
-                    prometheus_client.REGISTRY.unregister(collector)
-                except KeyError:
-                    pass
 
 
 def test_a_bank_as_long_as_max_model_len_says_nothing_of_wrapping(tmp_path):
