@@ -11,6 +11,7 @@ all-reduce segments in /dev/shm) go with the run's private temp folder
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import glob
 import os
@@ -19,6 +20,25 @@ import tempfile
 import weakref
 
 SHM = "/dev/shm"
+
+
+def env_defaults(**values: str):
+    """A decorator: the function runs with ``values`` in ``os.environ``
+    where they are unset, taken out again when it returns, so a caller in
+    the same process (kvfill-check --in-process, a test) keeps its own
+    environment - a default left behind would read later as the user's."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def run(*args, **kwargs):
+            added = {k: v for k, v in values.items() if k not in os.environ}
+            os.environ.update(added)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                for k in added:
+                    os.environ.pop(k, None)
+        return run
+    return wrap
 
 
 @contextlib.contextmanager

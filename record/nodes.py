@@ -11,7 +11,7 @@ import os
 import signal
 import threading
 
-from .engine import _private_tempdir
+from .engine import _private_tempdir, env_defaults
 from .engine_config import check_engine_config, engine_kwargs, given_flags, vllm_failed
 from .inputs import RecordError
 from .liveness import NODE_SILENCE_S, NODE_WAIT_S, NodeLost, watching
@@ -32,6 +32,7 @@ def end_nodes(llm, rpc_end_node) -> None:
         llm.collective_rpc(rpc_end_node, args=(True,))
 
 
+@env_defaults(VLLM_CPU_KVCACHE_SPACE="2")
 def host_workers(model, token_ids, dtype, kv_cache_dtype, block_size, max_model_len, llm_kwargs,
                  tokenizer=None, log=print, node_wait: float = NODE_WAIT_S,
                  node_silence: float = NODE_SILENCE_S) -> None:
@@ -45,7 +46,6 @@ def host_workers(model, token_ids, dtype, kv_cache_dtype, block_size, max_model_
     last word, why it leaves, reaches the first node through the store).  The engine flags are derived as the first node's
     (the same command line), and checked there (``engine_digest``).  Writes
     nothing; what the workers saved they dropped when fetched."""
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     from vllm.platforms import current_platform
     from vllm.v1.executor.multiproc_executor import MultiprocExecutor
 

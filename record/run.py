@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 
-from .engine import llm_engine
+from .engine import env_defaults, llm_engine
 from .engine_config import check_engine_config, engine_kwargs, given_flags, vllm_failed
 from .inputs import RecordError
 from .liveness import NODE_SILENCE_S, NODE_WAIT_S, NodeLost, watching
@@ -22,6 +22,7 @@ from .nodes import end_nodes
 from .transfer import drop_parts, fetch_parts
 
 
+@env_defaults(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="2")
 def run_vllm(model, token_ids, record_dir, dtype, kv_cache_dtype, block_size, max_model_len, llm_kwargs,
              tokenizer=None, check_config=None, node_wait: float = NODE_WAIT_S, log=print,
              node_silence: float = NODE_SILENCE_S) -> dict[str, str]:
@@ -41,8 +42,6 @@ def run_vllm(model, token_ids, record_dir, dtype, kv_cache_dtype, block_size, ma
     node ends them (``liveness.watching``: ``node_wait`` seconds for each to
     join, ``node_silence`` seconds without a beat from one that joined; one
     gone fails the recording naming it)."""
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     import vllm
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt

@@ -78,6 +78,7 @@ def test_the_users_kv_space_is_used_and_one_the_host_cannot_hold_exits_2_before_
 
     model, prompts = config_only
     cfg = check_config(["--model", model, "--prompts", prompts])
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)  # the user's own: none
     assert kv_space(cfg, 1, 40)["source"].startswith("sized from 1 prompts")
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     assert kv_space(cfg, 10**6, 10**6) == {"gib": 1, "source": "VLLM_CPU_KVCACHE_SPACE set by the user"}

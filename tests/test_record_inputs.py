@@ -691,3 +691,26 @@ def test_the_estimate_counts_the_drafters_kv_layers_a_speculative_recording_reco
     assert (with_mtp.layers, with_mtp.bytes_per_token, with_mtp.nbytes) == (5, 5 * row, 100 * 5 * row)
     assert with_drafter(est, target, {"method": "ngram"}) == est
     assert with_drafter(est, target, {"method": "mtp"}) == est  # a model without MTP layers
+
+
+def test_the_recorders_engine_defaults_leave_the_callers_environment_as_it_was(monkeypatch):
+    """run_vllm and host_workers set vLLM's variables they need where unset,
+    for their run only: a caller in the same process (kvfill-check
+    --in-process, a test) must not read them afterwards as its user's."""
+    from kvfill.record import nodes, run
+    from kvfill.record.engine import env_defaults
+
+    monkeypatch.delenv("KVFILL_TEST_UNSET", raising=False)
+    monkeypatch.setenv("KVFILL_TEST_SET", "the user's")
+    seen = {}
+
+    @env_defaults(KVFILL_TEST_UNSET="default", KVFILL_TEST_SET="default")
+    def engine_run():
+        seen.update(unset=os.environ.get("KVFILL_TEST_UNSET"), set=os.environ.get("KVFILL_TEST_SET"))
+        raise RecordError("the run failed")
+
+    with pytest.raises(RecordError):
+        engine_run()
+    assert seen == {"unset": "default", "set": "the user's"}
+    assert "KVFILL_TEST_UNSET" not in os.environ and os.environ["KVFILL_TEST_SET"] == "the user's"
+    assert run.run_vllm.__wrapped__ and nodes.host_workers.__wrapped__  # both wear it
