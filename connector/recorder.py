@@ -146,7 +146,8 @@ class Recorder:
                 "states": layouts_to_json({n: v[1] for n, v in self.state_layers.items()})}
         for item in meta.records:
             n = item.positions
-            rows = engine.read(planner.plan([item.selection], groups=engine.groups)) if self.saves_rows else {}
+            rows = self._rows(engine, planner.plan([item.selection], groups=engine.groups), formats) \
+                if self.saves_rows else {}
             short = {name: r.shape[0] for name, r in rows.items() if r.shape[0] != n}
             states = self._states(item)
             if short or not (rows or states):
@@ -155,12 +156,25 @@ class Recorder:
                                    f"a pipeline stage of no attention layer?)")
             part["heads"] = json.dumps(self._heads({name: formats[name] for name in rows}))
             path = os.path.join(self.folder, f"{item.key}.tp{self.tp_rank}-pp{self.pp_rank}.safetensors")
-            save_file({**{name: formats[name].to_bank(r).cpu().contiguous() for name, r in rows.items()}, **states},
+            save_file({**rows, **states},
                       path + ".part", metadata={"key": item.key, "positions": str(n), **part,
                                                 "value_dtypes": json.dumps(vdtypes), "layers": json.dumps(layers)})
             os.replace(path + ".part", path)
         logger.info("KVFillConnector: recorded %d prompts to %s (TP rank %d, PP rank %d)", len(meta.records),
                     self.folder, self.tp_rank, self.pp_rank)
+
+    @staticmethod
+    def _rows(engine: FillEngine, plan, formats) -> dict[str, torch.Tensor]:
+        """Each layer's rows of ``plan`` in the bank's order, in host memory,
+        read one layer at a time: the device holds one layer's rows and
+        their reordered copy at most, whatever the prompt's length (a 128k
+        prompt of an 8B model: ~1 GiB per layer group, not ~16 GiB)."""
+        out = {}
+        for name in formats:
+            got = engine.read(plan, layers=[name])
+            if name in got:
+                out[name] = formats[name].to_bank(got.pop(name)).cpu().contiguous()
+        return out
 
     def parts(self) -> list[tuple[str, int]]:
         """(file name, bytes) of each part saved and not yet fetched."""

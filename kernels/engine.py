@@ -195,11 +195,14 @@ class FillEngine:
             return self._backend.fill_device_entries(group, entries)
 
     # ------------------------------------------------------------ read
-    def read(self, plan: FillPlan | Mapping[str, GroupFill]) -> dict[str, torch.Tensor]:
+    def read(self, plan: FillPlan | Mapping[str, GroupFill],
+             layers: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
         """What the planned slots hold now, per layer ``[num_rows, layer row]``
         in the caches' dtype (``verify.read_plan``): how a bank is recorded.
+        ``layers``: only these (None: all; a recorder reads one at a time, so
+        a long prompt holds one layer's rows on the device, not all).
         Synchronises with the device."""
-        return read_plan(self._registry, checked_plan(self._registry, plan))
+        return read_plan(self._registry, checked_plan(self._registry, plan), layers)
 
     def row_formats(self) -> dict[str, RowFormat]:
         """Layer -> its row's element dims (a bank's ``parts``) and relation to

@@ -7,7 +7,7 @@ through each tensor's layout.  Synchronises with the device.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Iterable, Mapping
 
 import torch
 
@@ -62,16 +62,19 @@ def verify_plan(registry: Registry, plan: Mapping[str, GroupFill], *, max_report
     return VerifyReport(mismatched == 0, checked, mismatched, tuple(first))
 
 
-def read_plan(registry: Registry, plan: Mapping[str, GroupFill]) -> dict[str, torch.Tensor]:
+def read_plan(registry: Registry, plan: Mapping[str, GroupFill],
+              layers: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
     """What the planned slots hold, per layer: ``[num_rows, layer row]`` in the
     caches' dtype, rows in plan order (entry by entry, slots ascending),
     elements in the layout-independent order (a layer's tensors one after
-    another).  Zero-mode tensors (packed, recurrent state) are left out."""
+    another).  Zero-mode tensors (packed, recurrent state) are left out;
+    ``layers``: only these (None: every layer)."""
     rows = {g: SlotRows(entries, registry.groups[g].dcp) for g, entries in plan.items()}
+    wanted = None if layers is None else set(layers)
     parts: dict[str, list[torch.Tensor]] = {}
     for t in registry.tensors:  # registration order: a layer's tensors in row order
         r = rows.get(t.group)
-        if r is not None and t.mode != V.ZERO:
+        if r is not None and t.mode != V.ZERO and (wanted is None or t.layer in wanted):
             parts.setdefault(t.layer, []).append(read_rows(t.tensor, t.layout, r).view(t.tensor.dtype))
     return {layer: torch.cat(ps, dim=1) for layer, ps in parts.items()}
 

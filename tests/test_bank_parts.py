@@ -238,6 +238,46 @@ def test_a_one_head_layer_in_its_caches_own_order_is_whole_on_every_rank(tmp_pat
 
 
 @pytest.mark.needs_vllm
+def test_a_recorder_reads_a_64k_token_prompt_one_layer_at_a_time(monkeypatch):
+    """A completed prompt's rows leave the caches one layer at a time, each
+    moved to host memory before the next is read: what the caches' device
+    holds at once is one layer's rows and their reordered copy, whatever
+    the prompt's length and layer count (issue 52: a 128k prompt of an 8B
+    model read whole took ~16 GiB beside vLLM's KV cache).  The rows saved
+    are the bytes an all-layers read gives, in the bank's order."""
+    from kvfill.connector.recorder import Recorder
+    from kvfill.kernels import CacheGroup, FillEngine
+    from kvfill.kernels.testing import standard_views
+
+    blocks, block, heads, head, layers = 4096, 16, 2, 8, 3  # 65536 positions; 64 B a row, 4 MiB a layer
+    _, views = standard_views(layers, blocks, heads, block, 2 * head, torch.bfloat16, "LBNHC")
+    engine = FillEngine({"g": CacheGroup({f"layer.{i}": v for i, v in enumerate(views)}, kv=(heads, head, head))},
+                        mean=0.0, std=1.0, seed=3)
+    plan = engine.whole_plan()
+    engine.fill(plan)
+    formats = engine.row_formats()
+    assert all(f.order is not None for f in formats.values())  # the bank's order differs: a reordered copy
+    whole = engine.read(plan)
+    reads = []
+    real_read = FillEngine.read
+
+    def read(self, plan, layers=None):
+        got = real_read(self, plan, layers)
+        reads.append({name: r.numel() * r.element_size() for name, r in got.items()})
+        return got
+
+    monkeypatch.setattr(FillEngine, "read", read)
+    rows = Recorder._rows(engine, plan, formats)
+    one_layer = blocks * block * heads * 2 * head * 2
+    assert [list(r) for r in reads] == [[f"layer.{i}"] for i in range(layers)], reads
+    assert max(sum(r.values()) for r in reads) == one_layer == 4 << 20
+    assert sorted(rows) == sorted(whole) and all(r.device.type == "cpu" for r in rows.values())
+    for name, r in rows.items():
+        assert r.shape == (blocks * block, 2 * heads * head)
+        assert torch.equal(r.view(torch.int16), formats[name].to_bank(whole[name]).view(torch.int16)), name
+
+
+@pytest.mark.needs_vllm
 def test_a_recording_tp_rank_merges_heads_only_of_the_layers_it_read(tmp_path):
     """The recorder names the heads of the layers whose rows it read: a layer
     of no K/V geometry is refused under TP > 1 unless the model is MLA (its
