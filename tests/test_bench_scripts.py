@@ -259,6 +259,27 @@ def test_main_job_on_a_hybrid_sliding_window_model(tmp_path):
 
 @pytest.mark.needs_vllm
 @pytest.mark.e2e
+def test_the_long_prompt_bench_records_and_replays_one_prompt_and_writes_its_time_and_peak_memory(tmp_path):
+    """bench/long_record.py, small: one prompt recorded by kvfill-check,
+    replayed, its greedy tokens real prefill's; the figures file names the
+    time, the peak resident memory and the report.  (32000 tokens: 250.6 s,
+    3.96 GiB, bench/results/long-record-cpu.json.)"""
+    import json
+
+    from kvfill.bench import long_record
+
+    assert long_record.main(["--tokens", "600", "--output-len", "4", "--results", str(tmp_path / "results"),
+                             "--work", str(tmp_path / "work")]) == 0
+    row = json.loads((tmp_path / "results" / "long-record-cpu.json").read_text())
+    assert (row["tokens"], row["rc"], row["replay_tokens"]) == (600, 0, "4/4") and row["seconds"] > 0
+    assert row["peak_rss_gib"] > 0.1 and row["report"].endswith("check-llama-long600-cpu.json")
+    assert (tmp_path / "results" / "check-llama-long600-cpu.md").read_text().startswith("# kvfill-check")
+    with pytest.raises(SystemExit):
+        long_record.main(["--tokens", "40000"])  # past the tiny Llama's 32768 positions: refused
+
+
+@pytest.mark.needs_vllm
+@pytest.mark.e2e
 def test_serving_benchmark_drives_a_real_server_with_vllms_client(tmp_path):
     """bench/serve.py end to end, small: vLLM's OpenAI server with kvfill (by
     plugin name) on loopback, driven by `vllm bench serve`, stopped after; the
