@@ -232,7 +232,7 @@ class Bank:
         read), into memory this process owns; BankError when it is not a
         well-formed bank of this format, its metadata disagrees with its
         tensors, or the part is larger than the host's available memory or
-        ``fits(nbytes)`` says why it does not fit (asked before reading rows).
+        ``fits(row_bytes, state_bytes)`` says why it does not fit (asked before reading rows).
         The rows land in host memory whatever torch's default device is
         (safetensors' slices are made by factories that follow it)."""
         with torch.device("cpu"):

@@ -68,7 +68,7 @@ def load(path: str, part, fits=None) -> dict:
     """The keyword arguments of ``Bank(...)`` for a bank file's ``part``
     (``parts.BankPart``; only its columns and rows are read), in memory
     this process owns (not a mapping of the file: rewriting or truncating it
-    later changes nothing here).  ``fits(nbytes)``: why the bytes the part
+    later changes nothing here).  ``fits(row_bytes, state_bytes)``: why the bytes the part
     keeps - its rows and its TP cut of each state - do not fit where they go
     (None: they do), asked before any row is read; the host's available memory
     is checked against what reading it takes (each state tensor is read whole)."""
@@ -98,7 +98,7 @@ def load(path: str, part, fits=None) -> dict:
         if free is not None and need > free:
             raise BankError(f"{path}: {part.describe()} takes {need / 2**30:.2f} GiB, more than the host's "
                             f"{free / 2**30:.2f} GiB available memory")
-        problem = fits(rows_need + states_kept) if fits is not None else None
+        problem = fits(rows_need, states_kept) if fits is not None else None
         if problem:
             raise BankError(f"{path}: {problem}")
         layers = {n: part.take(n, kvs.get(n), sl.get_shape()[1], lambda a, b, sl=sl: sl[:, a:b], rows)

@@ -75,6 +75,7 @@ class CheckConfig:
     decoys: int = 0
     verify: bool = False
     time_passes: int = 3
+    bank_placement: str = "auto"
 
 
 def build_parser() -> RecordArgumentParser:
@@ -135,6 +136,9 @@ def build_parser() -> RecordArgumentParser:
     own.add_argument("--verify", action="store_true",
                      help="replay reads back every row and state page it writes and fails the run on a mismatch "
                           "(the connector's verify: raise; slower)")
+    own.add_argument("--bank-placement", choices=("auto", "device", "host"), default="auto",
+                     help="where replay keeps the bank's rows (the connector's bank_placement): on the caches' "
+                          "device, in host memory streamed per step, or auto (the device where it fits)")
     own.add_argument("--config", default=None, help="a YAML file of vLLM engine flags (as `vllm serve --config`)")
     EngineArgs.add_cli_args(p)
     _require_model(p)
@@ -212,7 +216,7 @@ def check_config(argv: Sequence[str] | None = None) -> CheckConfig:
                        constant=args.constant, split=args.split_reference, run_timeout=args.run_timeout,
                        engine=engine, argv=list(argv) if argv is not None else [], in_process=args.in_process,
                        serve=args.serve, concurrency=args.concurrency, decoys=args.decoys, verify=args.verify,
-                       time_passes=args.time_passes)
+                       time_passes=args.time_passes, bank_placement=args.bank_placement)
 
 
 def own_actions(p: RecordArgumentParser) -> list:

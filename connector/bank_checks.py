@@ -1,6 +1,7 @@
 """Loading the bank a serving run replays: this rank's part of it
-(``rank_part``), refused when it does not fit the GPU beside what vLLM still
-allocates (``bank_fit.fit_error``), and what is logged about it: its size, provenance
+(``rank_part``), kept on the GPU or in host memory by where it fits beside
+what vLLM still allocates (``bank_fit.choose_placement``) or refused, and
+what is logged about it: where it is kept and why, its size, provenance
 that differs from the run's own settings, and recorded values that are not
 finite.
 
@@ -22,7 +23,7 @@ from kvfill.bank import NO_DCP, Bank, BankError, BankPart, dtype_name
 from kvfill.kernels import CacheGroup
 from kvfill.kernels.packed_rows import part_dtypes
 
-from .bank_fit import fit_error
+from .bank_fit import choose_placement
 from .drafter import check_drafter
 
 if TYPE_CHECKING:
@@ -45,20 +46,33 @@ def rank_part(groups: Mapping[str, CacheGroup], tp_rank: int, tp_size: int,
                     max_positions=max_positions)
 
 
-def load_bank(path: str, part: BankPart, vllm_config: "VllmConfig", device: torch.device) -> Bank:
-    """This rank's part of the bank in this process's memory, after checking
-    it fits the device beside vLLM's budget, with a warning per mismatch above."""
+def load_bank(path: str, part: BankPart, vllm_config: "VllmConfig", device: torch.device,
+              placement: str = "device", staging_bytes: int = 256 << 20) -> tuple[Bank, str]:
+    """This rank's part of the bank in this process's memory and where the
+    fill keeps its rows (``placement`` asked: ``auto``, ``device`` or
+    ``host``; ``bank_fit.choose_placement``), decided from the file's header
+    before a row is read and logged with why; with a warning per mismatch above."""
+    chosen = {"where": "host" if placement == "host" else "device",
+              "why": f"bank_placement {placement!r}: the caches are in host memory, where the bank is read"}
     fits = None
-    if device.type == "cuda":  # checked from the file's header, before a row is read
+    if device.type == "cuda":
         cache = vllm_config.cache_config
 
-        def fits(nbytes: int) -> str | None:
+        def fits(rows: int, states: int) -> str | None:
             free, total = torch.cuda.mem_get_info(device)
-            return fit_error(nbytes, free=free, total=total, utilization=cache.gpu_memory_utilization,
-                             held=torch.cuda.memory_reserved(device),
-                             kv_cache_memory_bytes=getattr(cache, "kv_cache_memory_bytes", None))
+            where, line = choose_placement(placement, rows=rows, states=states, staging=staging_bytes, free=free,
+                                           total=total, utilization=cache.gpu_memory_utilization,
+                                           held=torch.cuda.memory_reserved(device),
+                                           kv_cache_memory_bytes=getattr(cache, "kv_cache_memory_bytes", None))
+            chosen.update(where=where, why=line)
+            return None if where else line
+    elif placement == "host":
+        chosen["why"] = ("bank_placement 'host': the caches are in host memory too; each step's rows are still "
+                         "staged (a copy per step, no memory saved)")
 
     bank = Bank.load(path, part, fits)
+    logger.info("KVFillConnector: bank kept on the %s - %s", "caches' device" if chosen["where"] == "device"
+                else "host", chosen["why"])
     check_drafter_layers(bank, part, vllm_config)
     for line in check_drafter(bank.metadata, getattr(vllm_config, "speculative_config", None), bank.source):
         logger.warning("KVFillConnector: %s", line)
@@ -71,7 +85,7 @@ def load_bank(path: str, part: BankPart, vllm_config: "VllmConfig", device: torc
     line = nonfinite_warning(bank.source, count_nonfinite(bank))
     if line:
         logger.warning("KVFillConnector: %s", line)
-    return bank
+    return bank, chosen["where"]
 
 
 def check_drafter_layers(bank: Bank, part: BankPart, vllm_config: "VllmConfig") -> None:

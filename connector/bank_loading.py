@@ -1,7 +1,8 @@
 """What a replaying worker loads when vLLM registers its caches: this rank's
 part of the bank - its KV heads, its stage's layers and state layers, its DCP
-positions below ``max_model_len`` - on the caches' device (loaded and checked
-by ``bank_checks.py``), and the state layers whose recorded states the bank
+positions below ``max_model_len`` - on the caches' device or, where it does
+not fit there or is asked to, in host memory (loaded, placed and checked by
+``bank_checks.py``), and the state layers whose recorded states the bank
 holds, written into each request's state block at every fill
 (``StatePages``).
 """
@@ -28,13 +29,15 @@ logger = init_logger("vllm.kvfill.connector")
 
 
 def load_rank_bank(path: str, groups: dict[str, CacheGroup], state_caches: Mapping[str, Any],
-                   vllm_config: "VllmConfig", *, tp_rank: int, tp_size: int, max_model_len: int) -> Bank:
-    """This rank's part of the bank at ``path``, on the caches' device
-    (``max_model_len`` 0: every recorded position)."""
+                   vllm_config: "VllmConfig", *, tp_rank: int, tp_size: int, max_model_len: int,
+                   placement: str = "device", staging_bytes: int = 256 << 20) -> tuple[Bank, str]:
+    """This rank's part of the bank at ``path`` and where the fill keeps its
+    rows (``bank_checks.load_bank``; ``max_model_len`` 0: every recorded position)."""
     # This rank's part only: its KV heads, its stage's layers, its DCP positions below max_model_len.
     part = rank_part(groups, tp_rank, tp_size, max_model_len or None)
     part = replace(part, layers=part.layers | frozenset(state_caches))  # and its state layers' states
-    return load_bank(path, part, vllm_config, device=cache_device(groups))
+    return load_bank(path, part, vllm_config, device=cache_device(groups), placement=placement,
+                     staging_bytes=staging_bytes)
 
 
 def replay_states(bank: Bank, caches: Mapping[str, Any], groups: dict[str, CacheGroup], specs: Mapping[str, Any],

@@ -15,6 +15,7 @@ from kvfill.kernels import ValueSpec
 from kvfill.kernels.backend import BACKENDS
 from kvfill.kernels.values import ValueSpecError
 
+from .bank_fit import PLACEMENTS
 from .planner import Granularity
 
 VERIFY_MODES = ("log", "raise")
@@ -50,6 +51,8 @@ class FillOptions:
     record_engine: str | None = None   # record role: digest of the recording's engine flags, equal on every node
     record_flags: Any = None           # record role: {flag: digest of its value}, to name the flags nodes differ in
     zero_packed: bool = False          # DeepSeek's indexer and fp8_ds_mla rows get zeros, as the in-tree connector
+    bank_placement: str = "auto"       # replay: "device" / "host" (rows streamed per step) / "auto" (device if it fits)
+    staging_mib: int = 256             # bank_placement "host": device staging for a step's rows (MiB)
     values: ValueSpec = field(init=False, repr=False, compare=False)
     bank_index: BankIndex | None = field(init=False, repr=False, compare=False)
 
@@ -74,6 +77,11 @@ class FillOptions:
         if isinstance(self.page_image_mib, bool) or not isinstance(self.page_image_mib, int) \
                 or self.page_image_mib < 0:
             raise OptionError("page_image_mib", self.page_image_mib, "an int >= 0 (MiB; 0 keeps no page images)")
+        if self.bank_placement not in PLACEMENTS:
+            raise OptionError("bank_placement", self.bank_placement, f"one of {list(PLACEMENTS)}")
+        if isinstance(self.staging_mib, bool) or not isinstance(self.staging_mib, int) or self.staging_mib < 1:
+            raise OptionError("staging_mib", self.staging_mib, "an int >= 1 (MiB of device staging for a bank "
+                                                               "kept in host memory)")
         if self.verify not in (None, *VERIFY_MODES):
             raise OptionError("verify", self.verify, "false, true, 'log' or 'raise'")
         self._check_mode()
@@ -117,6 +125,9 @@ class FillOptions:
         if mode == "replay" and self.bank is None:
             raise OptionError("bank", None, "the path of a bank file with fill_mode 'replay' "
                                             "(record one with `python -m kvfill.record`)")
+        if mode != "replay" and self.bank_placement != "auto":
+            raise OptionError("bank_placement", self.bank_placement, "'auto' (unset) without a bank: it says where "
+                                                                     "a replayed bank is kept")
         if mode != "replay" and self.bank is not None:
             raise OptionError("fill_mode", self.fill_mode, "'replay' (or unset) with a bank")
         if mode == "replay" and self.startup_fill:

@@ -138,15 +138,16 @@ class KVFillWorker:
                         "(enable_kv_transfer False); they are not filled, recorded or replayed (%s...)",
                         len(self.untransferred), sorted(set(self.untransferred.values())),
                         sorted(self.untransferred)[0])
-        bank = None
+        bank, placement = None, "device"
         node = socket.gethostname()  # how the handshake and errors name this worker's node
         if self.options.replay and not self.options.recording:
-            bank, groups = self._load_bank(groups, state_caches, node)
+            bank, placement, groups = self._load_bank(groups, state_caches, node)
         if self.options.recording and self.options.record_engine is not None:
             self.handshake = KVFillRecordHandshake(node, self.tp_rank, self.pp_rank, self.options.record_engine,
                                                    self.options.record_flags or ())
         self.engine = FillEngine(groups, values=self.options.values, backend=self.options.backend,
-                                 layer_ids=layer_ids(kv_caches), bank=bank,
+                                 layer_ids=layer_ids(kv_caches), bank=bank, bank_placement=placement,
+                                 staging_bytes=self.options.staging_mib << 20,
                                  page_image_bytes=0 if self.options.recording else self.options.page_image_mib << 20)
         self.planner = with_cache_slots(self.planner, self.engine)
         if self.recorder is not None and state_caches:
@@ -172,13 +173,16 @@ class KVFillWorker:
         return self.cpu_views.parts(name, cache) if self.on_cpu else cache
 
     def _load_bank(self, groups: dict[str, CacheGroup], state_caches: dict[str, torch.Tensor],
-                   node: str) -> tuple[Bank, dict[str, CacheGroup]]:
+                   node: str) -> tuple[Bank, str, dict[str, CacheGroup]]:
         """Replaying: this rank's part of the bank and its state layers'
         recorded states (``bank_loading.py``), with the scheduler's handshake;
-        ``(bank, the groups left to the engine)``."""
+        ``(bank, where its rows are kept, the groups left to the engine)``."""
         try:
-            bank = load_rank_bank(self.options.bank, groups, state_caches, self.vllm_config, tp_rank=self.tp_rank,
-                                  tp_size=self.tp_size, max_model_len=self.max_model_len)
+            bank, placement = load_rank_bank(self.options.bank, groups, state_caches, self.vllm_config,
+                                             tp_rank=self.tp_rank, tp_size=self.tp_size,
+                                             max_model_len=self.max_model_len,
+                                             placement=self.options.bank_placement,
+                                             staging_bytes=self.options.staging_mib << 20)
             if not self.options.zero_packed:
                 check_packed_rows(bank, bank.part, self.packed)
             state_pages, state_groups, groups = replay_states(bank, state_caches, groups, self.specs,
@@ -193,7 +197,7 @@ class KVFillWorker:
         # what this worker loaded, checked by the scheduler at start (vLLM's handshake)
         self.handshake = KVFillBankHandshake(node, self.tp_rank, self.pp_rank,
                                              os.path.abspath(self.options.bank), bank.identity or "")
-        return bank, groups
+        return bank, placement, groups
 
     def restore_kv_caches(self) -> None:
         """vLLM 0.33 sleep mode, on wake: the caches' memory is back at the

@@ -10,6 +10,7 @@ from __future__ import annotations
 import abc
 from typing import Mapping
 
+import numpy as np
 import torch
 
 from .plan import GroupFill
@@ -27,11 +28,14 @@ class FillBackend(abc.ABC):
         self.registry = registry
 
     @abc.abstractmethod
-    def fill(self, plan: Mapping[str, GroupFill]) -> int:
+    def fill(self, plan: Mapping[str, GroupFill], sequences: np.ndarray | None = None) -> int:
         """Write every planned slot of every tensor of the planned groups.
 
         ``plan``: normalized, validated, non-empty entries per registered
-        group.  Stream-ordered, no host sync.  Returns the kernel launches issued.
+        group.  ``sequences``: replay's int64 ``[S, 2]`` (first row, length)
+        the entries' sequences name, when not the bank's (a staged fill:
+        ``host_bank.py``).  Stream-ordered, no host sync.  Returns the
+        kernel launches issued.
         """
 
     def warmup(self, num_positions: int = 0) -> int:

@@ -22,6 +22,7 @@ from kvfill.bank import Bank, RowFormat
 
 from . import values as V
 from .backend import BACKENDS, FillBackend
+from .bank_placement import check_placement
 from .capture import check_capture_device, pin, stream_capturing
 from .plan import FillPlan, GroupFill
 from .registry import CacheGroup, RegisteredGroup, Registry
@@ -55,7 +56,9 @@ class FillEngine:
     ``zero`` replay recorded rows instead: entry i's slots hold the bank rows
     of sequence ``sequence[i]`` at their positions (``bank.py``), and the bank
     is checked against the caches (layers, rows, dtypes) and copied to their
-    device once, here.  ``backend``: ``auto`` (Triton for GPU caches, torch
+    device once, here - or, ``bank_placement="host"``, kept in host memory,
+    each fill's rows staged on the device through ``staging_bytes``
+    (``host_bank.py``; None: 256 MiB).  ``backend``: ``auto`` (Triton for GPU caches, torch
     for CPU caches), ``triton`` or ``torch``; ``layer_ids``: layer name ->
     index for the value function (default: registration order).
     ``page_image_bytes`` (torch backend): how much memory on the caches'
@@ -75,13 +78,16 @@ class FillEngine:
         layer_ids: Mapping[str, int] | None = None,
         bank: Bank | None = None,
         page_image_bytes: int | None = None,
+        bank_placement: str = "device",
+        staging_bytes: int | None = None,
     ):
         if page_image_bytes is not None:
             if not _is_int(page_image_bytes) or page_image_bytes < 0:
                 raise ValueError(f"page_image_bytes must be an int >= 0 (or None), got {page_image_bytes!r}")
             page_image_bytes = int(page_image_bytes)
         self.values = values if values is not None else V.ValueSpec(mean, std, seed)
-        self._registry = Registry(groups, self.values, layer_ids or {}, bank)
+        check_placement(bank_placement, staging_bytes)
+        self._registry = Registry(groups, self.values, layer_ids or {}, bank, bank_placement, staging_bytes)
         self._backend = make_backend(backend, self._registry, page_image_bytes)
         self._warmed = False
 
@@ -111,8 +117,8 @@ class FillEngine:
     def describe(self) -> str:
         """One line per launch class: group, geometry, dtype, mode, layers;
         then what the backend holds (the torch backend's page images)."""
-        held = self._backend.describe()
-        return self._registry.describe() + (f"\n{held}" if held else "")
+        held = [self._backend.describe(), self._registry.staged.describe() if self._registry.staged else ""]
+        return "\n".join([self._registry.describe(), *(h for h in held if h)])
 
     def _on_device(self):
         """Make the caches' device current: Triton launches on the current
@@ -142,7 +148,11 @@ class FillEngine:
         if not checked:
             return FillStats(0, 0, 0, 0)
         with self._on_device():
-            launches = self._backend.fill(checked)
+            staged = self._registry.staged
+            if staged is None:
+                launches = self._backend.fill(checked)
+            else:  # each chunk's rows staged on the device as it is yielded
+                launches = sum(self._backend.fill(part, sequences) for part, sequences in staged.chunks(checked))
         return fill_stats(self._registry, checked, launches)
 
     def fill_all(self, groups: Iterable[str] | None = None) -> FillStats:

@@ -13,9 +13,11 @@ from typing import Mapping, Sequence
 import numpy as np
 import torch
 
-from kvfill.bank import NO_DCP, Bank, BankError, BankPart, DcpGeometry, RowFormat, free_bytes
+from kvfill.bank import NO_DCP, Bank, BankError, BankPart, DcpGeometry, RowFormat
 
 from . import values as V
+from .bank_placement import placed_rows
+from .host_bank import HostRows, StagedBank, padded
 from .layout import Layout, default_slot_dim, layout_of
 
 
@@ -47,13 +49,6 @@ def _parts_of(enc, caches, where: str) -> tuple[V.PartValues, ...] | None:
                          f"values.PartValues each; got {type(caches).__name__} of "
                          f"{len(caches) if isinstance(caches, (list, tuple)) else 1}")
     return tuple(enc)
-
-
-def _size(nbytes: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.2f} {unit}"
-    return f"{nbytes} B"
 
 
 @dataclass
@@ -121,6 +116,8 @@ class LayerTensor:
     key: int                  # the layer's 32-bit key of the value function
     elem_offset: int          # element index of this tensor's row 0 within the layer's row
     bank: torch.Tensor | None = None  # replay: the layer's bank rows [T, layer row] as bits, on the device
+    # (placement "host": the layer's device staging, rows the current fill staged there)
+    host: HostRows | None = None  # placement "host": the layer's bank rows in host memory
     elem_dims: tuple[int, ...] = ()  # the logical element dims (size > 1, not merged): what its row order means
     part: V.PartValues | None = None  # a part of a packed row: how its bytes encode values
 
@@ -151,7 +148,7 @@ class Registry:
     """The registered caches of an engine, grouped into launch classes."""
 
     def __init__(self, groups: Mapping[str, CacheGroup], values: V.ValueSpec, layer_ids: Mapping[str, int],
-                 bank: Bank | None = None):
+                 bank: Bank | None = None, bank_placement: str = "device", staging_bytes: int | None = None):
         self.values = values
         # The mode of a tensor whose group names none.
         self.default_mode = V.REPLAY if bank is not None else values.mode
@@ -159,6 +156,7 @@ class Registry:
         # replay: int64 [S, 2] per sequence (first row, length) on the caches' device
         self.bank_sequences: torch.Tensor | None = None
         self.bank_table: np.ndarray | None = None
+        self.staged: StagedBank | None = None  # bank_placement "host": the rows a fill reads, staged per fill
         self.kv: dict[str, tuple[int, int, int] | None] = {}  # layer -> the geometry its group gave
         self.groups: dict[str, RegisteredGroup] = {}
         self.tensors: list[LayerTensor] = []
@@ -178,12 +176,14 @@ class Registry:
             raise ValueError(f"all caches must be on one device, got {sorted(map(str, devices))}")
         self.device = devices.pop() if devices else torch.device("cpu")
         if bank is not None:
-            # The rows live on in each tensor's device copy; the host bank (a
-            # second copy when the caches are on a GPU) is not kept.
+            # The rows live on in each tensor's device copy (placement "device": the host
+            # bank, a second copy when the caches are on a GPU, is not kept) or in the staged bank.
             bank = self._rank_positions(bank)
-            self.tensors = self._with_bank_rows(bank)
+            self.tensors, self.staged = placed_rows(self, bank, bank_placement, staging_bytes)
             self.bank_table = bank.sequence_table()
-            self.bank_sequences = torch.from_numpy(self.bank_table).to(self.device)
+            # a staged bank's fills name staged sequences (host_bank.py): warmup launches as they do
+            launched = self.bank_table if self.staged is None else padded(np.zeros((0, 2), np.int64))
+            self.bank_sequences = torch.from_numpy(launched).to(self.device)
         self.classes = self._launch_classes()
 
     def _register_layers(self, gname, g: CacheGroup, layer_ids, next_id) -> tuple[list[LayerTensor], int]:
@@ -241,29 +241,6 @@ class Registry:
             return bank.select(BankPart(dcp=dcp))
         raise BankError(f"{bank.source}: loaded for {bank.part.describe()}, the caches are DCP rank {dcp.rank} of "
                         f"{dcp.world_size} (interleave {dcp.interleave}); load the part of these caches' rank")
-
-    def _with_bank_rows(self, bank: Bank) -> list[LayerTensor]:
-        """Every replaying tensor given its layer's bank rows on the device,
-        after checking the bank matches (layers, row sizes, dtypes) and fits."""
-        formats = self.row_formats()
-        need = {}  # layer -> (its stored rows, the format that orders them for its caches, or None)
-        for t in self.tensors:
-            if t.mode == V.REPLAY and t.layer not in need:
-                need[t.layer] = bank.check_rows(t.layer, t.tensor.dtype, formats[t.layer], t.row_vdtype)
-        # What is uploaded (a host bank for GPU caches); rows already there are used in place.
-        nbytes = sum(r.numel() * r.element_size() for r, _ in need.values() if r.device != self.device)
-        free = free_bytes(self.device) if nbytes else None
-        if free is not None and nbytes > free:
-            raise BankError(
-                f"{bank.source}: the {len(need)} replayed layers' rows need {_size(nbytes)} on "
-                f"{self.device}, {_size(free)} are free (on a GPU: lower gpu_memory_utilization, or "
-                f"record fewer sequences or positions)"
-            )
-        on_device = {}  # one layer at a time: a permuted copy lives only until its upload
-        for name, (r, fmt) in need.items():
-            staged = fmt.to_cache(r) if fmt is not None else r
-            on_device[name] = staged.to(self.device).contiguous().view(V.BITS_DTYPE[r.element_size()])
-        return [replace(t, bank=on_device[t.layer]) if t.mode == V.REPLAY else t for t in self.tensors]
 
     def row_formats(self) -> dict[str, RowFormat]:
         """Layer -> how its cache row relates to a bank's (``kvfill/bank/rows.py``):

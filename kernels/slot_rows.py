@@ -20,7 +20,7 @@ from .registry import LaunchClass, LayerTensor
 class SlotRows:
     """A group's normalized entries expanded to one row per planned slot (host arrays)."""
 
-    def __init__(self, entries: GroupFill, dcp: DcpGeometry):
+    def __init__(self, entries: GroupFill, dcp: DcpGeometry, sequences: np.ndarray | None = None):
         blocks, start, end = entries.block_ids, entries.slot_start, entries.slot_end
         counts = end - start
         n = int(counts.sum())
@@ -36,6 +36,7 @@ class SlotRows:
         self.local = entries.local_base[entry] + slot  # rank-local position (l = t without DCP)
         self.position = dcp.global_positions(self.local)
         self.sequence = entries.sequence[entry]
+        self.sequences = sequences  # replay: the (first row, length) the entries name, when not the bank's
         self._device_index: dict = {}
 
     def index(self, layout: Layout, device: torch.device):
@@ -62,15 +63,22 @@ def value_source(c: LaunchClass, t: LayerTensor, rows: SlotRows,
     normal: the class's value table at the rows' hashed offsets; replay: the
     layer's bank rows flattened, row ``start_s + l mod N_s`` of the row's
     sequence ``s`` at rank-local position l (``c.sequences``: the bank's first
-    row and length of each sequence, this rank's part: ``kvfill/bank/parts.py``), from
-    the tensor's element offset within the layer's row.
+    row and length of each sequence, this rank's part: ``kvfill/bank/parts.py``;
+    ``rows.sequences``: a staged fill's instead, ``host_bank.py``), from the
+    tensor's element offset within the layer's row - a staged bank's rows
+    read from host memory when no staged sequences are named (verify).
     """
     position = rows.position if sel is None else rows.position[sel]
     if c.mode == V.REPLAY:
-        first, length = c.sequences[:, 0], c.sequences[:, 1]
+        table = c.sequences if rows.sequences is None else rows.sequences
+        first, length = table[:, 0], table[:, 1]
         sequence = rows.sequence if sel is None else rows.sequence[sel]
         local = rows.local if sel is None else rows.local[sel]
-        start = (first[sequence] + local % length[sequence]) * t.bank.shape[1] + t.elem_offset
+        index = first[sequence] + local % length[sequence]
+        if rows.sequences is None and t.host is not None:  # a staged bank's rows, read where they are kept
+            source = t.host.gather(torch.from_numpy(index))
+            return source.reshape(-1), torch.from_numpy(np.arange(index.size) * source.shape[1] + t.elem_offset)
+        start = index * t.bank.shape[1] + t.elem_offset
         return t.bank.reshape(-1), torch.from_numpy(start).to(t.bank.device)
     if c.mode == V.NORMAL:
         offsets = V.row_offsets(t.key, position, t.elem_offset, V.pool_bits(c.part))

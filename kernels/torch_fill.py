@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from . import torch_pages
+from . import values as V
 from .backend import FillBackend
 from .layout import canonical_view
 from .page_images import PAGE_IMAGE_BYTES, PageImages, writing
@@ -178,7 +179,9 @@ class TorchBackend(FillBackend):
     def __init__(self, registry, page_image_bytes: int | None = None):
         super().__init__(registry)
         self.page_image_bytes = page_image_bytes = PAGE_IMAGE_BYTES if page_image_bytes is None else page_image_bytes
-        staged = [c for c in registry.classes if torch_pages.pages_staged(c)]
+        # A bank staged from host memory keeps no pages of its rows on the device either.
+        staged = [c for c in registry.classes if torch_pages.pages_staged(c)
+                  and not (registry.staged is not None and c.mode == V.REPLAY)]
         per_page = sum(len(c.tensors) * c.layout.slots_per_kernel_block * c.layout.row_size * c.layout.itemsize
                        for c in staged)
         capacity = page_image_bytes // per_page if per_page else 0
@@ -224,8 +227,8 @@ class TorchBackend(FillBackend):
         return (f"page images: {pages} pages of {len(self.images)} launch class(es), {held / 2**20:.1f} MiB "
                 f"(budget {self.page_image_bytes / 2**20:.0f} MiB)")
 
-    def fill(self, plan: Mapping[str, GroupFill]) -> int:
-        rows = {g: SlotRows(entries, self.registry.groups[g].dcp) for g, entries in plan.items()}
+    def fill(self, plan: Mapping[str, GroupFill], sequences: np.ndarray | None = None) -> int:
+        rows = {g: SlotRows(entries, self.registry.groups[g].dcp, sequences) for g, entries in plan.items()}
         for c in self.registry.classes:
             r = rows.get(c.group)
             if r is None:

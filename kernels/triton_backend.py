@@ -103,16 +103,18 @@ class TritonBackend(FillBackend):
         self.layer_table = torch.tensor(rows, dtype=torch.int64).reshape(-1, 3).to(registry.device)
         self.entry_cols = 5 if any(c.mode == V.REPLAY for c in registry.classes) else 4
 
-    def _launch(self, cl: _ClassLaunch, entries: torch.Tensor) -> None:
+    def _launch(self, cl: _ClassLaunch, entries: torch.Tensor, sequences: torch.Tensor | None = None) -> None:
         c = cl.cls
+        if sequences is None:
+            sequences = self.registry.bank_sequences
         triton_fill.launch_fill(entries, self.layer_table[cl.layer_rows], cl.ref, cl.layer_align, cl.table, c.layout,
                                 c.mode, self.registry.groups[c.group].dcp, cl.bank_row, cl.bank_align,
-                                self.registry.bank_sequences if c.mode == V.REPLAY else None,
-                                V.pool_bits(c.part))
+                                sequences if c.mode == V.REPLAY else None, V.pool_bits(c.part))
 
-    def fill(self, plan: Mapping[str, GroupFill]) -> int:
+    def fill(self, plan: Mapping[str, GroupFill], sequences: np.ndarray | None = None) -> int:
         # One upload of the whole plan: int32 [n, 4] ([n, 5] with replay
-        # sequences), pinned when the target is a GPU.
+        # sequences), pinned when the target is a GPU; a staged fill's
+        # sequences (int64 [S, 2]) in the same upload, after the entries.
         # Each group's rows start 16-byte aligned (replay entries are 20 bytes):
         # Triton specialises a pointer on its 16-byte alignment, so a slice off
         # it would compile another variant than warmup's, at the first fill or
@@ -125,14 +127,20 @@ class TritonBackend(FillBackend):
             parts += [cols, np.zeros((pad, self.entry_cols), dtype=np.int32)]
             rows[g] = slice(pos, pos + len(cols))
             pos += len(cols) + pad
-        host_t = torch.from_numpy(np.concatenate(parts))
+        flat = [p.reshape(-1) for p in parts]
+        if sequences is not None:  # after the entries, whose groups' rows end 16-byte aligned
+            flat.append(np.ascontiguousarray(sequences, dtype=np.int64).reshape(-1).view(np.int32))
+        host_t = torch.from_numpy(np.concatenate(flat))
         if self.registry.device.type == "cuda":
             host_t = host_t.pin_memory()
-        entries = host_t.to(self.registry.device, non_blocking=True)
+        uploaded = host_t.to(self.registry.device, non_blocking=True)
+        n = pos * self.entry_cols
+        entries = uploaded[:n].view(pos, self.entry_cols)
+        table = uploaded[n:].view(torch.int64).view(-1, 2) if sequences is not None else None
         launches = 0
         for cl in self._launches:
             if cl.cls.group in rows:
-                self._launch(cl, entries[rows[cl.cls.group]])
+                self._launch(cl, entries[rows[cl.cls.group]], table)
                 launches += 1
         return launches
 
@@ -157,6 +165,10 @@ class TritonBackend(FillBackend):
             raise ValueError(f"entries must be contiguous, got strides {entries.stride()}")
         if entries.device != self.registry.device:
             raise ValueError(f"entries are on {entries.device}, the caches on {self.registry.device}")
+        if self.registry.staged is not None and group in self.registry.staged.groups:
+            raise ValueError(f"group {group!r} replays a bank kept in host memory (bank_placement 'host'), whose "
+                             f"rows each fill stages from its host plan; device-built entries (CUDA graphs) need "
+                             f"bank_placement 'device'")
         launches = 0
         for cl in self._launches:
             if cl.cls.group == group:

@@ -50,7 +50,7 @@ def verify_plan(registry: Registry, plan: Mapping[str, GroupFill], *, max_report
             continue
         for t in c.tensors:
             got = read_rows(t.tensor, c.layout, r)
-            want = expected_rows(r, c.layout, *value_source(c, t, r)).expand_as(got)
+            want = expected_rows(r, c.layout, *value_source(c, t, r)).to(got.device).expand_as(got)
             bad = got != want
             checked += got.numel()
             mismatched += int(bad.sum())

@@ -48,6 +48,8 @@ if DEVICE == "cpu:0":
     from device_rule import DeviceRule
 
     DeviceRule().__enter__()
+    if DEFAULT_DEVICE not in ("cpu", DEVICE):  # and what the rule does not make follows e.g. meta, as on CUDA
+        torch.set_default_device(DEFAULT_DEVICE)
 elif DEFAULT_DEVICE != "cpu":
     torch.set_default_device(DEFAULT_DEVICE)
 
@@ -204,7 +206,7 @@ def check_preset(tmp_path, argv: list[str], runner: str | None = None, timed: bo
     runs vLLM's engines there: a test process's modules trip vLLM CPU's kernel rebinding), its work and
     results in ``tmp_path``, under vLLM's model runner ``runner`` (``runner_env``; its log checked to say
     so): exit code, the one report.json it published (check-NAME-cpu.json, ``<work>`` read as the work
-    folder), work folder.  Unless ``timed``, the check times no decode (``--time-passes 0``): its passes doubled
+    folder), work folder (what the check printed in its check-preset.log).  Unless ``timed``, the check times no decode (``--time-passes 0``): its passes doubled
     the check tests' time in CI, and decode time has tests of its own (test_check_timing.py; the MoE check's)."""
     import json
     import subprocess
@@ -216,6 +218,8 @@ def check_preset(tmp_path, argv: list[str], runner: str | None = None, timed: bo
     script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "check_presets.py")
     out = subprocess.run([sys.executable, script, *argv[:1], "--work", str(work), "--results", str(results),
                           *argv[1:]], capture_output=True, text=True, timeout=900, env=runner_env(runner))
+    if work.exists():  # what it printed (--in-process: its engines' logs too), for the tests to read
+        (work / "check-preset.log").write_text(out.stdout + out.stderr)
     published = sorted(results.glob("check-*-cpu.json")) if results.exists() else []
     assert len(published) == 1, out.stdout[-3000:] + out.stderr[-3000:]
     assert_runner(runner, out.stdout + out.stderr)

@@ -18,7 +18,7 @@ import re
 import numpy as np
 import pytest
 
-from kvfill.connector.bank_fit import MARGIN_BYTES, fit_error
+from kvfill.connector.bank_fit import MARGIN_BYTES, choose_placement, fit_error
 
 GIB = 2**30
 H200 = 143_771 * 2**20  # what torch reports for an H200's memory
@@ -181,3 +181,36 @@ def test_a_bank_no_utilization_makes_room_for_is_not_given_a_utilization_of_zero
 def test_a_bank_that_fits_beside_vllms_budget_is_no_error(nbytes, free, total, utilization, held):
     assert fit_error(nbytes, free=free, total=total, utilization=utilization, held=held,
                      kv_cache_memory_bytes=None) is None
+
+
+# ------------------------------------------------------------ where the bank is kept (choose_placement)
+def _placed(asked, rows, states=0, staging=256 << 20, gpu=None):
+    gpu = gpu or dict(free=20 * GIB, total=80 * GIB, held=58 * GIB)  # 14 GiB kept for vLLM: ~5.85 GiB of room
+    return choose_placement(asked, rows=rows, states=states, staging=staging, utilization=0.9,
+                            kv_cache_memory_bytes=None, **gpu)
+
+
+def test_auto_keeps_a_bank_that_fits_on_the_gpu_and_one_that_does_not_in_host_memory_saying_why():
+    gpu = dict(free=20 * GIB, total=80 * GIB, held=58 * GIB)
+    room = 20 * GIB - (math.ceil(80 * GIB * 0.9) - 58 * GIB) - MARGIN_BYTES
+    where, line = _placed("auto", room - GIB, GIB)
+    assert where == "device" and "on the GPU, read in place" in line, line
+    where, line = _placed("auto", room - GIB + 1, GIB)
+    assert where == "host", line
+    assert f"the part's {(room + 1) / GIB:.2f} GiB exceed the {room / GIB:.2f} GiB the GPU has beside vLLM's " \
+           f"budget" in line and "streamed to the GPU through 256 MiB of staging" in line, line
+    assert fit_error(room, utilization=0.9, kv_cache_memory_bytes=None, **gpu) is None  # the same room as fit_error
+
+
+def test_host_placement_needs_room_for_the_states_and_the_staging_only():
+    where, line = _placed("host", rows=500 * GIB, states=GIB)
+    assert where == "host" and "- asked" in line, line
+    where, line = _placed("host", rows=GIB, states=5 * GIB, staging=GIB)  # 6 GiB of the ~5.85 free: nowhere
+    assert where is None and "even kept in host memory (bank_placement 'host')" in line, line
+    assert "(5.00 + 1.00 GiB) do not fit" in line, line
+
+
+def test_device_placement_refuses_a_bank_that_does_not_fit_naming_host_placement():
+    where, line = _placed("device", rows=10 * GIB)
+    assert where is None and line.endswith("or bank_placement 'host' (the rows in host memory, streamed per step)")
+    assert "this rank's part of the bank takes 10.00 GiB" in line, line

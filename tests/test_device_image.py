@@ -158,6 +158,21 @@ def test_banks_load_into_host_memory_and_the_device_rule_holds_with_a_non_cpu_de
     assert all(c in ran for c in rule), [c.get("name") for c in rule if c not in ran]
 
 
+def test_a_host_kept_bank_writes_a_device_banks_bytes_on_the_stand_in_with_a_non_cpu_default_device(image, tmp_path):
+    """Banks kept in host memory (kernels/host_bank.py) on the accelerator
+    stand-in with torch's default device ``meta``: the bank and the pinned
+    staging stay host tensors, the caches and the device staging are on the
+    device, and every fill's bytes equal a device-resident bank's."""
+    report = tmp_path / "junit.xml"
+    inner = in_image(image, "-m", "pytest", "-p", "no:cacheprovider", "-rfEs", f"--junitxml={report}",
+                     "tests/test_host_bank.py", "-k", "at_once or dcp or several_groups or permuted or chunks",
+                     env={"KVFILL_TEST_DEVICE": "cpu:0", "KVFILL_TEST_DEFAULT_DEVICE": "meta"}, timeout=600)
+    assert inner.returncode == 0, inner.stdout[-4000:]
+    cases = list(ET.parse(report).iter("testcase"))
+    ran = [c for c in cases if c.find("skipped") is None and c.find("failure") is None and c.find("error") is None]
+    assert len(ran) >= 15 and len(ran) == len(cases), [c.get("name") for c in cases if c not in ran]
+
+
 def test_gpu_check_runs_every_section_byte_exact_in_the_image_on_the_device_stand_in(image, tmp_path):
     """``bench/gpu_check.py --smoke`` as device_check.sh runs it on CUDA, in
     the image, on the accelerator stand-in (device ``cpu:0``,

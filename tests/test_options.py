@@ -46,6 +46,9 @@ def test_options_are_frozen():
         ("verify", "warn", "false, true, 'log' or 'raise'"),
         ("page_image_mib", -1, "an int >= 0 (MiB; 0 keeps no page images)"),
         ("page_image_mib", 0.5, "an int >= 0 (MiB; 0 keeps no page images)"),
+        ("bank_placement", "gpu", "one of ['auto', 'device', 'host']"),
+        ("staging_mib", 0, "an int >= 1 (MiB of device staging for a bank kept in host memory)"),
+        ("staging_mib", True, "an int >= 1 (MiB of device staging for a bank kept in host memory)"),
     ],
 )
 def test_a_bad_value_names_the_key_the_value_and_what_was_expected(key, value, expected):
@@ -57,9 +60,9 @@ def test_a_bad_value_names_the_key_the_value_and_what_was_expected(key, value, e
 
 def test_an_unknown_key_lists_the_valid_ones():
     with pytest.raises(ValueError, match=r"unknown kv_connector_extra_config key\(s\) \['fill_sdt'\]; "
-                                         r"valid keys: \['backend', 'bank', 'fill_mean', 'fill_mode', 'fill_std', "
+                                         r"valid keys: \['backend', 'bank', 'bank_placement', 'fill_mean', 'fill_mode', 'fill_std', "
                                          r"'granularity', 'page_image_mib', 'record_dir', 'record_engine', 'record_flags', 'record_positions', 'refill_on_preemption', "
-                                         r"'seed', 'startup_fill', 'verify', 'zero_packed'\]"):
+                                         r"'seed', 'staging_mib', 'startup_fill', 'verify', 'zero_packed'\]"):
         FillOptions.from_extra_config({"fill_sdt": 0.1})
 
 
@@ -68,6 +71,8 @@ def test_an_unknown_key_lists_the_valid_ones():
     ({"fill_mode": "constant", "fill_std": 0.2}, "fill_std", "0 with fill_mode 'constant'"),
     ({"fill_mode": "replay"}, "bank", "the path of a bank file with fill_mode 'replay'"),
     ({"fill_mode": "uniform"}, "fill_mode", "one of ['constant', 'normal', 'replay']"),
+    ({"bank_placement": "host"}, "bank_placement", "'auto' (unset) without a bank: it says where a replayed bank "
+                                                   "is kept"),
     ({"fill_mode": "normal", "fill_std": 0.1, "bank": "b.safetensors"}, "fill_mode", "'replay' (or unset) with a bank"),
     ({"bank": "/nonexistent/b.safetensors"}, "bank", "a readable kvfill bank (bank '/nonexistent/b.safetensors' does not exist"),
     ({"record_dir": "/tmp/x", "record_positions": -1}, "record_positions",

@@ -273,13 +273,14 @@ def test_replay_after_prefix_cached_decoys_equals_real_prefill_end_to_end(tmp_pa
     recorded prompt's first 256 tokens (two 128-token blocks) run first; the
     recorded prompts then reuse the decoys' blocks and still decode exactly as
     real prefill does (with a whole-prompt sequence choice: 0/3 here); Model
-    Runner V2."""
+    Runner V2; the bank kept in host memory, each step's rows staged
+    (``--bank-placement host``: its log says so)."""
     pytest.importorskip("vllm")
     from conftest import check_preset
 
-    rc, data, _ = check_preset(tmp_path, ["llama", "--lens", "300", "300", "300", "--", "--output-len", "4",
+    rc, data, work = check_preset(tmp_path, ["llama", "--lens", "300", "300", "300", "--", "--output-len", "4",
                                           "--fills", "replay", "--enable-prefix-caching", "--decoys", "256",
-                                          "--in-process"], runner="v2")
+                                          "--in-process", "--bank-placement", "host"], runner="v2")
     replay = data["comparison"]["replay"]["tokens"]
     assert rc == 0, data["verdicts"]
     assert (replay["equal"], replay["total"]) == (12, 12) and replay["max_abs_logprob_diff"] <= 1e-4, replay
@@ -287,6 +288,8 @@ def test_replay_after_prefix_cached_decoys_equals_real_prefill_end_to_end(tmp_pa
     assert hits["prefill"] == hits["replay"] >= 3 * 256, hits  # each prompt found the decoy's blocks of 256 tokens
     assert any(line.startswith("prefix caching: after unrecorded decoys sharing each prompt's first 256 tokens")
                for line in data["verdicts"]), data["verdicts"]
+    logs = "".join(p.read_text(errors="replace") for p in work.rglob("*.log"))
+    assert "bank kept on the host - bank_placement 'host'" in logs and "bank in host memory: " in logs
 
 
 def test_a_bank_holds_a_prompt_when_one_sequence_starts_with_all_its_tokens():

@@ -282,13 +282,13 @@ def test_a_sequence_outside_the_bank_is_refused_before_any_write(backend):
 
 
 def test_a_bank_larger_than_free_device_memory_is_refused(monkeypatch):
-    from kvfill.kernels import registry
+    from kvfill.kernels import bank_placement
 
     buf, layers = _one_layer()
     # rows on another device than the caches are uploaded (a host bank for GPU
     # caches): here rows on the meta device, and 100 bytes free
     bank = Bank({"l": torch.zeros(2, 4, 32, dtype=torch.bfloat16, device="meta")})
-    monkeypatch.setattr(registry, "free_bytes", lambda device: 100)
+    monkeypatch.setattr(bank_placement, "free_bytes", lambda device: 100)
     poison = buf.clone()
     with pytest.raises(BankError, match=r"rows need 512 B on \w+(:\d)?, 100 B are free"):
         FillEngine({"g": CacheGroup(layers)}, bank=bank)
