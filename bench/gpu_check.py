@@ -27,9 +27,11 @@ cross-layer buffers) and DCP 2, byte for byte against the torch backend.
 Then ``SECTIONS``: packed classes warmed up and filled from device entries
 (captured in a CUDA graph), the attention fill under DCP 2, state pages
 (``gpu_check_state.py``), the Triton fill inside an Inductor-compiled step
-captured in a CUDA graph, and offsets past 2^32 bytes with a bank past 2^31
-elements (``gpu_check_large.py``).  Timings: kvfill vs memset vs the in-tree
-fill, packed-row and state-page fills vs memset.  ``--smoke`` on the CPU runs
+captured in a CUDA graph, offsets past 2^32 bytes with a bank past 2^31
+elements (``gpu_check_large.py``), and a bank kept in host memory against
+the same bank on the device (``gpu_check_host_bank.py``).  Timings: kvfill vs
+memset vs the in-tree fill, packed-row and state-page fills vs memset, a
+replay fill from a device-resident and a host-kept bank vs memset.  ``--smoke`` on the CPU runs
 every section (CUDA graphs apart) and the timings at toy sizes.
 
 ``--budget-s``: sections that would start past it are skipped and named in the
@@ -49,6 +51,7 @@ import torch
 
 from kvfill.bench import common as C  # noqa: E402
 from kvfill.bench import fill_bench  # noqa: E402
+from kvfill.bench.gpu_check_host_bank import check_host_bank, time_host_bank
 from kvfill.bench.gpu_check_large import check_large_offsets
 from kvfill.bench.gpu_check_packed import check_packed_capture, check_packed_rows, time_packed
 from kvfill.bench.gpu_check_sections import (
@@ -67,6 +70,7 @@ SECTIONS = (
     ("state pages", check_state_pages),
     ("Inductor + CUDA graph around the Triton fill", check_compiled_capture),
     ("offsets past 2^32 bytes, a bank past 2^31 elements", check_large_offsets),
+    ("a bank kept in host memory, staged per fill", check_host_bank),
 )
 
 
@@ -157,7 +161,8 @@ def main(argv=None):
     blocks, packed_layers, state_layers, page = (2, 2, 2, 4096) if a.smoke else (512, 8, 16, 256 * 1024)
     timings = (("perf packed rows", time_packed, dict(num_blocks=blocks, layers=packed_layers)),
                ("perf state pages", time_state_pages, dict(layers=state_layers, blocks=blocks // 8 or 1,
-                                                           page_bytes=page)))
+                                                           page_bytes=page)),
+               ("perf host bank", time_host_bank, dict(layers=state_layers, blocks=blocks // 2 or 1)))
     for name, timing, kw in timings:
         if budget.spend(name):
             got, error = attempt(name, timing, device, repeat=repeat, **kw)

@@ -106,6 +106,14 @@ class FillEngine:
         return dict(self._registry.groups)
 
     @property
+    def bank_placement(self) -> str | None:
+        """Where the bank's rows are kept: ``device``, ``host`` (staged per
+        fill, ``host_bank.py``), None without a bank."""
+        if self._registry.bank_table is None:
+            return None
+        return "device" if self._registry.staged is None else "host"
+
+    @property
     def num_sequences(self) -> int:
         """The bank's recorded sequences a plan entry may name (1 without a bank)."""
         return self._registry.num_sequences

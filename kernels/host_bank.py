@@ -105,8 +105,10 @@ class StagedBank:
 
     def describe(self) -> str:
         held = sum(r.rows.numel() * r.rows.element_size() for r in self.host.values())
+        pinned = all(b.is_pinned() for p in self.parts for b in p.pinned)
         return (f"bank in host memory: {len(self.host)} layers, {size(held)}; staged through {size(self.nbytes)} "
-                f"on {self.device} ({self.capacity} rows per layer per copy)")
+                f"on {self.device} ({self.capacity} rows per layer per copy, from "
+                f"{'pinned' if pinned else 'pageable'} host buffers)")
 
     # ------------------------------------------------------------ per fill
     def chunks(self, plan: Mapping[str, GroupFill]) -> Iterator[tuple[dict[str, GroupFill], np.ndarray]]:

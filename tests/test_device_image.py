@@ -191,7 +191,7 @@ def test_gpu_check_runs_every_section_byte_exact_in_the_image_on_the_device_stan
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-3000:]
     assert "'device': 'cpu:0'" in run.stdout
     assert "correctness: constant 52/52, normal 52/52, replay 52/52 cases byte-exact" in run.stdout
-    assert "perf rows verified: 12/12" in run.stdout and "packed rows byte-exact: True" in run.stdout
+    assert "perf rows verified: 14/14" in run.stdout and "packed rows byte-exact: True" in run.stdout
     assert "sections: " + "; ".join(f"{name} ok" for name, _ in gpu_check.SECTIONS) in run.stdout
     report = json.loads((out / "gpu_check.json").read_text())
     assert report["errors"] == [] and report["skipped_for_budget"] == []
@@ -199,7 +199,7 @@ def test_gpu_check_runs_every_section_byte_exact_in_the_image_on_the_device_stan
     assert list(report["replay_over_normal_bandwidth"]) == ["1MiB L2 R16"] + [
         f"packed {kind} L2 B2" for kind in ("indexer", "fp8_ds_mla", "nvfp4_ds_mla")]
     assert {r["case"] for r in report["perf"]} >= {"state pages L2 x1 4KiB", "packed indexer L2 B2",
-                                                    "launch-bound R4 L3"}
+                                                    "launch-bound R4 L3", "bank on host L2 B1"}
     # The summary file device_check.sh prints last: the same lines and the table.
     summary = (out / "gpu-check-summary.txt").read_text()
     assert "replay 52/52 cases byte-exact" in summary and "launch-bound R4 L3" in summary

@@ -1,0 +1,101 @@
+"""The GPU check's host-bank section (bench/gpu_check.py): a bank kept in
+host memory (``bank_placement="host"``, ``kvfill/kernels/host_bank.py``), each
+fill's rows staged on the device through pinned host buffers, against the
+same bank resident on the device - several layers, a ragged bank whose
+entries wrap, partial blocks, a staging small enough that one fill goes in
+many chunks through both pinned buffers, and a second fill right after the
+first (the pinned buffers reused once their copies are done) - compared
+byte for byte; and ``time_host_bank``, a replay fill of whole blocks from the
+device-resident bank, from the host-kept one and a memset of the bytes they
+write, for gpu_check's table.  Torch + triton + kvfill only.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kvfill.bench import common as C
+from kvfill.kernels import Bank, CacheGroup, FillEngine, GroupFill
+
+HEADS, SLOTS, DIM = 8, 16, 128
+LENGTHS = [700, 300, 513]  # a ragged bank: entries past each length wrap
+
+
+def _bank(layers: int, lengths, seed: int = 0) -> Bank:
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    return Bank({f"layer.{i}": torch.randn(sum(lengths), HEADS * DIM, generator=g, device="cpu").to(torch.bfloat16)
+                 for i in range(layers)}, sequence_lengths=lengths)
+
+
+def _caches(layers: int, num_blocks: int, device) -> dict[str, torch.Tensor]:
+    """``[B, H, N, C]`` bf16 caches holding a fixed pattern of bits (what the fill must leave alone)."""
+    g = torch.Generator(device="cpu").manual_seed(7)
+    bits = torch.randint(-2**15, 2**15, (layers, num_blocks, HEADS, SLOTS, DIM), dtype=torch.int16, generator=g,
+                         device="cpu")
+    return {f"layer.{i}": bits[i].to(device).view(torch.bfloat16) for i in range(layers)}
+
+
+def _plan(num_blocks: int, seed: int) -> dict[str, GroupFill]:
+    """A step of several requests: partial first and last blocks, every
+    sequence, positions past each sequence's length (wrap)."""
+    rng = np.random.default_rng(seed)
+    blocks = rng.permutation(num_blocks)[: num_blocks - 4]
+    n = blocks.size
+    start = np.where(rng.random(n) < 0.3, rng.integers(0, SLOTS, n), 0)
+    end = np.where(rng.random(n) < 0.3, rng.integers(1, SLOTS + 1, n), SLOTS)
+    end = np.maximum(end, start)
+    base = (rng.integers(0, 1200, n) // SLOTS) * SLOTS
+    return {"g": GroupFill(blocks, start, end, base, rng.integers(0, len(LENGTHS), n))}
+
+
+def check_host_bank(device, log) -> list[str]:
+    """Returns the failed checks' names (empty: every byte as the device-resident bank writes)."""
+    layers, num_blocks = 4, 64
+    bank = _bank(layers, LENGTHS)
+    failed, out = [], {}
+    for placement, kw in (("device", {}), ("host", {"bank_placement": "host", "staging_bytes": 64 << 10})):
+        caches = _caches(layers, num_blocks, device)
+        eng = FillEngine({"g": CacheGroup(caches)}, bank=bank, **kw)
+        eng.warmup()
+        for seed in (1, 2):  # the second step reuses the staging and the pinned buffers
+            plan = _plan(num_blocks, seed)
+            eng.fill(plan)
+            if not eng.verify(plan).ok:
+                failed.append(f"{placement}: verify found mismatches after step {seed}")
+        out[placement] = torch.stack([c.view(torch.int16) for c in caches.values()]).cpu()
+        if placement == "host":
+            line = eng.describe().splitlines()[-1]
+            if eng.bank_placement != "host" or ("pinned host" not in line) != (torch.device(device).type != "cuda"):
+                failed.append(f"the engine says {eng.bank_placement!r}: {line}")
+    bad = int((out["host"] != out["device"]).sum())
+    if bad:
+        failed.append(f"{bad} elements of the host-kept bank's fill differ from the device-resident bank's")
+    log(f"host-kept bank: {layers} layers, 2 steps in chunks of 64 KiB of staging vs the device-resident bank: "
+        f"{'ok' if not failed else '; '.join(failed)}")
+    return failed
+
+
+def time_host_bank(device, *, layers: int, blocks: int, repeat: int) -> list[dict]:
+    """gpu_check's table rows: a replay fill of ``blocks`` whole blocks of
+    ``layers`` layers from the device-resident bank and from the host-kept
+    one (its default staging), beside a memset of the bytes they write."""
+    bank = _bank(layers, [blocks * SLOTS, blocks * SLOTS], seed=3)
+    plan = {"g": GroupFill(np.arange(blocks), local_base=np.arange(blocks) * SLOTS, sequence=np.arange(blocks) % 2)}
+    written = layers * blocks * SLOTS * HEADS * DIM * 2
+    scratch = torch.empty(written, dtype=torch.uint8, device=device)
+    t_memset = C.median_time(lambda: scratch.zero_(), device, repeat=repeat)
+    del scratch
+    rows = []
+    for label, kw in (("device", {}), ("host", {"bank_placement": "host"})):
+        eng = FillEngine({"g": CacheGroup(_caches(layers, blocks, device))}, bank=bank, **kw)
+        eng.warmup()
+        stats = eng.fill(plan)
+        ok = eng.verify(plan).ok
+        t = C.median_time(lambda: eng.fill(plan), device, repeat=repeat)
+        name = f"bank on {label} L{layers} B{blocks}"
+        for impl, secs, calls in (("kvfill", t, stats.launches), ("memset", t_memset, 1)):
+            rows.append({"case": name, "mode": "replay", "impl": impl, "MiB": round(written / 2**20, 1),
+                         "ms": round(secs * 1e3, 3), "GB/s": round(C.gbps(written, secs), 1),
+                         "%memset": round(100 * t_memset / secs, 1), "x in-tree": "", "calls": calls,
+                         "extra MiB": "", "verified": ok if impl == "kvfill" else ""})
+    return rows
