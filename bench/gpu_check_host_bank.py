@@ -1,5 +1,5 @@
 """The GPU check's host-bank section (bench/gpu_check.py): a bank kept in
-host memory (``bank_placement="host"``, ``kvfill/kernels/host_bank.py``), each
+host memory (``bank_placement="host"``, ``kvfill/kernels/staging.py``), each
 fill's rows staged on the device through pinned host buffers, against the
 same bank resident on the device - several layers, a ragged bank whose
 entries wrap, partial blocks, a staging small enough that one fill goes in

@@ -70,7 +70,7 @@ def choose_placement(asked: str, *, rows: int, states: int, staging: int, free: 
 
     ``device``: rows and states on the GPU beside vLLM's budget
     (``fit_error``); ``host``: the rows in host memory, the states and a
-    staging of ``staging`` bytes on the GPU (``kvfill/kernels/host_bank.py``);
+    staging of ``staging`` bytes on the GPU (``kvfill/kernels/staging.py``);
     ``auto``: the device where the whole part fits, else the host.
     """
     gpu = dict(free=free, total=total, utilization=utilization, held=held,

@@ -34,7 +34,7 @@ class FillBackend(abc.ABC):
         ``plan``: normalized, validated, non-empty entries per registered
         group.  ``sequences``: replay's int64 ``[S, 2]`` (first row, length)
         the entries' sequences name, when not the bank's (a staged fill:
-        ``host_bank.py``).  Stream-ordered, no host sync.  Returns the
+        ``staging.py``).  Stream-ordered, no host sync.  Returns the
         kernel launches issued.
         """
 

@@ -1,69 +1,114 @@
 """Where a replaying engine keeps its bank's rows (``FillEngine(bank_placement=...)``):
 ``device``, each layer's rows on the caches' device, read in place by every
 fill; ``host``, in host memory, the rows each fill reads staged through a
-buffer on the device (``host_bank.StagedBank``).  Either way the rows are
-checked against the caches first (layers, row sizes, dtypes), and what goes
-on the device must fit there.
+buffer on the device (``staging.py``).  Past a recorded sequence's end
+(``past_bank``): ``wrap`` replays it again from its start as recorded;
+``rotate`` re-rotates the rotary layers' keys to their true positions
+(``rotary.py``), staging the rows of entries that reach there.  Either way
+the rows are checked against the caches first (layers, row sizes, dtypes),
+and what goes on the device must fit there.
 """
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Mapping
+
+import torch
 
 from kvfill.bank import Bank, BankError, free_bytes
 
 from . import values as V
-from .host_bank import STAGING_BYTES, StagedBank, host_rows, size
+from .rotary import Rerotation, Rotary
+from .staging import STAGING_BYTES, Staging, host_rows, size
 
 if TYPE_CHECKING:
     from .registry import LayerTensor, Registry
 
 PLACEMENTS = ("device", "host")
+PAST_BANK = ("wrap", "rotate")
 
 
-def check_placement(placement: str, staging_bytes: int | None) -> None:
+def check_placement(placement: str, staging_bytes: int | None, past_bank: str = "wrap",
+                    rotary: Mapping[str, Rotary] | None = None) -> None:
     if placement not in PLACEMENTS:
         raise ValueError(f"bank_placement {placement!r} is not one of {list(PLACEMENTS)}")
     if staging_bytes is not None and (isinstance(staging_bytes, bool) or not isinstance(staging_bytes, int)
                                       or staging_bytes < 1):
         raise ValueError(f"staging_bytes must be an int >= 1 (or None: {STAGING_BYTES >> 20} MiB), got "
                          f"{staging_bytes!r}")
+    if past_bank not in PAST_BANK:
+        raise ValueError(f"past_bank {past_bank!r} is not one of {list(PAST_BANK)}")
+    bad = [n for n, r in (rotary or {}).items() if not isinstance(r, Rotary)]
+    if bad:
+        raise ValueError(f"rotary[{bad[0]!r}] is a {type(rotary[bad[0]]).__name__}; expected a kernels.rotary.Rotary")
+    if rotary and past_bank != "rotate":
+        raise ValueError(f"rotary tables for {len(rotary)} layers with past_bank {past_bank!r}; they are read with "
+                         f"past_bank 'rotate' only")
 
 
-def placed_rows(registry: "Registry", bank: Bank, placement: str,
-                staging_bytes: int | None) -> tuple[list["LayerTensor"], StagedBank | None]:
+def placed_rows(registry: "Registry", bank: Bank, placement: str, staging_bytes: int | None,
+                rotary: Mapping[str, Rotary] | None = None) -> tuple[list["LayerTensor"], Staging | None]:
     """Every replaying tensor given its layer's rows as the fill reads them
-    (on the device, or the layer's device staging), after checking the bank
-    matches the caches; and the staged bank (None: placement ``device``)."""
+    (on the device, or staged there), after checking the bank matches the
+    caches; and the staging (None: every row read in place)."""
     formats = registry.row_formats()
     need = {}  # layer -> (its stored rows, the format that orders them for its caches, or None)
+    vdtype = {}
     for t in registry.tensors:
         if t.mode == V.REPLAY and t.layer not in need:
             need[t.layer] = bank.check_rows(t.layer, t.tensor.dtype, formats[t.layer], t.row_vdtype)
+            vdtype[t.layer] = t.row_vdtype
     device = registry.device
+    unknown = sorted(set(rotary or {}) - set(need))
+    if unknown:
+        raise ValueError(f"rotary names layers no replayed group holds: {unknown[:4]}")
+    rerotate = {n: Rerotation(r, formats[n].order, vdtype[n], device) for n, r in (rotary or {}).items()}
+    groups = {t.layer: t.group for t in registry.tensors if t.mode == V.REPLAY}
+    staged_groups = set(groups.values()) if placement == "host" else {groups[n] for n in rerotate}
+    staged = [n for n in need if groups[n] in staged_groups]
+    capacity = 0
+    if staged:
+        row_bytes = sum(need[n][0].shape[1] * need[n][0].element_size() for n in staged)
+        capacity = max(max(registry.groups[g].slots_per_block for g in staged_groups),
+                       (STAGING_BYTES if staging_bytes is None else staging_bytes) // max(row_bytes, 1))
     if placement == "host":
-        groups = {t.layer: t.group for t in registry.tensors if t.mode == V.REPLAY}
-        min_rows = max(registry.groups[g].slots_per_block for g in set(groups.values()))
-        staged = StagedBank({n: (groups[n], host_rows(r, fmt.order if fmt is not None else None))
-                             for n, (r, fmt) in need.items()}, bank.sequence_table(), device,
-                            STAGING_BYTES if staging_bytes is None else staging_bytes, min_rows)
-        _check_room(bank, f"the {len(need)} replayed layers' staging", staged.nbytes, device,
+        _check_room(bank, f"the {len(need)} replayed layers' staging", capacity * row_bytes, device,
                     "a smaller staging_bytes")
-        tensors = _with(registry.tensors, staged.staging())
-        return [replace(t, host=staged.host[t.layer]) if t.mode == V.REPLAY else t for t in tensors], staged
+        staging = Staging({n: (groups[n], host_rows(r, fmt.order if fmt is not None else None))
+                           for n, (r, fmt) in need.items()}, bank.sequence_table(), device, capacity,
+                          _dcps(registry), rerotate)
+        return _with(registry.tensors, staging), staging
     # What is uploaded (a host bank for GPU caches); rows already there are used in place.
     nbytes = sum(r.numel() * r.element_size() for r, _ in need.values() if r.device != device)
+    nbytes += capacity * sum(need[n][0].shape[1] * need[n][0].element_size() for n in staged)
     _check_room(bank, f"the {len(need)} replayed layers' rows", nbytes, device,
                 "bank_placement 'host', lower gpu_memory_utilization, or record fewer sequences or positions")
     on_device = {}  # one layer at a time: a permuted copy lives only until its upload
     for name, (r, fmt) in need.items():
-        rows = fmt.to_cache(r) if fmt is not None else r
-        on_device[name] = rows.to(device).contiguous().view(V.BITS_DTYPE[r.element_size()])
-    return _with(registry.tensors, on_device), None
+        rows = (fmt.to_cache(r) if fmt is not None else r).view(V.BITS_DTYPE[r.element_size()])
+        if name in staged:  # the bank's rows, then the staging its re-rotated rows are gathered into
+            out = torch.empty(rows.shape[0] + capacity, rows.shape[1], dtype=rows.dtype, device=device)
+            out[:rows.shape[0]].copy_(rows)
+            on_device[name] = out
+        else:
+            on_device[name] = rows.to(device).contiguous()
+    if not staged:
+        return _with(registry.tensors, None, on_device), None
+    staging = Staging({n: (groups[n], on_device[n]) for n in staged}, bank.sequence_table(), device, capacity,
+                      _dcps(registry), rerotate)
+    return _with(registry.tensors, staging, on_device), staging
 
 
-def _with(tensors: list["LayerTensor"], rows: dict) -> list["LayerTensor"]:
-    return [replace(t, bank=rows[t.layer]) if t.mode == V.REPLAY else t for t in tensors]
+def _dcps(registry: "Registry") -> dict:
+    return {name: g.dcp for name, g in registry.groups.items()}
+
+
+def _with(tensors: list["LayerTensor"], staging: Staging | None, on_device: dict | None = None) -> list["LayerTensor"]:
+    rows = dict(on_device or {})
+    if staging is not None:
+        rows.update(staging.rows())
+    host = staging.host if staging is not None else {}
+    return [replace(t, bank=rows[t.layer], host=host.get(t.layer)) if t.mode == V.REPLAY else t for t in tensors]
 
 
 def _check_room(bank: Bank, what: str, nbytes: int, device, way_out: str) -> None:

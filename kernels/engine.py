@@ -58,7 +58,10 @@ class FillEngine:
     is checked against the caches (layers, rows, dtypes) and copied to their
     device once, here - or, ``bank_placement="host"``, kept in host memory,
     each fill's rows staged on the device through ``staging_bytes``
-    (``host_bank.py``; None: 256 MiB).  ``backend``: ``auto`` (Triton for GPU caches, torch
+    (``staging.py``; None: 256 MiB).  ``past_bank``: past a recorded
+    sequence's end, ``wrap`` replays it from its start as recorded;
+    ``rotate`` re-rotates the keys of the layers ``rotary`` names (layer ->
+    ``rotary.Rotary``) to their true positions (``rotary.py``).  ``backend``: ``auto`` (Triton for GPU caches, torch
     for CPU caches), ``triton`` or ``torch``; ``layer_ids``: layer name ->
     index for the value function (default: registration order).
     ``page_image_bytes`` (torch backend): how much memory on the caches'
@@ -80,14 +83,17 @@ class FillEngine:
         page_image_bytes: int | None = None,
         bank_placement: str = "device",
         staging_bytes: int | None = None,
+        past_bank: str = "wrap",
+        rotary: Mapping | None = None,
     ):
         if page_image_bytes is not None:
             if not _is_int(page_image_bytes) or page_image_bytes < 0:
                 raise ValueError(f"page_image_bytes must be an int >= 0 (or None), got {page_image_bytes!r}")
             page_image_bytes = int(page_image_bytes)
         self.values = values if values is not None else V.ValueSpec(mean, std, seed)
-        check_placement(bank_placement, staging_bytes)
-        self._registry = Registry(groups, self.values, layer_ids or {}, bank, bank_placement, staging_bytes)
+        check_placement(bank_placement, staging_bytes, past_bank, rotary)
+        self._registry = Registry(groups, self.values, layer_ids or {}, bank, bank_placement, staging_bytes,
+                                  rotary if past_bank == "rotate" else None)
         self._backend = make_backend(backend, self._registry, page_image_bytes)
         self._warmed = False
 
@@ -108,10 +114,10 @@ class FillEngine:
     @property
     def bank_placement(self) -> str | None:
         """Where the bank's rows are kept: ``device``, ``host`` (staged per
-        fill, ``host_bank.py``), None without a bank."""
+        fill, ``staging.py``), None without a bank."""
         if self._registry.bank_table is None:
             return None
-        return "device" if self._registry.staged is None else "host"
+        return "host" if self._registry.staged is not None and self._registry.staged.host else "device"
 
     @property
     def num_sequences(self) -> int:

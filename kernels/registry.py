@@ -17,7 +17,7 @@ from kvfill.bank import NO_DCP, Bank, BankError, BankPart, DcpGeometry, RowForma
 
 from . import values as V
 from .bank_placement import placed_rows
-from .host_bank import HostRows, StagedBank, padded
+from .staging import HostRows, Staging, padded
 from .layout import Layout, default_slot_dim, layout_of
 
 
@@ -116,7 +116,7 @@ class LayerTensor:
     key: int                  # the layer's 32-bit key of the value function
     elem_offset: int          # element index of this tensor's row 0 within the layer's row
     bank: torch.Tensor | None = None  # replay: the layer's bank rows [T, layer row] as bits, on the device
-    # (placement "host": the layer's device staging, rows the current fill staged there)
+    # (placement "host": the layer's device staging; re-rotating: its rows, then its staging)
     host: HostRows | None = None  # placement "host": the layer's bank rows in host memory
     elem_dims: tuple[int, ...] = ()  # the logical element dims (size > 1, not merged): what its row order means
     part: V.PartValues | None = None  # a part of a packed row: how its bytes encode values
@@ -148,7 +148,8 @@ class Registry:
     """The registered caches of an engine, grouped into launch classes."""
 
     def __init__(self, groups: Mapping[str, CacheGroup], values: V.ValueSpec, layer_ids: Mapping[str, int],
-                 bank: Bank | None = None, bank_placement: str = "device", staging_bytes: int | None = None):
+                 bank: Bank | None = None, bank_placement: str = "device", staging_bytes: int | None = None,
+                 rotary: Mapping | None = None):
         self.values = values
         # The mode of a tensor whose group names none.
         self.default_mode = V.REPLAY if bank is not None else values.mode
@@ -156,7 +157,7 @@ class Registry:
         # replay: int64 [S, 2] per sequence (first row, length) on the caches' device
         self.bank_sequences: torch.Tensor | None = None
         self.bank_table: np.ndarray | None = None
-        self.staged: StagedBank | None = None  # bank_placement "host": the rows a fill reads, staged per fill
+        self.staged: Staging | None = None  # rows a fill stages (a host-kept bank's; re-rotated keys)
         self.kv: dict[str, tuple[int, int, int] | None] = {}  # layer -> the geometry its group gave
         self.groups: dict[str, RegisteredGroup] = {}
         self.tensors: list[LayerTensor] = []
@@ -179,10 +180,11 @@ class Registry:
             # The rows live on in each tensor's device copy (placement "device": the host
             # bank, a second copy when the caches are on a GPU, is not kept) or in the staged bank.
             bank = self._rank_positions(bank)
-            self.tensors, self.staged = placed_rows(self, bank, bank_placement, staging_bytes)
+            self.tensors, self.staged = placed_rows(self, bank, bank_placement, staging_bytes, rotary)
             self.bank_table = bank.sequence_table()
-            # a staged bank's fills name staged sequences (host_bank.py): warmup launches as they do
-            launched = self.bank_table if self.staged is None else padded(np.zeros((0, 2), np.int64))
+            # a staged bank's fills name staged sequences (staging.py): warmup launches as they do
+            launched = (self.bank_table if self.staged is None else
+                        padded(self.bank_table if self.staged.on_device else np.zeros((0, 2), np.int64)))
             self.bank_sequences = torch.from_numpy(launched).to(self.device)
         self.classes = self._launch_classes()
 

@@ -64,7 +64,7 @@ def value_source(c: LaunchClass, t: LayerTensor, rows: SlotRows,
     layer's bank rows flattened, row ``start_s + l mod N_s`` of the row's
     sequence ``s`` at rank-local position l (``c.sequences``: the bank's first
     row and length of each sequence, this rank's part: ``kvfill/bank/parts.py``;
-    ``rows.sequences``: a staged fill's instead, ``host_bank.py``), from the
+    ``rows.sequences``: a staged fill's instead, ``staging.py``), from the
     tensor's element offset within the layer's row - a staged bank's rows
     read from host memory when no staged sequences are named (verify).
     """

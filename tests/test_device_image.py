@@ -159,7 +159,7 @@ def test_banks_load_into_host_memory_and_the_device_rule_holds_with_a_non_cpu_de
 
 
 def test_a_host_kept_bank_writes_a_device_banks_bytes_on_the_stand_in_with_a_non_cpu_default_device(image, tmp_path):
-    """Banks kept in host memory (kernels/host_bank.py) on the accelerator
+    """Banks kept in host memory (kernels/staging.py) on the accelerator
     stand-in with torch's default device ``meta``: the bank and the pinned
     staging stay host tensors, the caches and the device staging are on the
     device, and every fill's bytes equal a device-resident bank's."""

@@ -1,4 +1,4 @@
-"""A bank kept in host memory (``bank_placement="host"``, kernels/host_bank.py):
+"""A bank kept in host memory (``bank_placement="host"``, kernels/staging.py):
 each fill's rows staged on the device write the bytes a device-resident bank
 writes - every layout, both backends, wrap past each sequence's length, DCP
 ranks, several groups, rows permuted to a cache's own order, fills larger
@@ -18,7 +18,7 @@ from test_replay import (
 )
 
 from kvfill.kernels import Bank, BankError, CacheGroup, DcpGeometry, FillEngine, GroupFill
-from kvfill.kernels import bank_placement, host_bank, triton_fill
+from kvfill.kernels import bank_placement, staging, triton_fill
 from kvfill.kernels import values as V
 
 DTYPES = [("bf16", torch.bfloat16, "auto"), ("u8-fp8e4m3", torch.uint8, "fp8_e4m3")]
@@ -144,17 +144,17 @@ def test_staged_chunks_keep_each_chunk_within_the_staging_and_name_staged_sequen
     each staged sequence (first, length) reading the rows it staged."""
     bank = Bank({"l": torch.arange(24 * 4, dtype=torch.float32, device="cpu").view(24, 4)},
                 sequence_lengths=RAGGED)
-    rows = host_bank.host_rows(bank.layers["l"], None)
-    staged = host_bank.StagedBank({"l": ("g", rows)}, bank.sequence_table(), torch.device("cpu"),
-                                  staging_bytes=16 * 8, min_rows=8)
+    rows = staging.host_rows(bank.layers["l"], None)
+    staged = staging.Staging({"l": ("g", rows)}, bank.sequence_table(), torch.device("cpu"), capacity=8,
+                             dcp={"g": DcpGeometry(1, 0, 1)})
     assert staged.capacity == 8
     entries = GroupFill(*map(np.asarray, zip(*RAGGED_ENTRIES))).normalized(8)
     sizes = []
     for chunk, table in staged.chunks({"g": entries}):  # each chunk's rows are staged as it is yielded
         e = chunk["g"]
         sizes.append(int((e.slot_end - e.slot_start).sum()))
-        assert len(table) % 16 == 0 and (table[len(e.block_ids):, 1] == host_bank.STAGED_LENGTH).all()
-        staging = staged.staging()["l"].view(torch.float32)
+        assert len(table) % 16 == 0 and (table[len(e.block_ids):, 1] == staging.STAGED_LENGTH).all()
+        rows_now = staged.staging()["l"].view(torch.float32)
         for i in range(len(e.block_ids)):
             k = next(j for j, x in enumerate(RAGGED_ENTRIES) if x[0] == e.block_ids[i])
             seq = RAGGED_ENTRIES[k][4]
@@ -162,7 +162,7 @@ def test_staged_chunks_keep_each_chunk_within_the_staging_and_name_staged_sequen
             for slot in range(int(e.slot_start[i]), int(e.slot_end[i])):
                 local = int(e.local_base[i]) + slot
                 want = bank.starts[seq] + local % RAGGED[seq]
-                assert torch.equal(staging[first + local % length].cpu(), bank.layers["l"][want]), (i, slot)
+                assert torch.equal(rows_now[first + local % length].cpu(), bank.layers["l"][want]), (i, slot)
     assert sizes == [5, 8, 2, 8, 8]
 
 
