@@ -76,6 +76,7 @@ class CheckConfig:
     verify: bool = False
     time_passes: int = 3
     bank_placement: str = "auto"
+    past_bank: str = "wrap"
 
 
 def build_parser() -> RecordArgumentParser:
@@ -139,6 +140,10 @@ def build_parser() -> RecordArgumentParser:
     own.add_argument("--bank-placement", choices=("auto", "device", "host"), default="auto",
                      help="where replay keeps the bank's rows (the connector's bank_placement): on the caches' "
                           "device, in host memory streamed per step, or auto (the device where it fits)")
+    own.add_argument("--past-bank", choices=("wrap", "rotate"), default="wrap",
+                     help="what replay writes past a recorded sequence's end (the connector's past_bank): the "
+                          "sequence again from its start as recorded, or with its keys re-rotated to their true "
+                          "positions")
     own.add_argument("--config", default=None, help="a YAML file of vLLM engine flags (as `vllm serve --config`)")
     EngineArgs.add_cli_args(p)
     _require_model(p)
@@ -216,7 +221,7 @@ def check_config(argv: Sequence[str] | None = None) -> CheckConfig:
                        constant=args.constant, split=args.split_reference, run_timeout=args.run_timeout,
                        engine=engine, argv=list(argv) if argv is not None else [], in_process=args.in_process,
                        serve=args.serve, concurrency=args.concurrency, decoys=args.decoys, verify=args.verify,
-                       time_passes=args.time_passes, bank_placement=args.bank_placement)
+                       time_passes=args.time_passes, bank_placement=args.bank_placement, past_bank=args.past_bank)
 
 
 def own_actions(p: RecordArgumentParser) -> list:

@@ -29,7 +29,8 @@ def fill_config(fill: str, cfg: CheckConfig, bank: str | None, stats: dict | Non
     """A fill's ``kv_connector_extra_config``."""
     if fill == "replay":
         return {"fill_mode": "replay", "bank": bank, **({"verify": "raise"} if cfg.verify else {}),
-                **({"bank_placement": cfg.bank_placement} if cfg.bank_placement != "auto" else {})}
+                **({"bank_placement": cfg.bank_placement} if cfg.bank_placement != "auto" else {}),
+                **({"past_bank": cfg.past_bank} if cfg.past_bank != "wrap" else {})}
     if fill == "normal":
         mean, std = cfg.normal or ((stats["mean"], stats["std"]) if stats else (0.0, 1.0))
         return {"fill_mean": mean, "fill_std": std}

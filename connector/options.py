@@ -19,6 +19,7 @@ from .bank_fit import PLACEMENTS
 from .planner import Granularity
 
 VERIFY_MODES = ("log", "raise")
+PAST_BANK = ("wrap", "rotate")
 FILL_MODES = ("constant", "normal", "replay")
 
 
@@ -53,6 +54,7 @@ class FillOptions:
     zero_packed: bool = False          # DeepSeek's indexer and fp8_ds_mla rows get zeros, as the in-tree connector
     bank_placement: str = "auto"       # replay: "device" / "host" (rows streamed per step) / "auto" (device if it fits)
     staging_mib: int = 256             # bank_placement "host": device staging for a step's rows (MiB)
+    past_bank: str = "wrap"            # replay past a recorded sequence's end: "wrap" / "rotate" (keys re-rotated)
     values: ValueSpec = field(init=False, repr=False, compare=False)
     bank_index: BankIndex | None = field(init=False, repr=False, compare=False)
 
@@ -82,6 +84,8 @@ class FillOptions:
         if isinstance(self.staging_mib, bool) or not isinstance(self.staging_mib, int) or self.staging_mib < 1:
             raise OptionError("staging_mib", self.staging_mib, "an int >= 1 (MiB of device staging for a bank "
                                                                "kept in host memory)")
+        if self.past_bank not in PAST_BANK:
+            raise OptionError("past_bank", self.past_bank, f"one of {list(PAST_BANK)}")
         if self.verify not in (None, *VERIFY_MODES):
             raise OptionError("verify", self.verify, "false, true, 'log' or 'raise'")
         self._check_mode()
@@ -128,6 +132,9 @@ class FillOptions:
         if mode != "replay" and self.bank_placement != "auto":
             raise OptionError("bank_placement", self.bank_placement, "'auto' (unset) without a bank: it says where "
                                                                      "a replayed bank is kept")
+        if mode != "replay" and self.past_bank != "wrap":
+            raise OptionError("past_bank", self.past_bank, "'wrap' (unset) without a bank: it says what replay writes "
+                                                           "past a recorded sequence's end")
         if mode != "replay" and self.bank is not None:
             raise OptionError("fill_mode", self.fill_mode, "'replay' (or unset) with a bank")
         if mode == "replay" and self.startup_fill:

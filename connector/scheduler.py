@@ -80,16 +80,19 @@ def check_state_cache_mode(vllm_config: "VllmConfig") -> None:
                          f"this engine runs {mode!r}; serve with one of them, or a synthetic fill_mode")
 
 
-def wrap_line(lengths, max_model_len: int) -> str | None:
+def wrap_line(lengths, max_model_len: int, past_bank: str = "wrap") -> str | None:
     """The start-up line when a request may run past every recorded
     sequence (None when the longest covers ``max_model_len``)."""
     longest = int(max(lengths, default=0))
     if longest >= max_model_len:
         return None
+    keys = ("keys re-rotated to position t (past_bank 'rotate'): positions right, the text a short one repeated"
+            if past_bank == "rotate" else
+            "keys rotated for position t mod N: attention sees a short text repeated, not one long one; past_bank "
+            "'rotate' re-rotates them to t")
     return (f"replay: the bank's longest recorded sequence holds {longest} positions, max_model_len is "
             f"{max_model_len}: a request's positions past its sequence's length replay that sequence again from its "
-            f"start (row t mod N, keys rotated for position t mod N: attention sees a short text repeated, not one "
-            f"long one); counted as vllm:kvfill_wrapped_positions_total and kvfill_wrapped_requests - record "
+            f"start (row t mod N, {keys}); counted as vllm:kvfill_wrapped_positions_total and kvfill_wrapped_requests - record "
             f"prompts as long as the benchmark's to replay them whole")
 
 
@@ -124,7 +127,7 @@ class KVFillScheduler:
         # Replayed positions past their sequence's recorded length (they wrap), for vLLM's connector stats.
         self.stats = KVFillStats()
         if options.bank_index is not None:
-            line = wrap_line(options.bank_index.lengths, vllm_config.model_config.max_model_len)
+            line = wrap_line(options.bank_index.lengths, vllm_config.model_config.max_model_len, options.past_bank)
             if line:
                 logger.warning("KVFillConnector: %s", line)
         if self.computed_tail > 1:

@@ -40,6 +40,7 @@ from .planner import GroupKind, Planner
 from .ranks import current_dcp_rank, current_pp_rank, current_tp_rank
 from .recorder import Recorder
 from .registration import CpuAttentionViews, cache_groups, group_mode, layer_ids, platform_is_cpu, with_cache_slots
+from .rotary_source import model_ropes, rotary_layers
 from .specs import (
     geometries_from_config, layer_encoding, layer_kv_geometry, layer_specs_by_name, spec_kind, startup_fill_group_ids,
     untransferred_layers,
@@ -145,9 +146,11 @@ class KVFillWorker:
         if self.options.recording and self.options.record_engine is not None:
             self.handshake = KVFillRecordHandshake(node, self.tp_rank, self.pp_rank, self.options.record_engine,
                                                    self.options.record_flags or ())
+        rotary = self._rotary(groups) if bank is not None and self.options.past_bank == "rotate" else None
         self.engine = FillEngine(groups, values=self.options.values, backend=self.options.backend,
                                  layer_ids=layer_ids(kv_caches), bank=bank, bank_placement=placement,
-                                 staging_bytes=self.options.staging_mib << 20,
+                                 staging_bytes=self.options.staging_mib << 20, past_bank=self.options.past_bank,
+                                 rotary=rotary,
                                  page_image_bytes=0 if self.options.recording else self.options.page_image_mib << 20)
         self.planner = with_cache_slots(self.planner, self.engine)
         if self.recorder is not None and state_caches:
@@ -160,6 +163,21 @@ class KVFillWorker:
                     self.options.summary(), self.engine.backend, self.dcp_rank, torch.get_num_threads(),
                     self.engine.describe())
         self._startup_fill()
+
+    def _rotary(self, groups: dict[str, CacheGroup]) -> dict:
+        """past_bank 'rotate': the replayed layers' rotary keys, from vLLM's
+        rotary embedding (``rotary_source.py``)."""
+        model = self.vllm_config.model_config
+        nope = [i for i, r in enumerate(getattr(model.hf_config, "no_rope_layers", None) or []) if not r]
+        if nope:  # layers of the same geometry without RoPE (Llama 4, SmolLM3): not told apart here
+            raise ValueError(f"past_bank 'rotate': the model declares {len(nope)} layers without RoPE "
+                             f"(no_rope_layers, first: {nope[0]}); their keys would be turned as rotary ones - use "
+                             f"past_bank 'wrap'")
+        replayed = {n: self.kv_geometry.get(n) for g in groups.values() if g.mode is None for n in g.layers}
+        rotary = rotary_layers(model_ropes(), replayed, set(self.packed) & set(replayed), model.dtype)
+        logger.info("KVFillConnector: past_bank 'rotate': the keys of %d layers past each recorded sequence's end "
+                    "are re-rotated to their true positions", len(rotary))
+        return rotary
 
     def _group_mode(self, geo) -> str | None:
         """A group's fill mode (``registration.group_mode``)."""

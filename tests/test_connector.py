@@ -896,6 +896,41 @@ def test_positions_past_a_recorded_sequence_are_counted_as_wrapped_and_named_at_
         assert value("vllm:kvfill_wrapped_positions_total") == 59 and value("vllm:kvfill_wrapped_requests_total") == 1
 
 
+def test_past_bank_rotate_turns_keys_past_the_bank_with_the_models_rotary_embedding(tmp_path, monkeypatch):
+    """past_bank 'rotate' through vLLM's connector API: the worker takes the
+    model's rotary embedding from vLLM's get_rope (the one the loaded model
+    made), gives the replayed layers their rotary keys, and a prompt past the
+    bank's 40 positions gets its keys there turned to their true positions
+    (rows below 40, and the values, exactly as plain replay writes them);
+    the start-up line says so."""
+    from conftest import connector_lines
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers import rotary_embedding
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+
+    monkeypatch.setattr(rotary_embedding, "_ROPE_DICT", {})  # this process's model: one embedding
+    with set_current_vllm_config(VllmConfig()):
+        get_rope(ATT["head_size"], 4096, is_neox_style=True, rope_parameters={"rope_theta": 10000},
+                 dtype=torch.bfloat16)
+    path = bank_of_layers(tmp_path / "bank.safetensors")
+    written = {}
+    for past in ("wrap", "rotate"):
+        with connector_lines() as said:
+            h = make_harness(tmp_path / past, [(LAYERS, FullAttentionSpec(**ATT))],
+                             extra={"fill_mode": "replay", "bank": path, "past_bank": past})
+        h.add("long", list(range(100, 140)) + list(range(1, 61)), max_tokens=1)  # 100 tokens: 59 past 40
+        out = h.scheduler.schedule()
+        h.worker.bind_connector_metadata(out.kv_connector_metadata)
+        h.worker.start_load_kv(None)
+        written[past] = (h.poison.clone(), h.raw.clone(), said, h.worker.worker.engine.describe())
+    (poison, wrap, _, _), (_, rotate, said, held) = written["wrap"], written["rotate"]
+    assert any("keys re-rotated to position t (past_bank 'rotate')" in line for line in said), said
+    assert "re-rotating 2 layers' keys past each recorded sequence's end" in held, held
+    changed = (wrap != rotate).nonzero().flatten()
+    assert changed.numel() > 0 and bool((wrap != poison).any())
+    assert changed.numel() <= 59 * 2 * 2 * 8 * 2  # at most the 59 positions' K bytes of 2 layers x 2 heads
+
+
 def test_a_bank_as_long_as_max_model_len_says_nothing_of_wrapping(tmp_path):
     from conftest import connector_lines
 

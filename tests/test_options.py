@@ -47,6 +47,7 @@ def test_options_are_frozen():
         ("page_image_mib", -1, "an int >= 0 (MiB; 0 keeps no page images)"),
         ("page_image_mib", 0.5, "an int >= 0 (MiB; 0 keeps no page images)"),
         ("bank_placement", "gpu", "one of ['auto', 'device', 'host']"),
+        ("past_bank", "extend", "one of ['wrap', 'rotate']"),
         ("staging_mib", 0, "an int >= 1 (MiB of device staging for a bank kept in host memory)"),
         ("staging_mib", True, "an int >= 1 (MiB of device staging for a bank kept in host memory)"),
     ],
@@ -61,7 +62,7 @@ def test_a_bad_value_names_the_key_the_value_and_what_was_expected(key, value, e
 def test_an_unknown_key_lists_the_valid_ones():
     with pytest.raises(ValueError, match=r"unknown kv_connector_extra_config key\(s\) \['fill_sdt'\]; "
                                          r"valid keys: \['backend', 'bank', 'bank_placement', 'fill_mean', 'fill_mode', 'fill_std', "
-                                         r"'granularity', 'page_image_mib', 'record_dir', 'record_engine', 'record_flags', 'record_positions', 'refill_on_preemption', "
+                                         r"'granularity', 'page_image_mib', 'past_bank', 'record_dir', 'record_engine', 'record_flags', 'record_positions', 'refill_on_preemption', "
                                          r"'seed', 'staging_mib', 'startup_fill', 'verify', 'zero_packed'\]"):
         FillOptions.from_extra_config({"fill_sdt": 0.1})
 
@@ -71,6 +72,8 @@ def test_an_unknown_key_lists_the_valid_ones():
     ({"fill_mode": "constant", "fill_std": 0.2}, "fill_std", "0 with fill_mode 'constant'"),
     ({"fill_mode": "replay"}, "bank", "the path of a bank file with fill_mode 'replay'"),
     ({"fill_mode": "uniform"}, "fill_mode", "one of ['constant', 'normal', 'replay']"),
+    ({"past_bank": "rotate"}, "past_bank", "'wrap' (unset) without a bank: it says what replay writes past a "
+                                           "recorded sequence's end"),
     ({"bank_placement": "host"}, "bank_placement", "'auto' (unset) without a bank: it says where a replayed bank "
                                                    "is kept"),
     ({"fill_mode": "normal", "fill_std": 0.1, "bank": "b.safetensors"}, "fill_mode", "'replay' (or unset) with a bank"),

@@ -58,3 +58,50 @@ def test_recorded_keys_turned_to_their_true_positions_are_vllms_keys_there(varia
     assert torch.equal(rows[:8], recorded[:8].view(rows.dtype)), "a key replayed where it was recorded changed"
     wrapped = (recorded.double() - want).abs().amax(dim=1)
     assert (wrapped[8:] > 20 * bound[8:, 0]).float().mean() > 0.9  # unrotated: far from vLLM's keys
+
+
+def _ropes(*specs):
+    with set_current_vllm_config(VllmConfig()):
+        return [get_rope(head, 4096, is_neox_style=neox, rope_parameters=params, dtype=torch.bfloat16)
+                for head, neox, params in specs]
+
+
+@pytest.mark.needs_vllm
+def test_the_models_rotary_embedding_gives_attention_and_mla_layers_their_rotary_part():
+    from kvfill.connector.rotary_source import rotary_layers
+
+    default = (64, True, {"rope_theta": 10000, "rope_type": "default"})
+    rope, = _ropes(default)
+    got = rotary_layers(_ropes(default, default), {"attn.0": (8, 64, 64), "state.1": None}, set(), torch.bfloat16)
+    assert set(got) == {"attn.0"}  # the same embedding twice (a drafter's) is one; state layers have no keys
+    r = got["attn.0"]
+    assert (r.heads, r.head_stride, r.rotary_dim, r.neox, r.offset) == (8, 64, 64, True, 0)
+    assert torch.equal(r.table, rope.cos_sin_cache.to(torch.bfloat16).float())  # what vLLM's forward reads
+    mla_rope = (64, False, {"rope_theta": 10000, "rope_type": "deepseek_yarn", "factor": 40,
+                            "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1,
+                            "mscale": 1.0, "mscale_all_dim": 1.0})
+    mla = rotary_layers(_ropes(mla_rope), {"mla.0": (1, 576, 0)}, set(), torch.bfloat16)["mla.0"]
+    assert (mla.heads, mla.head_stride, mla.rotary_dim, mla.neox, mla.offset) == (1, 576, 64, False, 512)
+    assert mla.table.dtype == torch.float32 and mla.table.shape[0] == 4096 * 40  # DeepSeek's own float32 table
+
+
+@pytest.mark.needs_vllm
+@pytest.mark.parametrize("ropes,geometry,packed,match", [
+    ([], {"a": (8, 64, 64)}, set(), r"has no rotary embedding"),
+    ([(64, True, {"rope_theta": 10000}), (64, True, {"rope_theta": 1000000})], {"a": (8, 64, 64)}, set(),
+     r"2 different rotary embeddings"),
+    ("longrope", {"a": (8, 64, 64)}, set(), r"LongRoPE: vLLM picks short or long factors by max_model_len"),
+    ([(64, True, {"rope_theta": 10000})], {"a": (8, 128, 128)}, set(), r"a \[8, 128, 128\]"),
+    ([(64, True, {"rope_theta": 10000})], {"a": (8, 64, 64)}, {"a"}, r"packed fp8 rows"),
+])
+def test_what_cannot_be_matched_is_refused_naming_why(ropes, geometry, packed, match):
+    from kvfill.connector.rotary_source import rotary_layers
+
+    if ropes == "longrope":  # vLLM builds it only inside an engine's config: its class and attributes suffice
+        longrope = type("Phi3LongRoPEScaledRotaryEmbedding", (), dict(head_size=64, rotary_dim=64, base=10000.0,
+                                                                    is_neox_style=True))()
+        found = [longrope]
+    else:
+        found = _ropes(*ropes)
+    with pytest.raises(ValueError, match=match):
+        rotary_layers(found, geometry, packed, torch.bfloat16)
