@@ -188,7 +188,7 @@ def test_a_fill_equal_to_unsplit_prefill_but_not_to_the_split_is_called_equal_na
 
 def test_decoys_report_each_runs_prefix_cache_hits_and_name_a_run_without_reuse(tiny, tmp_path):
     """--decoys: one line with every run's cached tokens reused; a run with none is named (nothing shown
-    about reuse there).  --verify puts the connector's verify: raise in replay's config only."""
+    about reuse there).  --verify, --bank-placement and --past-bank reach replay's config only."""
     from kvfill.check.runner import decoys, fill_config
 
     assert decoys([[1, 2, 3, 4, 5]], 2) == [[1, 2, 5, 4, 3]]
@@ -211,6 +211,11 @@ def test_decoys_report_each_runs_prefix_cache_hits_and_name_a_run_without_reuse(
     assert fill_config("replay", cfg, "b.safetensors", None) == {"fill_mode": "replay", "bank": "b.safetensors",
                                                                   "verify": "raise"}
     assert "verify" not in fill_config("normal", cfg, "b.safetensors", None)
+    # --bank-placement and --past-bank reach replay's config only, and only when not the connector's default
+    cfg = check_config(["--model", model, "--prompts", prompts, "--bank-placement", "host", "--past-bank", "rotate"])
+    assert fill_config("replay", cfg, "b.safetensors", None) == {"fill_mode": "replay", "bank": "b.safetensors",
+                                                                  "bank_placement": "host", "past_bank": "rotate"}
+    assert set(fill_config("normal", cfg, "b.safetensors", None)) == {"fill_mean", "fill_std"}
 
 
 def test_an_expert_load_sample_too_small_to_tell_loads_apart_is_inconclusive_not_valid(tmp_path):
