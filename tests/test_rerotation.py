@@ -197,9 +197,9 @@ def test_each_dcp_rank_turns_its_slots_from_the_position_its_row_was_recorded_at
                     local = base + slot
                     t = dcp_position(local, world, rank, interleave)
                     p = dcp_position(local % local_len, world, rank, interleave)
-                    p_row = slot_row(p_caches, geo, block, slot).double().numpy()
+                    p_row = slot_row(p_caches, geo, block, slot).double().cpu().numpy()
                     want = oracle_row(p_row, geo, table.double().numpy(), t, p)
-                    got_row = slot_row(g_caches, geo, block, slot).double().numpy()
+                    got_row = slot_row(g_caches, geo, block, slot).double().cpu().numpy()
                     assert np.abs(got_row - want).max() <= 4e-6 * np.abs(want).max(), (rank, i, t, p)
 
 
