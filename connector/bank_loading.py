@@ -28,16 +28,16 @@ if TYPE_CHECKING:
 logger = init_logger("vllm.kvfill.connector")
 
 
-def load_rank_bank(path: str, groups: dict[str, CacheGroup], state_caches: Mapping[str, Any],
-                   vllm_config: "VllmConfig", *, tp_rank: int, tp_size: int, max_model_len: int,
-                   placement: str = "device", staging_bytes: int = 256 << 20) -> tuple[Bank, str]:
-    """This rank's part of the bank at ``path`` and where the fill keeps its
-    rows (``bank_checks.load_bank``; ``max_model_len`` 0: every recorded position)."""
+def load_rank_bank(options, groups: dict[str, CacheGroup], state_caches: Mapping[str, Any],
+                   vllm_config: "VllmConfig", *, tp_rank: int, tp_size: int, max_model_len: int) -> tuple[Bank, str]:
+    """This rank's part of the bank ``options.bank`` and where the fill keeps
+    its rows (``options.bank_placement``, ``staging_mib``:
+    ``bank_checks.load_bank``; ``max_model_len`` 0: every recorded position)."""
     # This rank's part only: its KV heads, its stage's layers, its DCP positions below max_model_len.
     part = rank_part(groups, tp_rank, tp_size, max_model_len or None)
     part = replace(part, layers=part.layers | frozenset(state_caches))  # and its state layers' states
-    return load_bank(path, part, vllm_config, device=cache_device(groups), placement=placement,
-                     staging_bytes=staging_bytes)
+    return load_bank(options.bank, part, vllm_config, device=cache_device(groups), placement=options.bank_placement,
+                     staging_bytes=options.staging_mib << 20)
 
 
 def replay_states(bank: Bank, caches: Mapping[str, Any], groups: dict[str, CacheGroup], specs: Mapping[str, Any],

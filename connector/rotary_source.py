@@ -99,3 +99,22 @@ def rotary_layers(ropes: list[Any], kv_geometry: Mapping[str, tuple[int, int, in
         raise ValueError(f"past_bank 'rotate': {len(unmatched)} layers' K/V geometry matches no head of "
                          f"{_describe(rope)} (first: {unmatched[0]}) - use past_bank 'wrap'")
     return out
+
+
+def worker_rotary(vllm_config, groups, kv_geometry: Mapping, packed) -> dict[str, Rotary]:
+    """A replaying worker's rotary layers (``rotary_layers`` over its replayed
+    groups' layers, this process's embeddings), logged; refused for a model
+    declaring layers without RoPE, which the caches cannot tell apart."""
+    import logging
+
+    model = vllm_config.model_config
+    nope = [i for i, r in enumerate(getattr(model.hf_config, "no_rope_layers", None) or []) if not r]
+    if nope:  # layers of the same geometry without RoPE (Llama 4, SmolLM3): not told apart here
+        raise ValueError(f"past_bank 'rotate': the model declares {len(nope)} layers without RoPE (no_rope_layers, "
+                         f"first: {nope[0]}); their keys would be turned as rotary ones - use past_bank 'wrap'")
+    replayed = {n: kv_geometry.get(n) for g in groups.values() if g.mode is None for n in g.layers}
+    rotary = rotary_layers(model_ropes(), replayed, set(packed) & set(replayed), model.dtype)
+    logging.getLogger("vllm.kvfill.connector").info(
+        "KVFillConnector: past_bank 'rotate': the keys of %d layers past each recorded sequence's end are re-rotated "
+        "to their true positions", len(rotary))
+    return rotary

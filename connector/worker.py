@@ -40,7 +40,7 @@ from .planner import GroupKind, Planner
 from .ranks import current_dcp_rank, current_pp_rank, current_tp_rank
 from .recorder import Recorder
 from .registration import CpuAttentionViews, cache_groups, group_mode, layer_ids, platform_is_cpu, with_cache_slots
-from .rotary_source import model_ropes, rotary_layers
+from .rotary_source import worker_rotary
 from .specs import (
     geometries_from_config, layer_encoding, layer_kv_geometry, layer_specs_by_name, spec_kind, startup_fill_group_ids,
     untransferred_layers,
@@ -129,16 +129,7 @@ class KVFillWorker:
         state_caches = {n: kv_caches[n] for n in sorted(self.state_layers)
                         if isinstance(kv_caches.get(n), torch.Tensor) and n not in self.unaddressable
                         and n not in self.untransferred}
-        if self.unaddressable:
-            logger.warning(
-                "KVFillConnector: %d layers keep raw caches with no block views (%s...); they are not filled",
-                len(self.unaddressable), sorted(self.unaddressable)[0],
-            )
-        if self.untransferred:
-            logger.info("KVFillConnector: %d layers of groups %s are kept out of KV transfer by vLLM "
-                        "(enable_kv_transfer False); they are not filled, recorded or replayed (%s...)",
-                        len(self.untransferred), sorted(set(self.untransferred.values())),
-                        sorted(self.untransferred)[0])
+        _log_unfilled(self.unaddressable, self.untransferred)
         bank, placement = None, "device"
         node = socket.gethostname()  # how the handshake and errors name this worker's node
         if self.options.replay and not self.options.recording:
@@ -146,7 +137,8 @@ class KVFillWorker:
         if self.options.recording and self.options.record_engine is not None:
             self.handshake = KVFillRecordHandshake(node, self.tp_rank, self.pp_rank, self.options.record_engine,
                                                    self.options.record_flags or ())
-        rotary = self._rotary(groups) if bank is not None and self.options.past_bank == "rotate" else None
+        rotary = (worker_rotary(self.vllm_config, groups, self.kv_geometry, self.packed)
+                  if bank is not None and self.options.past_bank == "rotate" else None)
         self.engine = FillEngine(groups, values=self.options.values, backend=self.options.backend,
                                  layer_ids=layer_ids(kv_caches), bank=bank, bank_placement=placement,
                                  staging_bytes=self.options.staging_mib << 20, past_bank=self.options.past_bank,
@@ -163,21 +155,6 @@ class KVFillWorker:
                     self.options.summary(), self.engine.backend, self.dcp_rank, torch.get_num_threads(),
                     self.engine.describe())
         self._startup_fill()
-
-    def _rotary(self, groups: dict[str, CacheGroup]) -> dict:
-        """past_bank 'rotate': the replayed layers' rotary keys, from vLLM's
-        rotary embedding (``rotary_source.py``)."""
-        model = self.vllm_config.model_config
-        nope = [i for i, r in enumerate(getattr(model.hf_config, "no_rope_layers", None) or []) if not r]
-        if nope:  # layers of the same geometry without RoPE (Llama 4, SmolLM3): not told apart here
-            raise ValueError(f"past_bank 'rotate': the model declares {len(nope)} layers without RoPE "
-                             f"(no_rope_layers, first: {nope[0]}); their keys would be turned as rotary ones - use "
-                             f"past_bank 'wrap'")
-        replayed = {n: self.kv_geometry.get(n) for g in groups.values() if g.mode is None for n in g.layers}
-        rotary = rotary_layers(model_ropes(), replayed, set(self.packed) & set(replayed), model.dtype)
-        logger.info("KVFillConnector: past_bank 'rotate': the keys of %d layers past each recorded sequence's end "
-                    "are re-rotated to their true positions", len(rotary))
-        return rotary
 
     def _group_mode(self, geo) -> str | None:
         """A group's fill mode (``registration.group_mode``)."""
@@ -196,11 +173,8 @@ class KVFillWorker:
         recorded states (``bank_loading.py``), with the scheduler's handshake;
         ``(bank, where its rows are kept, the groups left to the engine)``."""
         try:
-            bank, placement = load_rank_bank(self.options.bank, groups, state_caches, self.vllm_config,
-                                             tp_rank=self.tp_rank, tp_size=self.tp_size,
-                                             max_model_len=self.max_model_len,
-                                             placement=self.options.bank_placement,
-                                             staging_bytes=self.options.staging_mib << 20)
+            bank, placement = load_rank_bank(self.options, groups, state_caches, self.vllm_config,
+                                             tp_rank=self.tp_rank, tp_size=self.tp_size, max_model_len=self.max_model_len)
             if not self.options.zero_packed:
                 check_packed_rows(bank, bank.part, self.packed)
             state_pages, state_groups, groups = replay_states(bank, state_caches, groups, self.specs,
@@ -277,3 +251,14 @@ class KVFillWorker:
         """The blocks of skipped fills since the last call (then forgotten)."""
         failed, self.failed_block_ids = self.failed_block_ids, set()
         return failed
+
+
+def _log_unfilled(unaddressable: set[str], untransferred: dict[str, Any]) -> None:
+    """The layers registration leaves unfilled, named at start."""
+    if unaddressable:
+        logger.warning("KVFillConnector: %d layers keep raw caches with no block views (%s...); they are not filled",
+                       len(unaddressable), sorted(unaddressable)[0])
+    if untransferred:
+        logger.info("KVFillConnector: %d layers of groups %s are kept out of KV transfer by vLLM "
+                    "(enable_kv_transfer False); they are not filled, recorded or replayed (%s...)",
+                    len(untransferred), sorted(set(untransferred.values())), sorted(untransferred)[0])

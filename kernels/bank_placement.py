@@ -1,10 +1,11 @@
 """Where a replaying engine keeps its bank's rows (``FillEngine(bank_placement=...)``):
 ``device``, each layer's rows on the caches' device, read in place by every
-fill; ``host``, in host memory, the rows each fill reads staged through a
-buffer on the device (``staging.py``).  Past a recorded sequence's end
-(``past_bank``): ``wrap`` replays it again from its start as recorded;
-``rotate`` re-rotates the rotary layers' keys to their true positions
-(``rotary.py``), staging the rows of entries that reach there.  Either way
+fill; ``host``, in host memory, the rows each fill reads staged through
+``staging_bytes`` on the device (``staging.py``; None: 256 MiB).  Past a
+recorded sequence's end (``past_bank``): ``wrap`` replays it again from its
+start as recorded; ``rotate`` re-rotates the keys of the layers ``rotary``
+names (layer -> ``rotary.Rotary``) to their true positions (``rotary.py``),
+staging the rows of entries that reach there.  Either way
 the rows are checked against the caches first (layers, row sizes, dtypes),
 and what goes on the device must fit there.
 """

@@ -56,12 +56,8 @@ class FillEngine:
     ``zero`` replay recorded rows instead: entry i's slots hold the bank rows
     of sequence ``sequence[i]`` at their positions (``bank.py``), and the bank
     is checked against the caches (layers, rows, dtypes) and copied to their
-    device once, here - or, ``bank_placement="host"``, kept in host memory,
-    each fill's rows staged on the device through ``staging_bytes``
-    (``staging.py``; None: 256 MiB).  ``past_bank``: past a recorded
-    sequence's end, ``wrap`` replays it from its start as recorded;
-    ``rotate`` re-rotates the keys of the layers ``rotary`` names (layer ->
-    ``rotary.Rotary``) to their true positions (``rotary.py``).  ``backend``: ``auto`` (Triton for GPU caches, torch
+    device once, here (``bank_placement``, ``staging_bytes``, ``past_bank``,
+    ``rotary``: ``bank_placement.py``).  ``backend``: ``auto`` (Triton for GPU caches, torch
     for CPU caches), ``triton`` or ``torch``; ``layer_ids``: layer name ->
     index for the value function (default: registration order).
     ``page_image_bytes`` (torch backend): how much memory on the caches'
@@ -113,11 +109,9 @@ class FillEngine:
 
     @property
     def bank_placement(self) -> str | None:
-        """Where the bank's rows are kept: ``device``, ``host`` (staged per
-        fill, ``staging.py``), None without a bank."""
-        if self._registry.bank_table is None:
-            return None
-        return "host" if self._registry.staged is not None and self._registry.staged.host else "device"
+        """Where the bank's rows are: ``device``, ``host`` (``staging.py``), None without a bank."""
+        staged = self._registry.staged
+        return None if self._registry.bank_table is None else "host" if staged and staged.host else "device"
 
     @property
     def num_sequences(self) -> int:

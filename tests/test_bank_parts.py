@@ -207,7 +207,7 @@ def test_a_part_that_does_not_fit_is_refused_before_a_row_is_read(tmp_path, monk
     want = bank.select(part).nbytes
     monkeypatch.setattr(BankPart, "take", lambda *a, **k: pytest.fail("a layer's rows were read"))
     with pytest.raises(BankError, match=r"needs room: the GPU is full"):
-        Bank.load(path, part, fits=lambda nbytes: asked.append(nbytes) or "needs room: the GPU is full")
+        Bank.load(path, part, fits=lambda rows, states: asked.append(rows + states) or "needs room: the GPU is full")
     assert asked == [want]
 
 
