@@ -51,7 +51,8 @@ def row(label: str, report: dict) -> dict:
             "prompts identical": f"{tokens['prompts_identical']}/{tokens['prompts']}",
             "first divergence (mean)": round(sum(div) / len(div), 1) if div else None,
             "max |dlogprob|": tokens["max_abs_logprob_diff"], "acceptance": spec.get("acceptance"),
-            "prefill acceptance": ref.get("acceptance"), "rc": report["rc"]}
+            "prefill acceptance": ref.get("acceptance"), "sample": (report.get("samples") or {}).get("replay"),
+            "rc": report["rc"]}
 
 
 def main(argv=None) -> int:
