@@ -109,7 +109,9 @@ def _with(tensors: list["LayerTensor"], staging: Staging | None, on_device: dict
     if staging is not None:
         rows.update(staging.rows())
     host = staging.host if staging is not None else {}
-    return [replace(t, bank=rows[t.layer], host=host.get(t.layer)) if t.mode == V.REPLAY else t for t in tensors]
+    turn = staging.rerotate if staging is not None else {}
+    return [replace(t, bank=rows[t.layer], host=host.get(t.layer), rerotate=turn.get(t.layer))
+            if t.mode == V.REPLAY else t for t in tensors]
 
 
 def _check_room(bank: Bank, what: str, nbytes: int, device, way_out: str) -> None:

@@ -17,6 +17,7 @@ from kvfill.bank import NO_DCP, Bank, BankError, BankPart, DcpGeometry, RowForma
 
 from . import values as V
 from .bank_placement import placed_rows
+from .rotary import Rerotation
 from .staging import HostRows, Staging, padded
 from .layout import Layout, default_slot_dim, layout_of
 
@@ -118,6 +119,7 @@ class LayerTensor:
     bank: torch.Tensor | None = None  # replay: the layer's bank rows [T, layer row] as bits, on the device
     # (placement "host": the layer's device staging; re-rotating: its rows, then its staging)
     host: HostRows | None = None  # placement "host": the layer's bank rows in host memory
+    rerotate: Rerotation | None = None  # past_bank "rotate": how its keys are turned past a sequence's end
     elem_dims: tuple[int, ...] = ()  # the logical element dims (size > 1, not merged): what its row order means
     part: V.PartValues | None = None  # a part of a packed row: how its bytes encode values
 

@@ -35,6 +35,7 @@ class SlotRows:
         self.slot = slot
         self.local = entries.local_base[entry] + slot  # rank-local position (l = t without DCP)
         self.position = dcp.global_positions(self.local)
+        self.dcp = dcp
         self.sequence = entries.sequence[entry]
         self.sequences = sequences  # replay: the (first row, length) the entries name, when not the bank's
         self._device_index: dict = {}
@@ -74,16 +75,31 @@ def value_source(c: LaunchClass, t: LayerTensor, rows: SlotRows,
         first, length = table[:, 0], table[:, 1]
         sequence = rows.sequence if sel is None else rows.sequence[sel]
         local = rows.local if sel is None else rows.local[sel]
-        index = first[sequence] + local % length[sequence]
-        if rows.sequences is None and t.host is not None:  # a staged bank's rows, read where they are kept
-            source = t.host.gather(torch.from_numpy(index))
-            return source.reshape(-1), torch.from_numpy(np.arange(index.size) * source.shape[1] + t.elem_offset)
+        held = local % length[sequence]
+        index = first[sequence] + held
+        if rows.sequences is None and (t.host is not None or t.rerotate is not None):  # verify of a staged fill
+            return _staged_rows(t, index, position, rows.dcp.global_positions(held))
         start = index * t.bank.shape[1] + t.elem_offset
         return t.bank.reshape(-1), torch.from_numpy(start).to(t.bank.device)
     if c.mode == V.NORMAL:
         offsets = V.row_offsets(t.key, position, t.elem_offset, V.pool_bits(c.part))
         return c.table, torch.from_numpy(offsets).to(c.table.device)
     return c.table, None
+
+
+def _staged_rows(t: LayerTensor, index: np.ndarray, true: np.ndarray, held: np.ndarray):
+    """What a staged fill wrote (``value_source``): rows ``index`` of the
+    layer's bank where they are kept (host or device), in the cache's order,
+    their keys turned from the positions ``held`` they were recorded at to
+    ``true`` where the layer re-rotates."""
+    idx = torch.from_numpy(index)
+    source = t.host.gather(idx) if t.host is not None else t.bank[idx.to(t.bank.device)]
+    if t.rerotate is not None:
+        source = source.to(t.rerotate.table.device)
+        t.rerotate.apply(source, *(torch.from_numpy(np.ascontiguousarray(x, np.int64)).to(source.device)
+                                   for x in (true, held)))
+    start = torch.from_numpy(np.arange(index.size) * source.shape[1] + t.elem_offset).to(source.device)
+    return source.reshape(-1), start
 
 
 def expected_rows(rows: SlotRows, layout: Layout, source: torch.Tensor, start: torch.Tensor | None) -> torch.Tensor:

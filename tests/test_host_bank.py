@@ -58,14 +58,19 @@ def test_a_host_bank_writes_the_device_banks_bytes_and_nothing_else(case, dtype_
     assert "bank in host memory" in engine.describe()
 
 
-@pytest.mark.parametrize("name", ["std-LBNHC", "fa-2xB", "mla"])
+def _lbnhc():
+    """The [L, B, N, H, C] case: vLLM's views where vLLM is installed, the standard ones in the device image."""
+    return next(c for c in CASES if c.name in ("vllm-LBNHC", "std-LBNHC"))
+
+
+@pytest.mark.parametrize("name", ["LBNHC", "fa-2xB", "mla"])
 def test_a_fill_staged_at_once_writes_the_device_banks_bytes(name, backend):
-    test_a_host_bank_writes_the_device_banks_bytes_and_nothing_else(
-        next(c for c in CASES if c.name == name), DTYPES[0], backend, staging="whole")
+    case = _lbnhc() if name == "LBNHC" else next(c for c in CASES if c.name == name)
+    test_a_host_bank_writes_the_device_banks_bytes_and_nothing_else(case, DTYPES[0], backend, staging="whole")
 
 
 def test_verify_of_a_host_bank_catches_one_corrupted_byte(backend):
-    case = next(c for c in CASES if c.name == "std-LBNHC")
+    case = _lbnhc()
     layers = case.make(poisoned_buffer(case.nbytes(2)), torch.bfloat16)
     bank = random_bank(layers, case, torch.bfloat16, lengths=RAGGED)
     buf, poison, engine = replayed(case, torch.bfloat16, "auto", backend, bank, RAGGED_ENTRIES,
@@ -181,7 +186,7 @@ def test_staged_fills_launch_with_one_specialisation_of_the_sequence_count(monke
                     sequences, *rest)
 
     monkeypatch.setattr(triton_fill, "launch_fill", spy)
-    case = next(c for c in CASES if c.name == "std-LBNHC")
+    case = _lbnhc()
     layers = case.make(poisoned_buffer(case.nbytes(2)), torch.bfloat16)
     bank = random_bank(layers, case, torch.bfloat16, lengths=RAGGED)
     _, _, engine = replayed(case, torch.bfloat16, "auto", "triton", bank, RAGGED_ENTRIES, bank_placement="host",
@@ -191,7 +196,7 @@ def test_staged_fills_launch_with_one_specialisation_of_the_sequence_count(monke
 
 
 def test_a_host_banks_group_refuses_device_built_entries():
-    case = next(c for c in CASES if c.name == "std-LBNHC")
+    case = _lbnhc()
     layers = case.make(poisoned_buffer(case.nbytes(2)), torch.bfloat16)
     bank = random_bank(layers, case, torch.bfloat16, lengths=RAGGED)
     buf = poisoned_buffer(case.nbytes(2))
@@ -246,7 +251,7 @@ def test_rows_permuted_to_the_caches_order_are_staged_in_that_order(backend):
 
 
 def test_a_staging_larger_than_free_device_memory_is_refused_before_any_write(monkeypatch):
-    case = next(c for c in CASES if c.name == "std-LBNHC")
+    case = _lbnhc()
     buf = poisoned_buffer(case.nbytes(2))
     layers = case.make(buf, torch.bfloat16)
     bank = random_bank(layers, case, torch.bfloat16, lengths=RAGGED)

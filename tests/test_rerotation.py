@@ -138,7 +138,8 @@ def slot_row(cache, geo, block, slot):
 def test_keys_past_the_end_are_turned_to_their_true_positions_and_nothing_else_changes(name, dtype, backend):
     geo = LAYERS[name]
     table = rope_table(64, geo.rotary_dim, mscale=1.13)
-    got, bank, _, _ = run(geo, dtype, backend, "rotate", table)
+    got, bank, eng, plan = run(geo, dtype, backend, "rotate", table)
+    assert eng.verify(plan).ok  # verify reads the bank's rows and turns them as the fill did
     plain, _, _, _ = run(geo, dtype, backend, "wrap")
     rot = rotated_elements(geo)
     eps = torch.finfo(dtype).eps
@@ -169,11 +170,17 @@ def test_keys_past_the_end_are_turned_to_their_true_positions_and_nothing_else_c
 def test_both_backends_and_both_placements_write_the_same_bytes(name):
     geo = LAYERS[name]
     table = rope_table(64, geo.rotary_dim)
-    outs = [run(geo, torch.bfloat16, backend, "rotate", table, placement, staging)[0]
+    runs = [run(geo, torch.bfloat16, backend, "rotate", table, placement, staging)
             for backend in ("torch", "triton") for placement, staging in (("device", None), ("device", 1),
                                                                           ("host", 1))]
-    for other in outs[1:]:
-        assert_same_bytes(other, outs[0])
+    for other in runs[1:]:
+        assert_same_bytes(other[0], runs[0][0])
+    buf, _, eng, plan = runs[-1]  # a host-kept bank, turned: verify agrees, and catches one changed byte
+    assert eng.verify(plan).ok
+    poison = poisoned_buffer(buf.numel(), seed=11)
+    written = (buf != poison).nonzero().flatten()
+    buf[int(written[-1])] ^= 0xFF
+    assert eng.verify(plan).num_mismatched == 1
 
 
 @pytest.mark.parametrize("world,interleave", [(2, 1), (2, 4)])
