@@ -31,7 +31,6 @@ VARIANTS = {
 }
 
 
-@pytest.mark.needs_vllm
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_recorded_keys_turned_to_their_true_positions_are_vllms_keys_there(variant, dtype):
@@ -66,7 +65,6 @@ def _ropes(*specs):
                 for head, neox, params in specs]
 
 
-@pytest.mark.needs_vllm
 def test_the_models_rotary_embedding_gives_attention_and_mla_layers_their_rotary_part():
     from kvfill.connector.rotary_source import rotary_layers
 
@@ -85,7 +83,6 @@ def test_the_models_rotary_embedding_gives_attention_and_mla_layers_their_rotary
     assert mla.table.dtype == torch.float32 and mla.table.shape[0] == 4096 * 40  # DeepSeek's own float32 table
 
 
-@pytest.mark.needs_vllm
 @pytest.mark.parametrize("ropes,geometry,packed,match", [
     ([], {"a": (8, 64, 64)}, set(), r"has no rotary embedding"),
     ([(64, True, {"rope_theta": 10000}), (64, True, {"rope_theta": 1000000})], {"a": (8, 64, 64)}, set(),
