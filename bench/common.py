@@ -85,6 +85,17 @@ def median_time(fn, device, *, repeat=5, warmup=1, min_time=0.0):
     return statistics.median(times)
 
 
+def rows_beside_memset(case: str, mode: str, written: int, secs: float, calls: int, memset_secs: float,
+                       verified: bool) -> list[dict]:
+    """gpu_check's two table rows for a fill of ``written`` bytes timed beside
+    a memset of as many: kvfill's (its launches, whether its bytes were
+    verified) and the memset's (fill_bench.COLUMNS)."""
+    return [{"case": case, "mode": mode, "impl": impl, "MiB": round(written / 2**20, 1), "ms": round(t * 1e3, 3),
+             "GB/s": round(gbps(written, t), 1), "%memset": round(100 * memset_secs / t, 1), "x in-tree": "",
+             "calls": n, "extra MiB": "", "verified": verified if impl == "kvfill" else ""}
+            for impl, t, n in (("kvfill", secs, calls), ("memset", memset_secs, 1))]
+
+
 def peak_extra_bytes(fn, device):
     """Peak device memory allocated by ``fn`` beyond what was live before (CUDA only)."""
     if torch.device(device).type != "cuda":

@@ -93,9 +93,5 @@ def time_host_bank(device, *, layers: int, blocks: int, repeat: int) -> list[dic
         ok = eng.verify(plan).ok
         t = C.median_time(lambda: eng.fill(plan), device, repeat=repeat)
         name = f"bank on {label} L{layers} B{blocks}"
-        for impl, secs, calls in (("kvfill", t, stats.launches), ("memset", t_memset, 1)):
-            rows.append({"case": name, "mode": "replay", "impl": impl, "MiB": round(written / 2**20, 1),
-                         "ms": round(secs * 1e3, 3), "GB/s": round(C.gbps(written, secs), 1),
-                         "%memset": round(100 * t_memset / secs, 1), "x in-tree": "", "calls": calls,
-                         "extra MiB": "", "verified": ok if impl == "kvfill" else ""})
+        rows += C.rows_beside_memset(name, "replay", written, t, stats.launches, t_memset, ok)
     return rows

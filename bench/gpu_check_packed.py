@@ -192,9 +192,5 @@ def time_packed(device, *, num_blocks: int, layers: int, repeat: int) -> list[di
             ok = eng.verify(plan).ok
             t = C.median_time(lambda: eng.fill(plan), device, repeat=repeat)
             name = f"packed {kind} L{layers} B{num_blocks}"
-            for impl, secs, calls in (("kvfill", t, stats.launches), ("memset", t_memset, 1)):
-                rows.append({"case": name, "mode": mode, "impl": impl, "MiB": round(written / 2**20, 1),
-                             "ms": round(secs * 1e3, 3), "GB/s": round(C.gbps(written, secs), 1),
-                             "%memset": round(100 * t_memset / secs, 1), "x in-tree": "", "calls": calls,
-                             "extra MiB": "", "verified": ok if impl == "kvfill" else ""})
+            rows += C.rows_beside_memset(name, mode, written, t, stats.launches, t_memset, ok)
     return rows

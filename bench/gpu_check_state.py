@@ -67,8 +67,4 @@ def time_state_pages(device, *, layers: int, blocks: int, page_bytes: int, repea
     scratch = torch.empty(written, dtype=torch.uint8, device=device)
     t_memset = C.median_time(lambda: scratch.zero_(), device, repeat=repeat)
     name = f"state pages L{layers} x{blocks} {page_bytes // 1024}KiB"
-    return [{"case": name, "mode": "replay", "impl": impl, "MiB": round(written / 2**20, 1),
-             "ms": round(secs * 1e3, 3), "GB/s": round(C.gbps(written, secs), 1),
-             "%memset": round(100 * t_memset / secs, 1), "x in-tree": "", "calls": calls, "extra MiB": "",
-             "verified": ok if impl == "kvfill" else ""}
-            for impl, secs, calls in (("kvfill", t, wrote.launches), ("memset", t_memset, 1))]
+    return C.rows_beside_memset(name, "replay", written, t, wrote.launches, t_memset, ok)

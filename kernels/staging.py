@@ -37,6 +37,7 @@ import torch
 
 from kvfill.bank import DcpGeometry
 
+from . import values as V
 from .plan import GroupFill
 from .rotary import Rerotation
 
@@ -292,7 +293,5 @@ def padded(table: np.ndarray) -> np.ndarray:
 
 def host_rows(rows: torch.Tensor, order: np.ndarray | None) -> HostRows:
     """A layer's stored rows (host) as ``HostRows`` of bits."""
-    from . import values as V
-
     bits = rows.contiguous().view(V.BITS_DTYPE[rows.element_size()])
     return HostRows(bits, None if order is None else torch.from_numpy(np.asarray(order, np.int64)))
