@@ -4,18 +4,28 @@ cos/sin table, in which pairs.
 
 vLLM builds every rotary embedding through ``get_rope``, which keeps each one
 it made (``rotary_embedding._ROPE_DICT``): after the model is loaded - when a
-worker registers its caches - they are the model's.  One embedding (or
-several equal ones: a drafter's) gives every attention layer its table: a
-layer of K/V geometry ``(H, D, Dv)`` with the embedding's ``head_size`` D
-rotates ``rotary_dim`` elements from each head's start; an MLA row ``(1,
-latent + rope, 0)`` its last ``rotary_dim`` (the RoPE part).  The table is
-what vLLM's forward reads: ``cos_sin_cache`` in the model's dtype (DeepSeek's
-YaRN keeps its own float32).  What cannot be matched is refused naming why,
-never guessed: several different embeddings (per-layer-type bases, e.g.
-Gemma 3), a layer whose head size is no embedding's, variants whose angle is
-not one table row per position (LongRoPE's choice of factors by
-max_model_len, which a bank may have been recorded with otherwise;
-multimodal M-RoPE; dual-chunk attention), DeepSeek's packed fp8 rows.
+worker registers its caches - they are the model's.  One table gives every
+layer its angles: a layer of K/V geometry ``(H, D, Dv)`` with the
+embedding's ``head_size`` D rotates ``rotary_dim`` elements from each head's
+start; an MLA row ``(1, latent + rope, 0)`` its last ``rotary_dim`` (the
+RoPE part).  The table is what vLLM's forward reads: ``cos_sin_cache`` in
+the model's dtype (DeepSeek's YaRN keeps its own float32).
+
+* LongRoPE (Phi-3 and kin): vLLM uses the long factors when
+  ``max_model_len`` exceeds ``original_max_position_embeddings``, else the
+  short ones; the bank's ``max_model_len`` (its provenance) says which the
+  recording used, and where the two differ every key is turned from the
+  recording's table to the engine's (``Rotary.source``).
+* DeepSeek's sparse attention (V3.2, GLM-5): MLA's RoPE part pairs GPT-J
+  style (vLLM builds it so), the indexer's keys NeoX style unless the
+  config's ``indexer_rope_interleave`` - two embeddings of one table; the
+  indexer's rows and ``fp8_ds_mla`` rows are turned in their packed bytes.
+
+What cannot be matched is refused naming why, never guessed: several
+different tables (per-layer-type bases, e.g. Gemma 3), a layer whose head
+size is no embedding's, multimodal M-RoPE and dual-chunk attention (not one
+table row per position), ``nvfp4_ds_mla`` rows, a LongRoPE bank that does
+not say its ``max_model_len``.
 """
 from __future__ import annotations
 
@@ -31,7 +41,10 @@ TABLE_PER_POSITION = {
     "DeepseekScalingRotaryEmbedding", "DynamicNTKScalingRotaryEmbedding", "NTKScalingRotaryEmbedding",
     "DynamicNTKAlphaRotaryEmbedding",
 }
+LONGROPE = "Phi3LongRoPEScaledRotaryEmbedding"  # short and long tables in one buffer, picked by max_model_len
 OWN_DTYPE = {"DeepseekScalingRotaryEmbedding"}  # forward reads the table as it is (float32), not in the keys' dtype
+ROTATED_PACKINGS = {"indexer": "indexer", "indexer_mx": "indexer_mx", "fp8_ds_mla": "fp8_ds_mla"}
+WRAP = " - use past_bank 'wrap'"
 
 
 def model_ropes() -> list[Any]:
@@ -41,80 +54,134 @@ def model_ropes() -> list[Any]:
     return list(_ROPE_DICT.values())
 
 
+def _neox(rope) -> bool:
+    """NeoX pairs (LongRoPE has only those, and no attribute saying so)."""
+    return bool(getattr(rope, "is_neox_style", type(rope).__name__ == LONGROPE))
+
+
 def _describe(rope) -> str:
     return (f"{type(rope).__name__}(head_size {rope.head_size}, rotary_dim {rope.rotary_dim}, base {rope.base}, "
-            f"{'NeoX' if rope.is_neox_style else 'GPT-J'} pairs)")
+            f"{'NeoX' if _neox(rope) else 'GPT-J'} pairs)")
 
 
-def _same(a, b) -> bool:
-    ca, cb = getattr(a, "cos_sin_cache", None), getattr(b, "cos_sin_cache", None)
-    if a is b:
-        return True
-    return (type(a) is type(b) and a.head_size == b.head_size and a.rotary_dim == b.rotary_dim
-            and a.is_neox_style == b.is_neox_style and isinstance(ca, torch.Tensor) and isinstance(cb, torch.Tensor)
-            and ca.shape == cb.shape and torch.equal(ca.cpu(), cb.cpu()))
+def _buffer(rope) -> torch.Tensor | None:
+    for name in ("cos_sin_cache", "long_short_cos_sin_cache"):
+        if isinstance(getattr(rope, name, None), torch.Tensor):
+            return getattr(rope, name)
+    return None
 
 
-def rotary_layers(ropes: list[Any], kv_geometry: Mapping[str, tuple[int, int, int] | None], packed: set[str],
-                  model_dtype: torch.dtype) -> dict[str, Rotary]:
-    """Layer -> its ``Rotary`` for every layer of K/V geometry (module
-    docstring); ValueError naming what cannot be matched."""
-    distinct = []
-    for r in ropes:
-        if not any(_same(r, d) for d in distinct):
-            distinct.append(r)
-    if not distinct:
-        raise ValueError("past_bank 'rotate': the model has no rotary embedding vLLM made with get_rope; its keys "
-                         "carry no rotary position to correct - use past_bank 'wrap'")
-    if len(distinct) > 1:
-        raise ValueError(f"past_bank 'rotate': the model has {len(distinct)} different rotary embeddings "
-                         f"({'; '.join(_describe(r) for r in distinct[:4])}); which layer uses which is not known "
-                         f"here - use past_bank 'wrap'")
-    rope = distinct[0]
+def _same_table(a, b) -> bool:
+    """The same angles at every position (the pairing style aside)."""
+    ca, cb = _buffer(a), _buffer(b)
+    return a is b or (type(a) is type(b) and a.head_size == b.head_size and a.rotary_dim == b.rotary_dim
+                      and getattr(a, "use_long_rope", None) == getattr(b, "use_long_rope", None)
+                      and ca is not None and cb is not None and ca.shape == cb.shape
+                      and torch.equal(ca.cpu(), cb.cpu()))
+
+
+def _tables(rope, model_dtype: torch.dtype,
+            recorded_max_model_len: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(the table vLLM's forward reads, the one the bank was recorded with where it is another) as float32."""
     kind = type(rope).__name__
+    if kind == LONGROPE:
+        orig = int(rope.original_max_position_embeddings)
+        both = rope.long_short_cos_sin_cache.detach().to("cpu", torch.float32)  # in the model's dtype already
+        short, long = both[:orig], both[orig:]
+        if recorded_max_model_len is None:
+            raise ValueError(f"past_bank 'rotate': the model's LongRoPE uses short or long factors by max_model_len "
+                             f"(long above {orig}), and the bank does not say the max_model_len it was recorded "
+                             f"with{WRAP}, or record it again")
+        engine, bank = bool(rope.use_long_rope), recorded_max_model_len > orig
+        return (long if engine else short), (None if engine == bank else (long if bank else short))
     if kind not in TABLE_PER_POSITION:
-        raise ValueError(f"past_bank 'rotate': the model's rotary embedding is {_describe(rope)}, whose angle is "
-                         f"not one table row per position of one table (LongRoPE: vLLM picks short or long factors "
-                         f"by max_model_len, and a bank recorded with the other choice needs every key turned, not "
-                         f"only those past its end; M-RoPE has three positions); re-rotating it is not implemented - "
-                         f"use past_bank 'wrap'")
-    if packed:
-        raise ValueError(f"past_bank 'rotate': {len(packed)} layers hold DeepSeek's packed fp8 rows "
-                         f"({sorted(packed)[0]}...); dequantising, rotating and requantising them with their scales "
-                         f"is not implemented - use past_bank 'wrap'")
+        raise ValueError(f"past_bank 'rotate': the model's rotary embedding is {_describe(rope)}, whose angle is not "
+                         f"one table row per position (M-RoPE has three positions; dual-chunk attention its own "
+                         f"chunks); re-rotating it is not implemented{WRAP}")
     table = rope.cos_sin_cache if kind in OWN_DTYPE else rope.cos_sin_cache.to(model_dtype)
-    table = table.detach().to("cpu", torch.float32)
+    return table.detach().to("cpu", torch.float32), None
+
+
+def rotary_layers(ropes: list[Any], kv_geometry: Mapping[str, tuple[int, int, int] | None],
+                  packed: Mapping[str, str], model_dtype: torch.dtype, *, indexer_neox: bool | None = None,
+                  recorded_max_model_len: int | None = None) -> dict[str, Rotary]:
+    """Layer -> its ``Rotary`` for every layer of K/V geometry or of a
+    rotated packing (``packed``: layer -> its packed kind, ``indexer_mx``
+    for an indexer whose scales are UE8M0 bytes), module docstring;
+    ``indexer_neox``: the indexer's pairing (DeepSeek's sparse attention);
+    ValueError naming what cannot be matched."""
+    tables = []
+    for r in ropes:
+        if not any(_same_table(r, d) for d in tables):
+            tables.append(r)
+    if not tables:
+        raise ValueError(f"past_bank 'rotate': the model has no rotary embedding vLLM made with get_rope; its keys "
+                         f"carry no rotary position to correct{WRAP}")
+    if len(tables) > 1:
+        raise ValueError(f"past_bank 'rotate': the model has {len(tables)} different rotary embeddings "
+                         f"({'; '.join(_describe(r) for r in tables[:4])}); which layer uses which is not known "
+                         f"here{WRAP}")
+    rope = tables[0]
+    styles = {_neox(r) for r in ropes}
+    indexers = [n for n, k in packed.items() if k in ("indexer", "indexer_mx")]
+    if len(styles) > 1 and (not indexers or indexer_neox is None):
+        raise ValueError(f"past_bank 'rotate': the model has rotary embeddings of one table with both NeoX and GPT-J "
+                         f"pairs ({_describe(rope)}) and no DeepSeek indexer to tell their layers apart{WRAP}")
+    style = styles.pop() if len(styles) == 1 else not indexer_neox  # MLA's and attention's; the indexer's its own
+    table, source = _tables(rope, model_dtype, recorded_max_model_len)
     out, unmatched = {}, []
     for name, kv in kv_geometry.items():
+        kind = packed.get(name)
+        if kind is not None:
+            if kind not in ROTATED_PACKINGS:
+                raise ValueError(f"past_bank 'rotate': {name} holds {kind} rows, whose RoPE part is not re-rotated "
+                                 f"(e4m3 values with their own scales){WRAP}")
+            indexer = kind != "fp8_ds_mla"
+            out[name] = Rotary(table, 1, 128 if indexer else 64, rope.rotary_dim,
+                               (indexer_neox if indexer and indexer_neox is not None else style),
+                               source=source, packing=ROTATED_PACKINGS[kind])
+            continue
         if kv is None:  # recurrent state, or rows in their cache's own order: no keys of a known geometry
             continue
         heads, head, value = kv
         if value and head == rope.head_size:
-            out[name] = Rotary(table, heads, head, rope.rotary_dim, rope.is_neox_style)
+            out[name] = Rotary(table, heads, head, rope.rotary_dim, style, source=source)
         elif not value and heads == 1 and head > rope.rotary_dim and rope.head_size == rope.rotary_dim:
-            out[name] = Rotary(table, 1, head, rope.rotary_dim, rope.is_neox_style, offset=head - rope.rotary_dim)
+            out[name] = Rotary(table, 1, head, rope.rotary_dim, style, offset=head - rope.rotary_dim, source=source)
         else:
             unmatched.append(f"{name} {list(kv)}")
     if unmatched:
         raise ValueError(f"past_bank 'rotate': {len(unmatched)} layers' K/V geometry matches no head of "
-                         f"{_describe(rope)} (first: {unmatched[0]}) - use past_bank 'wrap'")
+                         f"{_describe(rope)} (first: {unmatched[0]}){WRAP}")
     return out
 
 
-def worker_rotary(vllm_config, groups, kv_geometry: Mapping, packed) -> dict[str, Rotary]:
+def worker_rotary(vllm_config, groups, kv_geometry: Mapping, packed: Mapping[str, str],
+                  bank_metadata: Mapping[str, str]) -> dict[str, Rotary]:
     """A replaying worker's rotary layers (``rotary_layers`` over its replayed
-    groups' layers, this process's embeddings), logged; refused for a model
-    declaring layers without RoPE, which the caches cannot tell apart."""
+    groups' layers, this process's embeddings, the bank's recorded
+    ``max_model_len``), logged; refused for a model declaring layers without
+    RoPE, which the caches cannot tell apart."""
     import logging
 
+    from .packed import INDEXER, indexer_mx_scales
+
     model = vllm_config.model_config
-    nope = [i for i, r in enumerate(getattr(model.hf_config, "no_rope_layers", None) or []) if not r]
+    hf = model.hf_config
+    nope = [i for i, r in enumerate(getattr(hf, "no_rope_layers", None) or []) if not r]
     if nope:  # layers of the same geometry without RoPE (Llama 4, SmolLM3): not told apart here
         raise ValueError(f"past_bank 'rotate': the model declares {len(nope)} layers without RoPE (no_rope_layers, "
-                         f"first: {nope[0]}); their keys would be turned as rotary ones - use past_bank 'wrap'")
+                         f"first: {nope[0]}); their keys would be turned as rotary ones{WRAP}")
     replayed = {n: kv_geometry.get(n) for g in groups.values() if g.mode is None for n in g.layers}
-    rotary = rotary_layers(model_ropes(), replayed, set(packed) & set(replayed), model.dtype)
+    kinds = {n: ("indexer_mx" if indexer_mx_scales() else "indexer") if k == INDEXER else k
+             for n, k in packed.items() if n in replayed}
+    recorded = bank_metadata.get("max_model_len")
+    rotary = rotary_layers(model_ropes(), replayed, kinds, model.dtype,
+                           indexer_neox=not getattr(hf, "indexer_rope_interleave", False) if kinds else None,
+                           recorded_max_model_len=int(recorded) if str(recorded or "").isdigit() else None)
+    turned_all = sum(r.source is not None for r in rotary.values())
     logging.getLogger("vllm.kvfill.connector").info(
         "KVFillConnector: past_bank 'rotate': the keys of %d layers past each recorded sequence's end are re-rotated "
-        "to their true positions", len(rotary))
+        "to their true positions%s", len(rotary),
+        f" (every key of {turned_all}: the bank was recorded with LongRoPE's other factors)" if turned_all else "")
     return rotary

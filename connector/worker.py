@@ -137,7 +137,7 @@ class KVFillWorker:
         if self.options.recording and self.options.record_engine is not None:
             self.handshake = KVFillRecordHandshake(node, self.tp_rank, self.pp_rank, self.options.record_engine,
                                                    self.options.record_flags or ())
-        rotary = (worker_rotary(self.vllm_config, groups, self.kv_geometry, self.packed)
+        rotary = (worker_rotary(self.vllm_config, groups, self.kv_geometry, self.packed, bank.metadata)
                   if bank is not None and self.options.past_bank == "rotate" else None)
         self.engine = FillEngine(groups, values=self.options.values, backend=self.options.backend,
                                  layer_ids=layer_ids(kv_caches), bank=bank, bank_placement=placement,

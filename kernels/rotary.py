@@ -23,6 +23,25 @@ elements from ``offset`` (0 for attention keys; an MLA row rotates its
 RoPE part after the latent), in pairs ``(i, i + rotary_dim/2)`` (NeoX) or
 ``(2i, 2i + 1)`` (GPT-J), frequency i.  No vLLM import: the connector reads
 the table and the style from vLLM's rotary embedding.
+
+* **A table other than the recording's** (``Rotary.source``): LongRoPE's
+  angles come from short or long factors, chosen by ``max_model_len``; a
+  bank recorded with the other choice has every key rotated by the other
+  table, so every key is turned, ``M_table(t) M_source(p)^-1``, not only
+  those past the end (a position below N is then not left as recorded).
+* **fp8 keys** (a ``uint8`` cache of ``float8_e4m3fn`` / ``float8_e5m2``
+  values, one scale per tensor): dequantising with the scale, rotating and
+  requantising with the same scale is the rotation of the stored values
+  (it is linear), so they are turned as floats in float32 and rounded to
+  fp8 once, saturating at its largest finite value as vLLM's cache writers
+  do.
+* **DeepSeek's packed rows** (``Rotary.packing``, ``packed_rows.py``): an
+  ``fp8_ds_mla`` row's RoPE part is 64 bfloat16 values at byte 528, turned
+  as keys are; an indexer row (``"indexer"``; ``"indexer_mx"`` with its
+  scale as four UE8M0 bytes) is 128 fp8 values times one power-of-two
+  scale whose first ``rotary_dim`` are rotated: dequantised, turned, and
+  requantised with vLLM's writer's rule (a new scale ``2^ceil(log2(max(amax,
+  1e-4) / 448))`` from the turned key's largest magnitude).
 """
 from __future__ import annotations
 
@@ -31,14 +50,21 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-ROTATED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # keys rotated as values of one of these
+ROTATED_DTYPES = (torch.float16, torch.bfloat16, torch.float32,  # keys rotated as values of one of these
+                  torch.float8_e4m3fn, torch.float8_e5m2)
+PACKINGS = (None, "fp8_ds_mla", "indexer", "indexer_mx")
+DS_MLA_ROPE_BYTES = (528, 656)  # an fp8_ds_mla row's RoPE part: 64 bfloat16 values after 512 fp8 and 4 scales
+INDEXER_SCALE_AT = 128  # an indexer row: 128 fp8 values, then its scale's 4 bytes
+FP8_MAX = 448.0  # what vLLM's indexer writer scales keys to (float8_e4m3fn's largest finite value)
 
 
 @dataclass(frozen=True)
 class Rotary:
     """One layer's rotary keys (module docstring).  ``table``: ``[positions,
     rotary_dim]``, cos for each frequency then sin, any float dtype (kept as
-    float32)."""
+    float32); ``source``: the table the bank's keys were rotated with where
+    it is not ``table`` (every key is then turned); ``packing``: None (keys
+    stored as values of the rows' dtype) or one of DeepSeek's packed rows."""
 
     table: torch.Tensor
     heads: int
@@ -46,15 +72,26 @@ class Rotary:
     rotary_dim: int
     neox: bool
     offset: int = 0
+    source: torch.Tensor | None = None
+    packing: str | None = None
 
     def __post_init__(self):
         r, d = self.rotary_dim, self.head_stride
-        if not isinstance(self.table, torch.Tensor) or self.table.dim() != 2 or self.table.shape[1] != r:
-            got = tuple(self.table.shape) if isinstance(self.table, torch.Tensor) else type(self.table).__name__
-            raise ValueError(f"a rotary table must be [positions, rotary_dim {r}] (cos then sin), got {got}")
+        for what, t in (("table", self.table), ("source", self.source)):
+            if what == "source" and t is None:
+                continue
+            if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.shape[1] != r:
+                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"a rotary {what} must be [positions, rotary_dim {r}] (cos then sin), got {got}")
+        if self.packing not in PACKINGS:
+            raise ValueError(f"packing {self.packing!r} is not one of {list(PACKINGS)}")
         if r < 2 or r % 2 or self.heads < 1 or self.offset < 0 or self.offset + r > d:
             raise ValueError(f"rotary_dim {r} from offset {self.offset} does not fit a head of {d} elements "
                              f"({self.heads} heads); expected an even rotary_dim >= 2 within the head")
+        width = {"fp8_ds_mla": 64, "indexer": INDEXER_SCALE_AT, "indexer_mx": INDEXER_SCALE_AT}.get(self.packing)
+        if width is not None and (self.heads, d, self.offset) != (1, width, 0):
+            raise ValueError(f"{self.packing} rows rotate one head of {width} elements from its start; got "
+                             f"{self.heads} heads of {d} from offset {self.offset}")
 
     @property
     def positions(self) -> int:
@@ -76,12 +113,14 @@ class Rerotation:
     turns rows recorded at positions p into keys at positions t, in place.
     ``order``: the cache's element order of a canonical row (None: the
     same), so the rows may be in the cache's order; ``vdtype``: what their
-    bits encode."""
+    bits encode (a packed row's: bytes)."""
 
     def __init__(self, rotary: Rotary, order: np.ndarray | None, vdtype: torch.dtype, device):
-        if vdtype not in ROTATED_DTYPES:
-            raise ValueError(f"keys stored as {vdtype} are not re-rotated (dequantising and requantising them "
-                             f"with their scales is not implemented); expected one of {list(ROTATED_DTYPES)}")
+        if rotary.packing is None and vdtype not in ROTATED_DTYPES:
+            raise ValueError(f"keys stored as {vdtype} are not re-rotated; expected one of {list(ROTATED_DTYPES)}")
+        if rotary.packing is not None and (order is not None or vdtype.itemsize != 1):
+            raise ValueError(f"{rotary.packing} rows are bytes in their cache's own order; got {vdtype} rows"
+                             f"{' reordered' if order is not None else ''}")
         a, b, freq = rotary.pairs()
         if order is not None:  # canonical index -> its place in the cache's row
             place = np.empty_like(order)
@@ -90,24 +129,73 @@ class Rerotation:
         self.a, self.b = (torch.from_numpy(np.ascontiguousarray(x)).to(device) for x in (a, b))
         self.freq = torch.from_numpy(np.ascontiguousarray(freq)).to(device)
         self.table = rotary.table.to(device=device, dtype=torch.float32)
+        self.source = None if rotary.source is None else rotary.source.to(device=device, dtype=torch.float32)
         self.half = rotary.rotary_dim // 2
         self.positions = rotary.positions
-        self.vdtype = vdtype
+        self.vdtype, self.packing = vdtype, rotary.packing
+
+    @property
+    def turns_all(self) -> bool:
+        """Every key is turned (the bank was rotated by another table), not only those past a sequence's end."""
+        return self.source is not None
+
+    def angles(self, t: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's ``M(t) M(p)^-1`` as (cos, sin) ``[n, rotary_dim / 2]``
+        float32; the identity, exactly, where t = p and the table is the recording's."""
+        source = self.table if self.source is None else self.source
+        ct, st = self.table[t, :self.half], self.table[t, self.half:]
+        cp, sp = source[p, :self.half], source[p, self.half:]
+        den = cp * cp + sp * sp
+        cos = (ct * cp + st * sp) / den
+        sin = (st * cp - ct * sp) / den
+        if self.source is None:
+            same = (t == p)[:, None]
+            cos = torch.where(same, torch.ones_like(cos), cos)
+            sin = torch.where(same, torch.zeros_like(sin), sin)
+        return cos, sin
 
     def apply(self, rows: torch.Tensor, t: torch.Tensor, p: torch.Tensor) -> None:
         """``rows``: ``[n, row]`` bits of the layer's rows (in place); ``t``,
         ``p``: int64 ``[n]`` true and recorded positions on the device."""
         if not rows.numel():
             return
-        values = rows.view(self.vdtype)
-        ct, st = self.table[t, :self.half], self.table[t, self.half:]
-        cp, sp = self.table[p, :self.half], self.table[p, self.half:]
-        den = cp * cp + sp * sp
-        cos = (ct * cp + st * sp) / den
-        sin = (st * cp - ct * sp) / den
-        same = (t == p)[:, None]  # recorded where it is replayed: the identity, exactly
-        cos = torch.where(same, torch.ones_like(cos), cos)[:, self.freq]
-        sin = torch.where(same, torch.zeros_like(sin), sin)[:, self.freq]
+        cos, sin = self.angles(t, p)
+        cos, sin = cos[:, self.freq], sin[:, self.freq]
+        if self.packing == "fp8_ds_mla":
+            self._turn(rows.view(torch.uint8)[:, DS_MLA_ROPE_BYTES[0]:DS_MLA_ROPE_BYTES[1]].view(torch.bfloat16),
+                       cos, sin)
+        elif self.packing is not None:
+            self._turn_indexer(rows.view(torch.uint8), cos, sin, t != p if self.source is None else None)
+        else:
+            self._turn(rows.view(self.vdtype), cos, sin)
+
+    def _turn(self, values: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
         x1, x2 = values[:, self.a].float(), values[:, self.b].float()
-        values[:, self.a] = (x1 * cos - x2 * sin).to(self.vdtype)
-        values[:, self.b] = (x2 * cos + x1 * sin).to(self.vdtype)
+        y1, y2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+        if values.dtype.itemsize == 1:  # fp8: saturate at the largest finite value, as vLLM's writers do
+            top = torch.finfo(values.dtype).max
+            y1, y2 = y1.clamp(-top, top), y2.clamp(-top, top)
+        values[:, self.a] = y1.to(values.dtype)
+        values[:, self.b] = y2.to(values.dtype)
+
+    def _turn_indexer(self, rows: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      moved: torch.Tensor | None) -> None:
+        """Dequantise, turn, requantise with vLLM's writer's rule (module
+        docstring); rows not ``moved`` keep their bytes."""
+        keys, scale = rows[:, :INDEXER_SCALE_AT], rows[:, INDEXER_SCALE_AT:INDEXER_SCALE_AT + 4]
+        mx = self.packing == "indexer_mx"
+        s = torch.exp2(scale[:, 0].float() - 127) if mx else scale.contiguous().view(torch.float32)[:, 0]
+        x = keys.view(torch.float8_e4m3fn).float() * s[:, None]
+        x1, x2 = x[:, self.a], x[:, self.b]
+        x[:, self.a], x[:, self.b] = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+        new = torch.exp2(torch.ceil(torch.log2(x.abs().amax(dim=1).clamp_min(1e-4) / FP8_MAX)))
+        q = (x / new[:, None]).to(torch.float8_e4m3fn).view(torch.uint8)
+        if mx:
+            code = (torch.log2(new) + 127).to(torch.uint8)[:, None].expand(-1, 4)
+        else:
+            code = new[:, None].contiguous().view(torch.uint8)
+        if moved is not None:
+            q = torch.where(moved[:, None], q, keys)
+            code = torch.where(moved[:, None], code, scale)
+        keys.copy_(q)
+        scale.copy_(code)

@@ -124,7 +124,9 @@ class Staging:
         return {**{n: s for n, s in self.staging().items() if n in self.host}, **self.on_device}
 
     def describe(self) -> str:
-        what = [f"re-rotating {len(self.rerotate)} layers' keys past each recorded sequence's end"] \
+        every = sum(r.turns_all for r in self.rerotate.values())
+        what = [f"re-rotating {len(self.rerotate)} layers' keys past each recorded sequence's end"
+                + (f" (every key of {every}: the bank was rotated by another table)" if every else "")] \
             if self.rerotate else []
         if self.host:
             held = sum(r.rows.numel() * r.rows.element_size() for r in self.host.values())
@@ -175,10 +177,15 @@ class Staging:
 
     def _staged_entries(self, group: str, e: GroupFill) -> np.ndarray:
         """Which entries of ``group`` are staged: every one of a host-kept
-        bank, else those reaching past their sequence's end (re-rotated)."""
-        if self.host:
+        bank or of a layer recorded with another rotary table, else those
+        reaching past their sequence's end (re-rotated)."""
+        if self.host or self._turns_all(group):
             return np.ones(e.num_entries, dtype=bool)
         return e.local_base + e.slot_end > self.table[e.sequence, 1]
+
+    def _turns_all(self, group: str) -> bool:
+        """A layer of ``group`` was recorded with another rotary table: every key is turned."""
+        return any(r.turns_all for n, r in self.rerotate.items() if self.group_of[n] == group)
 
     def _check_positions(self, staged: Mapping[str, GroupFill]) -> None:
         for g, e in staged.items():
@@ -255,7 +262,7 @@ class Staging:
         """The staged keys of ``group``'s rotary layers turned from the
         positions they were recorded at to the ones they are written at."""
         layers = [name for name in self.rerotate if self.group_of[name] == group]
-        if not layers or (true == held).all():
+        if not layers or ((true == held).all() and not self._turns_all(group)):
             return
         t, p = (torch.from_numpy(np.ascontiguousarray(x, np.int64)).to(self.device) for x in (true, held))
         staging = self.staging()

@@ -931,6 +931,40 @@ def test_past_bank_rotate_turns_keys_past_the_bank_with_the_models_rotary_embedd
     assert changed.numel() <= 59 * 2 * 2 * 8 * 2  # at most the 59 positions' K bytes of 2 layers x 2 heads
 
 
+@pytest.mark.parametrize("recorded", [None, 4096, 131072], ids=["unknown", "short-factors", "long-factors"])
+def test_past_bank_rotate_on_longrope_reads_the_max_model_len_the_bank_was_recorded_with(tmp_path, monkeypatch,
+                                                                                        recorded):
+    """LongRoPE's factors follow max_model_len (long above 4096 here): the
+    bank's provenance names the recording's.  Recorded with the engine's
+    (long) factors only keys past the end are turned; with the other
+    (short) every key is, and the start-up line says so; a bank that does
+    not say is refused naming why."""
+    from types import SimpleNamespace
+
+    from vllm.model_executor.layers import rotary_embedding
+    from vllm.model_executor.layers.rotary_embedding import phi3_long_rope_scaled_rope as longrope
+
+    from kvfill.kernels import Bank
+
+    monkeypatch.setattr(longrope, "get_current_vllm_config",
+                        lambda: SimpleNamespace(model_config=SimpleNamespace(max_model_len=131072)))
+    monkeypatch.setattr(rotary_embedding, "_ROPE_DICT", {"phi3": longrope.Phi3LongRoPEScaledRotaryEmbedding(
+        8, 8, 131072, 4096, 10000.0, True, torch.bfloat16, [1.0] * 4, [1.0 + 3 * i for i in range(4)])})
+    bank = Bank.load(bank_of_layers(tmp_path / "plain.safetensors"))
+    path = tmp_path / "bank.safetensors"
+    Bank(dict(bank.layers), sequence_lengths=[40], sequence_tokens=[list(range(100, 140))],
+         kv={n: (2, 8, 8) for n in LAYERS}, metadata={} if recorded is None else {"max_model_len": recorded}).save(path)
+    extra = {"fill_mode": "replay", "bank": str(path), "past_bank": "rotate"}
+    if recorded is None:
+        with pytest.raises(Exception, match=r"the bank does not say the max_model_len it was recorded with"):
+            make_harness(tmp_path / "h", [(LAYERS, FullAttentionSpec(**ATT))], extra=extra)
+        return
+    held = make_harness(tmp_path / "h", [(LAYERS, FullAttentionSpec(**ATT))], extra=extra).worker.worker.engine
+    line = held.describe()
+    assert "re-rotating 2 layers' keys" in line
+    assert ("(every key of 2: the bank was rotated by another table)" in line) == (recorded == 4096), line
+
+
 def test_a_bank_as_long_as_max_model_len_says_nothing_of_wrapping(tmp_path):
     from conftest import connector_lines
 

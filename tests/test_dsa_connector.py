@@ -280,3 +280,44 @@ def test_layer_ids_are_unique_and_the_same_on_every_pipeline_stage_when_caches_s
     assert len(set(whole.values())) == 10 and all(whole[n] == stage[n] for n in stage)
     assert layer_ids({"model.layers.2.self_attn.attn": None, "model.layers.5.self_attn.attn": None}) == {
         "model.layers.2.self_attn.attn": 2, "model.layers.5.self_attn.attn": 5}
+
+
+@pytest.mark.parametrize("mla_dtype", ["auto", "fp8_ds_mla"])
+def test_past_bank_rotate_turns_the_indexers_and_mlas_rope_parts_of_a_dsa_model(tmp_path, mla_dtype, monkeypatch):
+    """DeepSeek-V3.2's two embeddings of one table (MLA's GPT-J pairs, the
+    indexer's NeoX ones) read from vLLM's get_rope: a prompt 80 tokens past
+    the bank's 150 replays the recorded bytes below 150; past it each
+    layer's RoPE part differs from the recorded row's (the indexer's fp8 keys
+    requantised, the MLA row's last 64 values / fp8_ds_mla's bf16 part) and
+    everything else is the recorded row's - checked by verify 'raise'."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers import rotary_embedding
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+
+    rec, rec_blocks, bank = record(tmp_path, mla_dtype)
+    monkeypatch.setattr(rotary_embedding, "_ROPE_DICT", {})
+    yarn = {"rope_theta": 10000, "rope_type": "deepseek_yarn", "factor": 40, "original_max_position_embeddings": 4096,
+            "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
+    with set_current_vllm_config(VllmConfig()):
+        for neox in (False, True):  # MLA's, the indexer's
+            get_rope(64, 4096, is_neox_style=neox, rope_parameters=yarn, dtype=torch.bfloat16)
+    groups, _, _ = dsa_group(mla_dtype)
+    h = make_harness(tmp_path / "rep", groups, block_size=BS, cache_dtype=mla_dtype, poison_seed=8,
+                     extra={"fill_mode": "replay", "bank": str(tmp_path / "bank.safetensors"), "verify": "raise",
+                            "past_bank": "rotate"})
+    assert "re-rotating 4 layers' keys past each recorded sequence's end" in h.worker.worker.engine.describe()
+    n = len(PROMPT) + 80
+    h.add("a", PROMPT + list(range(7, 7 + 80)) + [5])
+    h.step()  # verify: raise - every written row read back, turned as the fill turned it
+    blocks = h.block_table("a")[0]
+    for name in bank.layers:
+        got = token_bytes(h, h.raw, name, blocks, n)
+        held = token_bytes(rec, rec.raw, name, rec_blocks, len(PROMPT))
+        assert torch.equal(got[:len(PROMPT)], held), name
+        past, again = got[len(PROMPT):], held[torch.arange(80) % len(PROMPT)]
+        if name.endswith("k_cache"):  # fp8 keys: the first 64 turned; a scale may change with the turned key's amax
+            assert (past[:, :64] != again[:, :64]).any(dim=1).all(), name
+        else:
+            rope = slice(528, 656) if mla_dtype == "fp8_ds_mla" else slice(1024, 1152)  # bf16: 512 latent, then 64
+            assert torch.equal(past[:, :rope.start], again[:, :rope.start]), name
+            assert (past[:, rope] != again[:, rope]).any(dim=1).all(), name

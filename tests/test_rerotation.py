@@ -63,8 +63,8 @@ class Layer:
     def kv(self):
         return (self.heads, self.head, self.value)
 
-    def rotary(self, table):
-        return Rotary(table, self.heads, self.head, self.rotary_dim, self.neox, self.offset)
+    def rotary(self, table, source=None):
+        return Rotary(table, self.heads, self.head, self.rotary_dim, self.neox, self.offset, source=source)
 
 
 LAYERS = {
@@ -75,22 +75,30 @@ LAYERS = {
 }
 
 
+FP8 = torch.float8_e4m3fn  # keys of a uint8 cache of kv_cache_dtype fp8_e4m3
+
+
 def bank_of(geo: Layer, dtype, layers=2, seed=0) -> Bank:
     g = torch.Generator(device="cpu").manual_seed(seed)
-    rows = {f"l{i}": (torch.randn(sum(LENGTHS), geo.row, generator=g, device="cpu") * 2).to(dtype)
-            for i in range(layers)}
-    return Bank(rows, sequence_lengths=LENGTHS, kv={n: geo.kv() for n in rows})
+    rows = {f"l{i}": (torch.randn(sum(LENGTHS), geo.row, generator=g, device="cpu") * 2) for i in range(layers)}
+    if dtype != FP8:
+        return Bank({n: r.to(dtype) for n, r in rows.items()}, sequence_lengths=LENGTHS, kv={n: geo.kv() for n in rows})
+    rows["l0"][:3] = (rows["l0"][:3] * 200).clamp(-440, 440)  # near fp8's largest value: turned past it, saturated
+    return Bank({n: r.to(FP8).view(torch.uint8) for n, r in rows.items()}, sequence_lengths=LENGTHS,
+                kv={n: geo.kv() for n in rows}, value_dtypes={n: "float8_e4m3fn" for n in rows})
 
 
 def run(geo, dtype, backend, past_bank, table=None, placement="device", staging_bytes=None, dcp=(1, 0, 1),
-        entries=ENTRIES, seed=11):
-    itemsize = torch.empty((), dtype=dtype).element_size()
+        entries=ENTRIES, seed=11, source=None):
+    """``dtype`` FP8: a uint8 cache of fp8 keys.  ``source``: the table the bank was recorded with."""
+    store = torch.uint8 if dtype == FP8 else dtype
+    itemsize = torch.empty((), dtype=store).element_size()
     buf = poisoned_buffer(2 * NB * SLOTS * geo.row * itemsize + 64, seed=seed)
-    caches = geo.caches(buf, dtype, 2)
+    caches = geo.caches(buf, store, 2)
     bank = bank_of(geo, dtype)
-    rotary = {n: geo.rotary(table) for n in ("l0", "l1")} if past_bank == "rotate" else None
+    rotary = {n: geo.rotary(table, source) for n in ("l0", "l1")} if past_bank == "rotate" else None
     eng = FillEngine({"g": CacheGroup({f"l{i}": c for i, c in enumerate(caches)}, kv=geo.kv(), slot_dim=geo.slot_dim,
-                                      dcp=DcpGeometry(*dcp))},
+                                      dcp=DcpGeometry(*dcp), encoding="fp8_e4m3" if dtype == FP8 else "auto")},
                      bank=bank, backend=backend, past_bank=past_bank, rotary=rotary, bank_placement=placement,
                      staging_bytes=staging_bytes)
     plan = {"g": GroupFill(*zip(*entries))} if entries else None
@@ -107,11 +115,13 @@ def rotated_elements(geo: Layer) -> np.ndarray:
     return np.array(out)
 
 
-def oracle_row(row64: np.ndarray, geo: Layer, table: np.ndarray, t: int, p: int) -> np.ndarray:
-    """A recorded canonical row (float64) turned from p to t by the table, per head and pair."""
+def oracle_row(row64: np.ndarray, geo: Layer, table: np.ndarray, t: int, p: int, source=None) -> np.ndarray:
+    """A recorded canonical row (float64) turned from p (by ``source``, else
+    the table) to t by the table, per head and pair."""
     out = row64.copy()
     half = geo.rotary_dim // 2
-    ct, st, cp, sp = table[t, :half], table[t, half:], table[p, :half], table[p, half:]
+    source = table if source is None else source
+    ct, st, cp, sp = table[t, :half], table[t, half:], source[p, :half], source[p, half:]
     den = cp * cp + sp * sp
     c, s = (ct * cp + st * sp) / den, (st * cp - ct * sp) / den
     for h in range(geo.heads):
@@ -210,6 +220,65 @@ def test_each_dcp_rank_turns_its_slots_from_the_position_its_row_was_recorded_at
                     assert np.abs(got_row - want).max() <= 4e-6 * np.abs(want).max(), (rank, i, t, p)
 
 
+def _slots(geo, got, plain, store, entries=ENTRIES):
+    """Each planned slot of each layer: (t, p, its row in ``got``, in ``plain``)."""
+    for g_caches, p_caches in zip(geo.caches(got, store, 2), geo.caches(plain, store, 2)):
+        for block, lo, hi, base, seq in entries:
+            for slot in range(lo, hi):
+                t = base + slot
+                yield t, t % LENGTHS[seq], slot_row(g_caches, geo, block, slot), slot_row(p_caches, geo, block, slot)
+
+
+def test_fp8_keys_are_turned_as_floats_and_rounded_to_fp8_once_saturating(backend):
+    """A uint8 cache of fp8 keys (one scale per tensor, which the turn's
+    linearity cancels): past the end each rotated element is the float64
+    oracle rounded to fp8 (within half a unit in the last place), clamped
+    to fp8's largest value as vLLM's writers saturate - never NaN; every
+    other byte as plain replay wrote it."""
+    geo = LAYERS["neox"]
+    table = rope_table(64, geo.rotary_dim)
+    got, _, eng, plan = run(geo, FP8, backend, "rotate", table)
+    assert eng.verify(plan).ok
+    plain = run(geo, FP8, backend, "wrap")[0]
+    rot = torch.from_numpy(rotated_elements(geo))
+    keep = torch.from_numpy(np.setdiff1d(np.arange(geo.row), rot.numpy()))
+    turned = saturated = 0
+    for t, p, g_row, p_row in _slots(geo, got, plain, torch.uint8):
+        if t == p:
+            assert torch.equal(g_row, p_row), t
+            continue
+        assert torch.equal(g_row[keep], p_row[keep]), t
+        got8 = g_row.contiguous().view(FP8).double()[rot]
+        want = torch.from_numpy(oracle_row(p_row.contiguous().view(FP8).double().numpy(), geo,
+                                           table.double().numpy(), t, p))[rot]
+        assert torch.isfinite(got8).all() and (got8.abs() <= 448).all(), t
+        assert ((got8 - want.clamp(-448, 448)).abs() <= want.abs().clamp(max=448) / 16 * 1.01 + 2.0 ** -10).all(), t
+        saturated += int((want.abs() > 448).sum())
+        turned += 1
+    assert turned > 20 and saturated > 0
+
+
+@pytest.mark.parametrize("placement", ["device", "host"])
+def test_a_bank_recorded_with_another_table_has_every_key_turned_from_it(placement, backend):
+    """LongRoPE's factor switch: the bank's keys were rotated by another
+    table (``Rotary.source``), so every key - below the end too - is turned
+    from the recording's angle at p to the engine's at t."""
+    geo = LAYERS["gptj-partial"]
+    table, source = rope_table(64, geo.rotary_dim, mscale=1.1), rope_table(64, geo.rotary_dim, base=500.0)
+    got, _, eng, plan = run(geo, torch.float32, backend, "rotate", table, placement=placement, staging_bytes=1,
+                            source=source)
+    assert eng.verify(plan).ok
+    plain = run(geo, torch.float32, backend, "wrap")[0]
+    rot = rotated_elements(geo)
+    n = 0
+    for t, p, g_row, p_row in _slots(geo, got, plain, torch.float32):
+        want = oracle_row(p_row.double().cpu().numpy(), geo, table.double().numpy(), t, p, source.double().numpy())
+        assert np.abs(g_row.double().cpu().numpy() - want).max() <= 4e-7 * np.abs(want).max(), (t, p)
+        assert not torch.equal(g_row[torch.from_numpy(rot)], p_row[torch.from_numpy(rot)]), (t, p)
+        n += 1
+    assert n == 2 * sum(hi - lo for _, lo, hi, _, _ in ENTRIES)
+
+
 def test_a_position_past_the_rotary_table_is_refused_before_any_write():
     geo = LAYERS["neox"]
     buf, _, eng, _ = run(geo, torch.bfloat16, "torch", "rotate", rope_table(30, geo.rotary_dim), entries=None)
@@ -219,10 +288,14 @@ def test_a_position_past_the_rotary_table_is_refused_before_any_write():
     assert torch.equal(buf, before)
 
 
-def test_fp8_keys_and_a_rotary_for_no_replayed_layer_are_refused_naming_why():
+def test_integer_keys_and_a_rotary_for_no_replayed_layer_are_refused_naming_why():
     geo = LAYERS["neox"]
-    with pytest.raises(ValueError, match=r"keys stored as torch.float8_e4m3fn are not re-rotated"):
-        Rerotation(geo.rotary(rope_table(8, 16)), None, torch.float8_e4m3fn, "cpu")
+    with pytest.raises(ValueError, match=r"keys stored as torch.int8 are not re-rotated"):
+        Rerotation(geo.rotary(rope_table(8, 16)), None, torch.int8, "cpu")
+    with pytest.raises(ValueError, match=r"indexer rows rotate one head of 128 elements from its start"):
+        Rotary(rope_table(8, 16), 2, 64, 16, True, packing="indexer")
+    with pytest.raises(ValueError, match=r"a rotary source must be \[positions, rotary_dim 16\]"):
+        Rotary(rope_table(8, 16), 2, 64, 16, True, source=rope_table(8, 8))
     with pytest.raises(ValueError, match=r"rotary names layers no replayed group holds: \['l9'\]"):
         buf = poisoned_buffer(2 * NB * SLOTS * geo.row * 2 + 64)
         caches = geo.caches(buf, torch.bfloat16, 2)
