@@ -47,10 +47,11 @@ def rank_part(groups: Mapping[str, CacheGroup], tp_rank: int, tp_size: int,
 
 
 def load_bank(path: str, part: BankPart, vllm_config: "VllmConfig", device: torch.device,
-              placement: str = "device", staging_bytes: int = 256 << 20) -> tuple[Bank, str]:
+              placement: str = "device", staging_bytes: int = 256 << 20, rotate: bool = False) -> tuple[Bank, str]:
     """This rank's part of the bank in this process's memory and where the
     fill keeps its rows (``placement`` asked: ``auto``, ``device`` or
-    ``host``; ``bank_fit.choose_placement``), decided from the file's header
+    ``host``; ``bank_fit.choose_placement``; ``rotate``: past_bank
+    "rotate"), decided from the file's header
     before a row is read and logged with why; with a warning per mismatch above."""
     chosen = {"where": "host" if placement == "host" else "device",
               "why": f"bank_placement {placement!r}: the caches are in host memory, where the bank is read"}
@@ -63,7 +64,8 @@ def load_bank(path: str, part: BankPart, vllm_config: "VllmConfig", device: torc
             where, line = choose_placement(placement, rows=rows, states=states, staging=staging_bytes, free=free,
                                            total=total, utilization=cache.gpu_memory_utilization,
                                            held=torch.cuda.memory_reserved(device),
-                                           kv_cache_memory_bytes=getattr(cache, "kv_cache_memory_bytes", None))
+                                           kv_cache_memory_bytes=getattr(cache, "kv_cache_memory_bytes", None),
+                                           rotate=rotate)
             chosen.update(where=where, why=line)
             return None if where else line
     elif placement == "host":

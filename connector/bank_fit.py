@@ -64,23 +64,28 @@ PLACEMENTS = ("auto", "device", "host")
 
 
 def choose_placement(asked: str, *, rows: int, states: int, staging: int, free: int, total: int,
-                     utilization: float, held: int, kv_cache_memory_bytes: int | None) -> tuple[str | None, str]:
+                     utilization: float, held: int, kv_cache_memory_bytes: int | None,
+                     rotate: bool = False) -> tuple[str | None, str]:
     """Where a rank's bank part goes on a GPU, and why: ``(placement, line)``,
     placement None when it fits nowhere asked (``line`` then says why).
 
     ``device``: rows and states on the GPU beside vLLM's budget
-    (``fit_error``); ``host``: the rows in host memory, the states and a
-    staging of ``staging`` bytes on the GPU (``kvfill/kernels/staging.py``);
-    ``auto``: the device where the whole part fits, else the host.
+    (``fit_error``), and with ``rotate`` (``past_bank: "rotate"``) the
+    staging its turned rows are gathered into; ``host``: the rows in host
+    memory, the states and a staging of ``staging`` bytes on the GPU
+    (``kvfill/kernels/staging.py``); ``auto``: the device where the whole
+    part fits, else the host.
     """
     gpu = dict(free=free, total=total, utilization=utilization, held=held,
                kv_cache_memory_bytes=kv_cache_memory_bytes)
     gib = 2**30
-    whole = fit_error(rows + states, **gpu) if asked != "host" else None
+    on_device = rows + states + (staging if rotate else 0)
+    whole = fit_error(on_device, **gpu) if asked != "host" else None
     if asked == "device" or (asked == "auto" and whole is None):
         if whole is not None:
             return None, whole + "; or bank_placement 'host' (the rows in host memory, streamed per step)"
-        return "device", (f"bank_placement {asked!r}: the part ({(rows + states) / gib:.2f} GiB) on the GPU, "
+        turned = f" with {staging / 2**20:.0f} MiB of staging for keys re-rotated" if rotate else ""
+        return "device", (f"bank_placement {asked!r}: the part ({on_device / gib:.2f} GiB{turned}) on the GPU, "
                           f"read in place by every fill")
     staged = fit_error(states + staging, **gpu)
     if staged is not None:
@@ -88,7 +93,7 @@ def choose_placement(asked: str, *, rows: int, states: int, staging: int, free: 
                       f"staging ({states / gib:.2f} + {staging / gib:.2f} GiB) do not fit: " + staged)
     room = max(0, free - vllm_still_needs(total=total, utilization=utilization, held=held) - MARGIN_BYTES)
     why = ("asked" if asked == "host" else
-           f"the part's {(rows + states) / gib:.2f} GiB exceed the {room / gib:.2f} GiB the GPU has beside "
+           f"the part's {on_device / gib:.2f} GiB exceed the {room / gib:.2f} GiB the GPU has beside "
            f"vLLM's budget")
     return "host", (f"bank_placement {asked!r}: the rows ({rows / gib:.2f} GiB) in host memory, each step's "
                     f"rows streamed to the GPU through {staging / 2**20:.0f} MiB of staging - {why}")

@@ -37,7 +37,7 @@ def load_rank_bank(options, groups: dict[str, CacheGroup], state_caches: Mapping
     part = rank_part(groups, tp_rank, tp_size, max_model_len or None)
     part = replace(part, layers=part.layers | frozenset(state_caches))  # and its state layers' states
     return load_bank(options.bank, part, vllm_config, device=cache_device(groups), placement=options.bank_placement,
-                     staging_bytes=options.staging_mib << 20)
+                     staging_bytes=options.staging_mib << 20, rotate=options.past_bank == "rotate")
 
 
 def replay_states(bank: Bank, caches: Mapping[str, Any], groups: dict[str, CacheGroup], specs: Mapping[str, Any],

@@ -214,3 +214,25 @@ def test_device_placement_refuses_a_bank_that_does_not_fit_naming_host_placement
     where, line = _placed("device", rows=10 * GIB)
     assert where is None and line.endswith("or bank_placement 'host' (the rows in host memory, streamed per step)")
     assert "this rank's part of the bank takes 10.00 GiB" in line, line
+
+
+def test_re_rotating_a_device_resident_bank_counts_its_staging_and_auto_keeps_it_on_the_host_when_that_does_not_fit():
+    """past_bank 'rotate' gathers a device-resident bank's turned rows into a
+    staging on the GPU: a part that fits alone but not with the staging is
+    kept on the host by auto (where only the staging goes) and refused by
+    device, naming the way out."""
+    room = 20 * GIB - (math.ceil(80 * GIB * 0.9) - 58 * GIB) - MARGIN_BYTES
+    rows = room - (128 << 20)  # fits alone; not with 256 MiB of staging
+    assert _placed("auto", rows)[0] == "device"
+    where, line = choose_placement("auto", rows=rows, states=0, staging=256 << 20, utilization=0.9,
+                                   kv_cache_memory_bytes=None, free=20 * GIB, total=80 * GIB, held=58 * GIB,
+                                   rotate=True)
+    assert where == "host" and f"the part's {(rows + (256 << 20)) / GIB:.2f} GiB exceed" in line, line
+    where, line = choose_placement("device", rows=rows, states=0, staging=256 << 20, utilization=0.9,
+                                   kv_cache_memory_bytes=None, free=20 * GIB, total=80 * GIB, held=58 * GIB,
+                                   rotate=True)
+    assert where is None and "bank_placement 'host'" in line, line
+    where, line = choose_placement("auto", rows=GIB, states=0, staging=256 << 20, utilization=0.9,
+                                   kv_cache_memory_bytes=None, free=20 * GIB, total=80 * GIB, held=58 * GIB,
+                                   rotate=True)
+    assert where == "device" and "with 256 MiB of staging for keys re-rotated" in line, line
