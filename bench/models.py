@@ -20,13 +20,16 @@ MODEL_LAYERS, KV_HEADS, HEAD_DIM = 4, 8, 128
 PEAKED_STD = 0.15
 
 
-def make_model(path: str, hybrid: bool = False, init_std: float | None = None) -> str:
+def make_model(path: str, hybrid: bool = False, init_std: float | None = None, max_positions: int = 32768,
+               rope_scaling: dict | None = None) -> str:
     """A random-weight model saved to ``path`` (created once): a Llama, or with
     ``hybrid`` a Gemma3 whose layers alternate sliding-window (256 tokens) and
     full attention, so vLLM runs two KV cache groups.  ``init_std``: the
     weights' std (transformers' ``initializer_range``, default 0.02); a larger
     one (e.g. 0.15) gives peaked next-token distributions, so greedy decoding
-    is not decided by rounding noise between near-equal logits."""
+    is not decided by rounding noise between near-equal logits.  ``max_positions``,
+    ``rope_scaling``: the Llama's ``max_position_embeddings`` and RoPE scaling
+    (e.g. Llama-3's, for a 128k-position model)."""
     if os.path.exists(os.path.join(path, "config.json")):
         return path
     import torch
@@ -53,8 +56,9 @@ def make_model(path: str, hybrid: bool = False, init_std: float | None = None) -
         num_attention_heads=KV_HEADS,
         num_key_value_heads=KV_HEADS,
         head_dim=HEAD_DIM,
-        max_position_embeddings=32768,
+        max_position_embeddings=max_positions,
         **({"initializer_range": init_std} if init_std else {}),
+        **({"rope_scaling": rope_scaling} if rope_scaling else {}),
     )
     LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
     return path

@@ -128,9 +128,10 @@ def run_client(server: Server, a, connector: str, concurrency: int, result_dir: 
 
 def run_connector(a, connector: str, log) -> tuple[list[dict], dict, list[list[str]]]:
     port = free_port()
-    args = serve_args(a.model, port, max_model_len=a.input_len + a.output_len + 64,
+    replay = {"fill_mode": "replay", "bank": a.bank, **getattr(a, "replay_extra", {})}
+    args = serve_args(a.model, port, max_model_len=getattr(a, "max_model_len", None) or a.input_len + a.output_len + 64,
                       max_num_seqs=max(a.concurrency), enforce_eager=a.enforce_eager,
-                      kt=kv_transfer_config(connector, {"fill_mode": "replay", "bank": a.bank} if connector == "replay"
+                      kt=kv_transfer_config(connector, replay if connector == "replay"
                                             else {"fill_mean": 0.015, "fill_std": a.fill_std}))
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(a.kv_cache_gib)}
     os.makedirs(a.log_dir, exist_ok=True)
