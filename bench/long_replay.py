@@ -43,18 +43,16 @@ CONFIGS = {  # name -> the replay connector's extra keys
     "rotate-device": {"past_bank": "rotate", "bank_placement": "device"},
     "rotate-host": {"past_bank": "rotate", "bank_placement": "host"},
 }
-WORDS = ("the decode step reads every cached key and value of the prompt so a long context costs memory "
-         "bandwidth in proportion to its length while the batch shares the weights").split()
 
 
 def prompts_file(path: str, n: int, words: int) -> str:
-    """``n`` prompts of ``words`` words each (other orders of one vocabulary), one per line."""
+    """``n`` prompts of ``words`` random words of the tiny model's vocabulary (``w3`` .. ``w1023``), one per line."""
     import random
 
     rng = random.Random(0)
     with open(path, "w") as f:
         for _ in range(n):
-            f.write(" ".join(rng.choice(WORDS) for _ in range(words)) + "\n")
+            f.write(" ".join(f"w{rng.randrange(3, 1024)}" for _ in range(words)) + "\n")
     return path
 
 

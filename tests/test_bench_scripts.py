@@ -278,6 +278,18 @@ def test_the_long_prompt_bench_records_and_replays_one_prompt_and_writes_its_tim
         long_record.main(["--tokens", "40000"])  # past the tiny Llama's 32768 positions: refused
 
 
+def test_the_long_replay_bench_refuses_prompts_past_its_models_positions_before_starting_anything(capsys, tmp_path):
+    """bench/long_replay.py (128k-token prompts served; its figures:
+    bench/results/long-replay-cpu.json): a prompt the 131072-position model
+    cannot hold with its output is refused naming the limit."""
+    from kvfill.bench import long_replay
+
+    with pytest.raises(SystemExit) as e:
+        long_replay.main(["--input-len", "131060", "--work", str(tmp_path / "work")])
+    assert e.value.code == 2 and "--input-len 131060: expected 1 to 131055" in capsys.readouterr().err
+    assert not (tmp_path / "work").exists()
+
+
 @pytest.mark.needs_vllm
 @pytest.mark.e2e
 def test_serving_benchmark_drives_a_real_server_with_vllms_client(tmp_path):
