@@ -5,9 +5,11 @@ same bank resident on the device - several layers, a ragged bank whose
 entries wrap, partial blocks, a staging small enough that one fill goes in
 many chunks through both pinned buffers, and a second fill right after the
 first (the pinned buffers reused once their copies are done) - compared
-byte for byte; and ``time_host_bank``, a replay fill of whole blocks from the
-device-resident bank, from the host-kept one and a memset of the bytes they
-write, for gpu_check's table.  Torch + triton + kvfill only.
+byte for byte, plain and with keys re-rotated past each sequence's end
+(``past_bank="rotate"``); and ``time_host_bank``, a replay fill of whole
+blocks from the device-resident bank, from the host-kept one, with keys
+re-rotated, and a memset of the bytes they write, for gpu_check's table.
+Torch + triton + kvfill only.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import torch
 
 from kvfill.bench import common as C
 from kvfill.kernels import Bank, CacheGroup, FillEngine, GroupFill
+from kvfill.kernels.rotary import Rotary
 
 HEADS, SLOTS, DIM = 8, 16, 128
 LENGTHS = [700, 300, 513]  # a ragged bank: entries past each length wrap
@@ -48,12 +51,24 @@ def _plan(num_blocks: int, seed: int) -> dict[str, GroupFill]:
     return {"g": GroupFill(blocks, start, end, base, rng.integers(0, len(LENGTHS), n))}
 
 
+def _rotary(layers: int, positions: int) -> dict[str, Rotary]:
+    """Each layer's keys re-rotated past a sequence's end (``past_bank="rotate"``): a default RoPE table."""
+    inv = 1.0 / 10000.0 ** (np.arange(0, DIM, 2) / DIM)
+    ang = np.arange(positions)[:, None] * inv[None, :]
+    table = torch.from_numpy(np.concatenate([np.cos(ang), np.sin(ang)], axis=1)).float()
+    return {f"layer.{i}": Rotary(table, HEADS, DIM, DIM, True) for i in range(layers)}
+
+
 def check_host_bank(device, log) -> list[str]:
-    """Returns the failed checks' names (empty: every byte as the device-resident bank writes)."""
+    """Returns the failed checks' names (empty: every byte as the device-resident bank writes; keys
+    re-rotated past each sequence's end the same from either placement)."""
     layers, num_blocks = 4, 64
     bank = _bank(layers, LENGTHS)
     failed, out = [], {}
-    for placement, kw in (("device", {}), ("host", {"bank_placement": "host", "staging_bytes": 64 << 10})):
+    turn = dict(past_bank="rotate", rotary=_rotary(layers, 1200 + SLOTS))
+    for placement, kw in (("device", {}), ("host", {"bank_placement": "host", "staging_bytes": 64 << 10}),
+                          ("device rotate", turn), ("host rotate", {"bank_placement": "host",
+                                                                    "staging_bytes": 64 << 10, **turn})):
         caches = _caches(layers, num_blocks, device)
         eng = FillEngine({"g": CacheGroup(caches)}, bank=bank, **kw)
         eng.warmup()
@@ -63,30 +78,36 @@ def check_host_bank(device, log) -> list[str]:
             if not eng.verify(plan).ok:
                 failed.append(f"{placement}: verify found mismatches after step {seed}")
         out[placement] = torch.stack([c.view(torch.int16) for c in caches.values()]).cpu()
-        if placement == "host":
+        if placement.startswith("host"):
             line = eng.describe().splitlines()[-1]
             if eng.bank_placement != "host" or ("pinned host" not in line) != (torch.device(device).type != "cuda"):
                 failed.append(f"the engine says {eng.bank_placement!r}: {line}")
-    bad = int((out["host"] != out["device"]).sum())
-    if bad:
-        failed.append(f"{bad} elements of the host-kept bank's fill differ from the device-resident bank's")
-    log(f"host-kept bank: {layers} layers, 2 steps in chunks of 64 KiB of staging vs the device-resident bank: "
-        f"{'ok' if not failed else '; '.join(failed)}")
+    for a, b in (("host", "device"), ("host rotate", "device rotate")):
+        bad = int((out[a] != out[b]).sum())
+        if bad:
+            failed.append(f"{bad} elements of the {a} bank's fill differ from the {b} bank's")
+    if torch.equal(out["device"], out["device rotate"]):
+        failed.append("past_bank 'rotate' wrote what wrap writes: no key was turned")
+    log(f"host-kept bank: {layers} layers, 2 steps in chunks of 64 KiB of staging vs the device-resident bank, "
+        f"wrapped and re-rotated: {'ok' if not failed else '; '.join(failed)}")
     return failed
 
 
 def time_host_bank(device, *, layers: int, blocks: int, repeat: int) -> list[dict]:
     """gpu_check's table rows: a replay fill of ``blocks`` whole blocks of
-    ``layers`` layers from the device-resident bank and from the host-kept
-    one (its default staging), beside a memset of the bytes they write."""
-    bank = _bank(layers, [blocks * SLOTS, blocks * SLOTS], seed=3)
+    ``layers`` layers from the device-resident bank, from the host-kept one
+    (its default staging) and from the device-resident bank with the keys of
+    the positions past its sequences' end (3/4 of them) re-rotated, beside
+    a memset of the bytes they write."""
+    bank = _bank(layers, [max(blocks * SLOTS // 4, 1)] * 2, seed=3)
     plan = {"g": GroupFill(np.arange(blocks), local_base=np.arange(blocks) * SLOTS, sequence=np.arange(blocks) % 2)}
     written = layers * blocks * SLOTS * HEADS * DIM * 2
     scratch = torch.empty(written, dtype=torch.uint8, device=device)
     t_memset = C.median_time(lambda: scratch.zero_(), device, repeat=repeat)
     del scratch
     rows = []
-    for label, kw in (("device", {}), ("host", {"bank_placement": "host"})):
+    for label, kw in (("device", {}), ("host", {"bank_placement": "host"}),
+                      ("device, rotated", dict(past_bank="rotate", rotary=_rotary(layers, blocks * SLOTS)))):
         eng = FillEngine({"g": CacheGroup(_caches(layers, blocks, device))}, bank=bank, **kw)
         eng.warmup()
         stats = eng.fill(plan)

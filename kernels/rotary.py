@@ -127,10 +127,12 @@ class Rerotation:
             place[order] = np.arange(order.size)
             a, b = place[a], place[b]
         self.a, self.b = (torch.from_numpy(np.ascontiguousarray(x)).to(device) for x in (a, b))
-        self.freq = torch.from_numpy(np.ascontiguousarray(freq)).to(device)
         self.table = rotary.table.to(device=device, dtype=torch.float32)
         self.source = None if rotary.source is None else rotary.source.to(device=device, dtype=torch.float32)
+        self.key = (id(rotary.table), id(rotary.source))  # layers of one key share their angles (Staging)
         self.half = rotary.rotary_dim // 2
+        self.heads, self.stride, self.offset, self.neox = rotary.heads, rotary.head_stride, rotary.offset, rotary.neox
+        self.direct = order is None  # the pairs at strided places of the row: turned through views, no gather
         self.positions = rotary.positions
         self.vdtype, self.packing = vdtype, rotary.packing
 
@@ -154,13 +156,14 @@ class Rerotation:
             sin = torch.where(same, torch.zeros_like(sin), sin)
         return cos, sin
 
-    def apply(self, rows: torch.Tensor, t: torch.Tensor, p: torch.Tensor) -> None:
+    def apply(self, rows: torch.Tensor, t: torch.Tensor, p: torch.Tensor,
+              angles: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """``rows``: ``[n, row]`` bits of the layer's rows (in place); ``t``,
-        ``p``: int64 ``[n]`` true and recorded positions on the device."""
+        ``p``: int64 ``[n]`` true and recorded positions on the device;
+        ``angles``: ``self.angles(t, p)`` where already computed."""
         if not rows.numel():
             return
-        cos, sin = self.angles(t, p)
-        cos, sin = cos[:, self.freq], sin[:, self.freq]
+        cos, sin = self.angles(t, p) if angles is None else angles
         if self.packing == "fp8_ds_mla":
             self._turn(rows.view(torch.uint8)[:, DS_MLA_ROPE_BYTES[0]:DS_MLA_ROPE_BYTES[1]].view(torch.bfloat16),
                        cos, sin)
@@ -170,13 +173,29 @@ class Rerotation:
             self._turn(rows.view(self.vdtype), cos, sin)
 
     def _turn(self, values: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-        x1, x2 = values[:, self.a].float(), values[:, self.b].float()
-        y1, y2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+        """Each pair of ``values`` ``[n, row]`` turned by its row's (cos, sin), in place."""
+        n, c, s = values.shape[0], cos[:, None, :], sin[:, None, :]  # broadcast over heads
+        if self.direct:
+            r = values[:, :self.heads * self.stride].unflatten(1, (self.heads, self.stride))
+            r = r[..., self.offset:self.offset + 2 * self.half]
+            if self.neox:
+                v1, v2 = r[..., :self.half], r[..., self.half:]
+            else:
+                pairs = r.unflatten(-1, (self.half, 2))
+                v1, v2 = pairs[..., 0], pairs[..., 1]
+            x1, x2 = v1.float(), v2.float()
+        else:
+            x1, x2 = (values.index_select(1, i).float().view(n, self.heads, self.half) for i in (self.a, self.b))
+        y1, y2 = x1 * c - x2 * s, x2 * c + x1 * s
         if values.dtype.itemsize == 1:  # fp8: saturate at the largest finite value, as vLLM's writers do
             top = torch.finfo(values.dtype).max
             y1, y2 = y1.clamp(-top, top), y2.clamp(-top, top)
-        values[:, self.a] = y1.to(values.dtype)
-        values[:, self.b] = y2.to(values.dtype)
+        if self.direct:
+            v1.copy_(y1)
+            v2.copy_(y2)
+        else:
+            values.index_copy_(1, self.a, y1.reshape(n, -1).to(values.dtype))
+            values.index_copy_(1, self.b, y2.reshape(n, -1).to(values.dtype))
 
     def _turn_indexer(self, rows: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       moved: torch.Tensor | None) -> None:
@@ -186,8 +205,7 @@ class Rerotation:
         mx = self.packing == "indexer_mx"
         s = torch.exp2(scale[:, 0].float() - 127) if mx else scale.contiguous().view(torch.float32)[:, 0]
         x = keys.view(torch.float8_e4m3fn).float() * s[:, None]
-        x1, x2 = x[:, self.a], x[:, self.b]
-        x[:, self.a], x[:, self.b] = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+        self._turn(x, cos, sin)
         new = torch.exp2(torch.ceil(torch.log2(x.abs().amax(dim=1).clamp_min(1e-4) / FP8_MAX)))
         q = (x / new[:, None]).to(torch.float8_e4m3fn).view(torch.uint8)
         if mx:

@@ -265,9 +265,12 @@ class Staging:
         if not layers or ((true == held).all() and not self._turns_all(group)):
             return
         t, p = (torch.from_numpy(np.ascontiguousarray(x, np.int64)).to(self.device) for x in (true, held))
-        staging = self.staging()
-        for name in layers:
-            self.rerotate[name].apply(staging[name][:n], t, p)
+        staging, angles = self.staging(), {}
+        for name in layers:  # the layers of one table share their angles
+            r = self.rerotate[name]
+            if r.key not in angles:
+                angles[r.key] = r.angles(t, p)
+            r.apply(staging[name][:n], t, p, angles[r.key])
 
 
 def _merged(direct: GroupFill | None, staged: GroupFill) -> GroupFill:

@@ -98,10 +98,10 @@ def test_gpu_check_fails_when_a_perf_row_is_not_verified(tmp_path, monkeypatch, 
     monkeypatch.setattr(sections.LZ, "CASES", sections.LZ.CASES[:1])  # the perf rows are what is checked here
     monkeypatch.setattr(gpu_check, "check_packed_rows", lambda device, log: [])
     monkeypatch.setattr(gpu_check, "SECTIONS", ())
-    # 5 fill rows, 6 packed-row rows and 2 host-bank rows unverified; the state pages' row checks its pages itself
-    assert gpu_check.main(["--smoke", "--out", str(tmp_path), "--device", "cpu"]) == 13
+    # 5 fill rows, 6 packed-row rows and 3 host-bank rows unverified; the state pages' row checks its pages itself
+    assert gpu_check.main(["--smoke", "--out", str(tmp_path), "--device", "cpu"]) == 14
     out = capsys.readouterr().out
-    assert out.count("UNVERIFIED perf row") == 13 and "perf rows verified: 1/14" in out
+    assert out.count("UNVERIFIED perf row") == 14 and "perf rows verified: 1/15" in out
 
 
 def test_fill_bench_rows_compare_three_implementations():

@@ -191,7 +191,7 @@ def test_gpu_check_runs_every_section_byte_exact_in_the_image_on_the_device_stan
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-3000:]
     assert "'device': 'cpu:0'" in run.stdout
     assert "correctness: constant 52/52, normal 52/52, replay 52/52 cases byte-exact" in run.stdout
-    assert "perf rows verified: 14/14" in run.stdout and "packed rows byte-exact: True" in run.stdout
+    assert "perf rows verified: 15/15" in run.stdout and "packed rows byte-exact: True" in run.stdout
     assert "sections: " + "; ".join(f"{name} ok" for name, _ in gpu_check.SECTIONS) in run.stdout
     report = json.loads((out / "gpu_check.json").read_text())
     assert report["errors"] == [] and report["skipped_for_budget"] == []
