@@ -281,3 +281,32 @@ def test_each_entry_carries_its_requests_bank_sequence_and_a_shared_block_one_se
     assert seq == {(5, 16): 3, (6, 16): 3, (7, 7): 3, (7, 11): 3, (8, 16): 2, (9, 3): 2}
     # without repeats the planner keeps request order and sequences untouched
     assert planner.plan([z])["full"].sequence.tolist() == [2, 2]
+
+
+@pytest.mark.parametrize("world,interleave", [(1, 1), (2, 1), (2, 4), (4, 2)])
+@pytest.mark.parametrize("recorded", [1, 3, 8, 21, 40])
+def test_wrapped_positions_are_the_slots_each_rank_fills_from_a_row_of_another_position(world, interleave, recorded):
+    """The scheduler counts wrapped positions by global position (t >= N);
+    each DCP rank replays local slot l from its own rows, ``l mod L`` of the
+    ``L`` it holds of the sequence (bank/parts.py, a rank holding none keeps
+    I rows).  Over the ranks, the slots whose row was recorded at another
+    position than the slot's are exactly the scheduler's count."""
+    from kvfill.bank.parts import BankPart
+    from kvfill.connector.geometry import GroupSelection
+    from kvfill.connector.planner import wrapped_positions
+
+    bs, lo, hi = 8, 5, 61
+    geo = GroupGeometry("attn", GroupKind.FULL_ATTENTION, bs, DcpGeometry(world, 0, interleave))
+    first, last = lo // geo.span, (hi - 1) // geo.span
+    sel = GroupSelection(first, list(range(first, last + 1)), lo, hi, sequences=[0] * (last - first + 1))
+    counted = wrapped_positions([geo], [sel], [recorded])
+    moved = 0
+    for rank in range(world):
+        dcp = geo.dcp.on_rank(rank)
+        rows, local = BankPart(dcp=dcp).rows([recorded])
+        rows = list(range(recorded)) if rows is None else rows.tolist()  # recorded position of each local row
+        for t in range(lo, hi):
+            owner, l = (t // interleave) % world, (t // (interleave * world)) * interleave + t % interleave
+            if owner == rank and rows[l % local[0]] != t:
+                moved += 1
+    assert counted == moved == max(0, hi - max(lo, recorded))
