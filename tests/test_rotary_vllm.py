@@ -16,6 +16,12 @@ from vllm.model_executor.layers.rotary_embedding import get_rope  # noqa: E402
 from kvfill.bench.dsa_writers import indexer_row  # noqa: E402
 from kvfill.kernels.rotary import Rerotation, Rotary  # noqa: E402
 
+
+@pytest.fixture(autouse=True)
+def _platform(vllm_cpu_platform):
+    """VllmConfig() needs a platform: vLLM 0.34's CUDA wheel resolves none without a GPU (make test-vllm034)."""
+
+
 H, D = 4, 64
 VARIANTS = {
     "default": (True, {"rope_theta": 10000, "rope_type": "default"}),
