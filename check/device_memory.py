@@ -20,28 +20,43 @@ GiB = 2**30
 SERVER_CONTEXT_BYTES = GiB
 
 
-def requested_utilization(engine: dict) -> float:
-    """The server's ``--gpu-memory-utilization``: the user's (``engine``: the
-    check's engine flags by ``LLM(**kwargs)`` name), else vLLM's default."""
-    if "gpu_memory_utilization" in engine:
-        return float(engine["gpu_memory_utilization"])
+def requested_utilization(engine: dict) -> float | None:
+    """The fraction of the GPU ``vllm serve`` must find free to start (``engine``:
+    the check's engine flags by ``LLM(**kwargs)`` name): the user's
+    ``--gpu-memory-utilization``, else vLLM's default.  None where the server
+    starts whatever is free: vLLM 0.34's extensible KV cache (CUDA's default
+    unless the flags size the cache otherwise) takes its budget as a cap only
+    and sizes the cache from the memory free after warmup
+    (``vllm/v1/worker/utils.py``: ``request_memory``)."""
+    from vllm.config import CacheConfig
     from vllm.engine.arg_utils import EngineArgs
 
-    return float(EngineArgs.gpu_memory_utilization)
+    extensible = "enable_extensible_kv_cache" in EngineArgs.__dataclass_fields__ and not (
+        engine.get("enable_extensible_kv_cache") is False or engine.get("kv_cache_memory_bytes") is not None
+        or engine.get("num_gpu_blocks_override") is not None)
+    if extensible:
+        return None
+    if engine.get("gpu_memory_utilization") is not None:
+        return float(engine["gpu_memory_utilization"])
+    default = EngineArgs.gpu_memory_utilization  # vLLM 0.34 leaves it None: its CacheConfig resolves it
+    return float(CacheConfig.DEFAULT_GPU_MEMORY_UTILIZATION if default is None else default)
 
 
-def release_before_serving(utilization: float) -> str | None:
+def release_before_serving(utilization: float | None) -> str | None:
     """Releases what this process holds on its GPU (the collected engines'
     memory, torch's cached blocks); then the line refusing the served step
     when the GPU's free memory is below ``utilization`` x its total (the
     server would not start), naming what this process still holds.  None
-    when the server has its room, or CUDA was never initialised here."""
+    when the server has its room, starts whatever is free (``utilization``
+    None: ``requested_utilization``), or CUDA was never initialised here."""
     import torch
 
     if not torch.cuda.is_initialized():
         return None
     gc.collect()  # engines' last references, in cycles: their tensors back to the allocator
     torch.cuda.empty_cache()  # and the allocator's cached blocks back to the driver
+    if utilization is None:
+        return None
     held = torch.cuda.memory_reserved()
     free, total = torch.cuda.mem_get_info()
     need = math.ceil(total * utilization)

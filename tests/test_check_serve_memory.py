@@ -5,11 +5,14 @@ the GPU's total and the utilisation asked - where ``vllm serve`` could not
 start beside it; on CPU nothing is released or measured.  torch.cuda's
 queries are stood in for: a GPU as the check's process would find it."""
 import gc
+import math
 
 import pytest
 import torch
 
 vllm = pytest.importorskip("vllm")
+
+from vllm.engine.arg_utils import EngineArgs  # noqa: E402
 
 from kvfill.check import serving  # noqa: E402
 from kvfill.check.cli import CheckConfig  # noqa: E402
@@ -80,11 +83,56 @@ def test_on_cpu_nothing_is_released_or_measured(gpu):
     assert gpu["calls"] == [] and gpu["cached"] == 12
 
 
-def test_the_server_utilization_is_the_users_flag_else_vllms_default():
-    from vllm.engine.arg_utils import EngineArgs
+@pytest.fixture(autouse=True)
+def _platform(vllm_cpu_platform):
+    """The served runs parse vLLM's engine flags: vLLM 0.34's CUDA wheel resolves no platform without a GPU."""
 
-    assert requested_utilization({"gpu_memory_utilization": 0.5}) == 0.5
-    assert requested_utilization({"dtype": "float32"}) == EngineArgs.gpu_memory_utilization
+
+def _starts(engine: dict, free: int, total: int, monkeypatch) -> bool:
+    """Whether vLLM's own start-up check (``request_memory``) lets a server
+    with these engine flags start on a CUDA GPU with ``free`` bytes free,
+    its cache config resolved by vLLM as on CUDA (0.34: whether the KV cache
+    is extensible)."""
+    from types import SimpleNamespace
+
+    import vllm.platforms as platforms
+    from vllm.config import CacheConfig, VllmConfig
+    from vllm.v1.worker.utils import request_memory
+
+    cache = CacheConfig(**{k: v for k, v in engine.items() if k in CacheConfig.__dataclass_fields__})
+    if EXTENSIBLE:
+        cuda = SimpleNamespace(is_cuda_alike=lambda: True, is_rocm=lambda: False, device_type="cuda")
+        monkeypatch.setattr(platforms, "_current_platform", cuda)
+        VllmConfig._resolve_extensible_kv_cache(SimpleNamespace(
+            cache_config=cache, kv_transfer_config=None, parallel_config=SimpleNamespace(enable_elastic_ep=False)))
+    try:
+        request_memory(SimpleNamespace(total_memory=total, free_memory=free, device_="cuda:0"), cache)
+    except ValueError:
+        return False
+    return True
+
+
+# vLLM 0.34's extensible KV cache (CUDA's default): a server starts whatever is free; these flags size it otherwise
+EXTENSIBLE = "enable_extensible_kv_cache" in EngineArgs.__dataclass_fields__
+FIXED = {"enable_extensible_kv_cache": False} if EXTENSIBLE else {}
+
+
+@pytest.mark.parametrize("engine", [{}, {"gpu_memory_utilization": 0.5}, {"dtype": "float32"}],
+                         ids=["default", "user's", "other flags"])
+def test_the_server_utilization_is_where_vllms_own_start_up_check_refuses(engine, monkeypatch):
+    """The fraction named is the one below which vLLM's own start-up check
+    refuses to start a server with these flags (the user's, else vLLM's
+    default); None where that check starts it on any free memory."""
+    total = 140 * GiB
+    for flags in ([{**engine, **FIXED}, engine] if EXTENSIBLE else [engine]):
+        got = requested_utilization(flags)
+        if got is None:  # vLLM 0.34's extensible KV cache: the budget is a cap only
+            assert EXTENSIBLE and flags.get("enable_extensible_kv_cache") is not False
+            assert _starts(flags, GiB, total, monkeypatch)
+            continue
+        need = math.ceil(total * got)
+        assert got == flags.get("gpu_memory_utilization", got) and 0 < got <= 1
+        assert _starts(flags, need, total, monkeypatch) and not _starts(flags, need - 1, total, monkeypatch)
 
 
 class ServerStarted(Exception):
@@ -104,14 +152,23 @@ def _served(monkeypatch, tmp_path, in_process: bool, engine: dict) -> dict:
 
 
 def test_an_in_process_served_run_is_refused_before_its_server_starts(gpu, monkeypatch, tmp_path):
-    got = _served(monkeypatch, tmp_path, True, {})
-    assert got == {"error": release_before_serving(requested_utilization({}))}
+    got = _served(monkeypatch, tmp_path, True, dict(FIXED))
+    assert got == {"error": release_before_serving(requested_utilization(FIXED))}
     assert "this process still holds 30.00 GiB" in got["error"]
 
 
 def test_an_in_process_served_run_is_weighed_at_the_users_utilization(gpu, monkeypatch, tmp_path):
     with pytest.raises(ServerStarted):  # 0.5 x 140 GiB = 70 GiB asked, 100 free
-        _served(monkeypatch, tmp_path, True, {"gpu_memory_utilization": 0.5})
+        _served(monkeypatch, tmp_path, True, {"gpu_memory_utilization": 0.5, **FIXED})
+    assert gpu["calls"][:2] == ["gc.collect", "empty_cache"]
+
+
+@pytest.mark.skipif(not EXTENSIBLE, reason=f"vLLM {vllm.__version__} has no extensible KV cache (0.34 has)")
+def test_with_vllms_extensible_kv_cache_an_in_process_served_run_starts_after_releasing(gpu, monkeypatch, tmp_path):
+    """vLLM 0.34 starts a server on any free memory (its budget a cap, the
+    cache sized after warmup): nothing to refuse, but the release still runs."""
+    with pytest.raises(ServerStarted):  # 100 of 140 GiB free: below 0.92 x 140, refused without the extensible cache
+        _served(monkeypatch, tmp_path, True, {})
     assert gpu["calls"][:2] == ["gc.collect", "empty_cache"]
 
 

@@ -896,7 +896,8 @@ def test_positions_past_a_recorded_sequence_are_counted_as_wrapped_and_named_at_
         assert value("vllm:kvfill_wrapped_positions_total") == 59 and value("vllm:kvfill_wrapped_requests_total") == 1
 
 
-def test_past_bank_rotate_turns_keys_past_the_bank_with_the_models_rotary_embedding(tmp_path, monkeypatch):
+def test_past_bank_rotate_turns_keys_past_the_bank_with_the_models_rotary_embedding(tmp_path, monkeypatch,
+                                                                                   vllm_cpu_platform):
     """past_bank 'rotate' through vLLM's connector API: the worker takes the
     model's rotary embedding from vLLM's get_rope (the one the loaded model
     made), gives the replayed layers their rotary keys, and a prompt past the

@@ -283,7 +283,8 @@ def test_layer_ids_are_unique_and_the_same_on_every_pipeline_stage_when_caches_s
 
 
 @pytest.mark.parametrize("mla_dtype", ["auto", "fp8_ds_mla"])
-def test_past_bank_rotate_turns_the_indexers_and_mlas_rope_parts_of_a_dsa_model(tmp_path, mla_dtype, monkeypatch):
+def test_past_bank_rotate_turns_the_indexers_and_mlas_rope_parts_of_a_dsa_model(tmp_path, mla_dtype, monkeypatch,
+                                                                               vllm_cpu_platform):
     """DeepSeek-V3.2's two embeddings of one table (MLA's GPT-J pairs, the
     indexer's NeoX ones) read from vLLM's get_rope: a prompt 80 tokens past
     the bank's 150 replays the recorded bytes below 150; past it each
