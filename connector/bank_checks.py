@@ -47,12 +47,15 @@ def rank_part(groups: Mapping[str, CacheGroup], tp_rank: int, tp_size: int,
 
 
 def load_bank(path: str, part: BankPart, vllm_config: "VllmConfig", device: torch.device,
-              placement: str = "device", staging_bytes: int = 256 << 20, rotate: bool = False) -> tuple[Bank, str]:
+              placement: str = "device", staging_bytes: int = 256 << 20, rotate: bool = False,
+              caches_outside_torch: int = 0) -> tuple[Bank, str]:
     """This rank's part of the bank in this process's memory and where the
     fill keeps its rows (``placement`` asked: ``auto``, ``device`` or
     ``host``; ``bank_fit.choose_placement``; ``rotate``: past_bank
-    "rotate"), decided from the file's header
-    before a row is read and logged with why; with a warning per mismatch above."""
+    "rotate"; ``caches_outside_torch``: bytes of vLLM's caches its torch
+    allocator does not hold, ``bank_loading.caches_outside_torch``), decided
+    from the file's header before a row is read and logged with why; with a
+    warning per mismatch above."""
     chosen = {"where": "host" if placement == "host" else "device",
               "why": f"bank_placement {placement!r}: the caches are in host memory, where the bank is read"}
     fits = None
@@ -62,8 +65,8 @@ def load_bank(path: str, part: BankPart, vllm_config: "VllmConfig", device: torc
         def fits(rows: int, states: int) -> str | None:
             free, total = torch.cuda.mem_get_info(device)
             where, line = choose_placement(placement, rows=rows, states=states, staging=staging_bytes, free=free,
-                                           total=total, utilization=cache.gpu_memory_utilization,
-                                           held=torch.cuda.memory_reserved(device),
+                                           total=total, utilization=server_utilization(cache),
+                                           held=torch.cuda.memory_reserved(device) + caches_outside_torch,
                                            kv_cache_memory_bytes=getattr(cache, "kv_cache_memory_bytes", None),
                                            rotate=rotate)
             chosen.update(where=where, why=line)
@@ -88,6 +91,15 @@ def load_bank(path: str, part: BankPart, vllm_config: "VllmConfig", device: torc
     if line:
         logger.warning("KVFillConnector: %s", line)
     return bank, chosen["where"]
+
+
+def server_utilization(cache) -> float:
+    """vLLM's memory budget as a fraction of the GPU: the user's
+    ``--gpu-memory-utilization``, else the default vLLM resolves (vLLM 0.34
+    leaves the flag None: 1.0 under its extensible KV cache, else 0.92;
+    ``CacheConfig.resolved_gpu_memory_utilization``)."""
+    resolved = getattr(cache, "resolved_gpu_memory_utilization", None)
+    return float(cache.gpu_memory_utilization if resolved is None else resolved)
 
 
 def check_drafter_layers(bank: Bank, part: BankPart, vllm_config: "VllmConfig") -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Mapping
 
+import torch
 from vllm.logger import init_logger
 
 from kvfill.bank import Bank
@@ -36,8 +37,35 @@ def load_rank_bank(options, groups: dict[str, CacheGroup], state_caches: Mapping
     # This rank's part only: its KV heads, its stage's layers, its DCP positions below max_model_len.
     part = rank_part(groups, tp_rank, tp_size, max_model_len or None)
     part = replace(part, layers=part.layers | frozenset(state_caches))  # and its state layers' states
+    outside = caches_outside_torch(vllm_config, [g.layers for g in groups.values()], state_caches)
     return load_bank(options.bank, part, vllm_config, device=cache_device(groups), placement=options.bank_placement,
-                     staging_bytes=options.staging_mib << 20, rotate=options.past_bank == "rotate")
+                     staging_bytes=options.staging_mib << 20, rotate=options.past_bank == "rotate",
+                     caches_outside_torch=outside)
+
+
+def caches_outside_torch(vllm_config: "VllmConfig", *caches) -> int:
+    """Bytes of the registered caches that torch's allocator does not hold:
+    vLLM 0.34's extensible KV cache (CUDA's default) maps its own device
+    memory, sized from what is free after warmup, and creates the connector
+    afterwards; its bytes are vLLM's as much as the weights torch holds.  0
+    where the caches are torch's (vLLM 0.32 and 0.33, or the cache turned off)."""
+    if not getattr(vllm_config.cache_config, "enable_extensible_kv_cache", False):
+        return 0
+    storages = {}
+
+    def walk(x):
+        if isinstance(x, torch.Tensor):
+            st = x.untyped_storage()
+            storages[st.data_ptr()] = st.nbytes()
+        elif isinstance(x, Mapping):
+            for v in x.values():
+                walk(v)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                walk(v)
+
+    walk(caches)
+    return sum(storages.values())
 
 
 def replay_states(bank: Bank, caches: Mapping[str, Any], groups: dict[str, CacheGroup], specs: Mapping[str, Any],

@@ -236,3 +236,45 @@ def test_re_rotating_a_device_resident_bank_counts_its_staging_and_auto_keeps_it
                                    kv_cache_memory_bytes=None, free=20 * GIB, total=80 * GIB, held=58 * GIB,
                                    rotate=True)
     assert where == "device" and "with 256 MiB of staging for keys re-rotated" in line, line
+
+
+# ------------------------------------------------------------ vLLM 0.34's extensible KV cache
+def vllm_034_extensible(*, total, baseline, utilization, weights, activations, graphs):
+    """The GPU as the connector sees it under vLLM 0.34's extensible KV cache
+    (CUDA's default), modelled as ``extensible_kv_cache.measure_kv_cache_bytes``
+    sizes it: after warmup (weights and CUDA graphs in torch's allocator) the
+    cache takes its budget less what vLLM uses, capped by the device less a
+    margin, less the transient peak it keeps free; only then is the connector
+    created.  ``(gpu, kv, still_needed)``: ``held`` as ``load_bank`` counts it,
+    torch's bytes plus the cache mapped outside torch."""
+    init_free = total - baseline
+    non_kv = weights + graphs
+    margin = max(GIB, int(activations * 0.75))
+    kv = max(0, min(math.ceil(total * utilization) - non_kv, init_free - non_kv - margin) - activations)
+    return dict(free=init_free - non_kv - kv, total=total, held=non_kv + kv), kv, activations
+
+
+EXTENSIBLE = dict(total=H200, baseline=3 * GIB // 2, weights=16 * GIB, activations=4 * GIB, graphs=2 * GIB)
+
+
+@pytest.mark.parametrize("utilization", [0.8, 0.9, 0.95])
+def test_under_the_extensible_kv_cache_a_bank_gets_the_budgets_slack_and_vllms_transient_peak_stays_free(utilization):
+    gpu, _, still = vllm_034_extensible(utilization=utilization, **EXTENSIBLE)
+    largest = largest_accepted(gpu, utilization)
+    assert largest == H200 - EXTENSIBLE["baseline"] - math.ceil(H200 * utilization) - MARGIN_BYTES
+    assert gpu["free"] - largest >= still + MARGIN_BYTES
+
+
+def test_under_the_extensible_kv_cache_at_vllms_default_utilization_no_bank_fits_and_the_way_out_makes_room():
+    """vLLM 0.34 resolves an unset --gpu-memory-utilization to 1.0 under the
+    extensible KV cache: the cache takes the whole GPU but its transient peak
+    and margin, so no byte of a bank fits; the utilization the refusal names
+    leaves a KV cache small enough for it."""
+    gpu, kv, _ = vllm_034_extensible(utilization=1.0, **EXTENSIBLE)
+    assert largest_accepted(gpu, 1.0) == 0
+    bank = 20 * GIB
+    line = fit_error(bank, utilization=1.0, kv_cache_memory_bytes=None, **gpu)
+    lower = float(re.search(r"--gpu-memory-utilization (0\.\d+) or lower", line).group(1))
+    gpu, smaller, still = vllm_034_extensible(utilization=lower, **EXTENSIBLE)
+    assert fit_error(bank, utilization=lower, kv_cache_memory_bytes=None, **gpu) is None
+    assert gpu["free"] - bank >= still + MARGIN_BYTES and kv - smaller < bank + 2 * GIB
