@@ -33,7 +33,7 @@ def requested_utilization(engine: dict) -> float | None:
 
     extensible = "enable_extensible_kv_cache" in EngineArgs.__dataclass_fields__ and not (
         engine.get("enable_extensible_kv_cache") is False or engine.get("kv_cache_memory_bytes") is not None
-        or engine.get("num_gpu_blocks_override") is not None)
+        or engine.get("num_gpu_blocks_override") is not None or engine.get("enable_elastic_ep"))
     if extensible:
         return None
     if engine.get("gpu_memory_utilization") is not None:

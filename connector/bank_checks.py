@@ -23,7 +23,7 @@ from kvfill.bank import NO_DCP, Bank, BankError, BankPart, dtype_name
 from kvfill.kernels import CacheGroup
 from kvfill.kernels.packed_rows import part_dtypes
 
-from .bank_fit import choose_placement
+from .bank_fit import allocatable, choose_placement
 from .drafter import check_drafter
 
 if TYPE_CHECKING:
@@ -64,11 +64,14 @@ def load_bank(path: str, part: BankPart, vllm_config: "VllmConfig", device: torc
 
         def fits(rows: int, states: int) -> str | None:
             free, total = torch.cuda.mem_get_info(device)
-            where, line = choose_placement(placement, rows=rows, states=states, staging=staging_bytes, free=free,
-                                           total=total, utilization=server_utilization(cache),
-                                           held=torch.cuda.memory_reserved(device) + caches_outside_torch,
+            reserved = torch.cuda.memory_reserved(device)
+            cap = torch.cuda.get_per_process_memory_fraction(device)  # vLLM 0.34 caps torch beside its cache
+            where, line = choose_placement(placement, rows=rows, states=states, staging=staging_bytes,
+                                           free=free, torch_free=allocatable(free, total, reserved, cap), total=total,
+                                           utilization=server_utilization(cache), held=reserved + caches_outside_torch,
                                            kv_cache_memory_bytes=getattr(cache, "kv_cache_memory_bytes", None),
-                                           rotate=rotate)
+                                           rotate=rotate,
+                                           extensible=bool(getattr(cache, "enable_extensible_kv_cache", False)))
             chosen.update(where=where, why=line)
             return None if where else line
     elif placement == "host":

@@ -11,6 +11,27 @@ import math
 # vLLM keeps this much below its own budget where it sizes a KV cache
 # (gpu_worker.py: "the memory profiling may slightly underestimate").
 MARGIN_BYTES = 150 << 20
+# vLLM 0.34's extensible KV cache keeps its transient peak free and, beyond it, a margin of the larger of
+# these (extensible_kv_cache.py: KV_CACHE_MARGIN_FLOOR_BYTES on CUDA, KV_CACHE_MARGIN_FRACTION of the peak).
+EXTENSIBLE_MARGIN_FLOOR = 1 << 30
+EXTENSIBLE_MARGIN_FRACTION = 0.75
+
+
+def margin(still: int, extensible: bool) -> int:
+    """What a bank leaves free beyond what vLLM still needs: vLLM 0.32's
+    margin, or under vLLM 0.34's extensible KV cache the margin it keeps
+    beside its transient peak (``still`` standing for that peak)."""
+    if not extensible:
+        return MARGIN_BYTES
+    return max(EXTENSIBLE_MARGIN_FLOOR, int(still * EXTENSIBLE_MARGIN_FRACTION))
+
+
+def allocatable(free: int, total: int, reserved: int, fraction: float) -> int:
+    """What torch's allocator can still take on the GPU: its free memory, and
+    no more than the cap ``fraction`` x ``total`` less what it ``reserved``
+    (vLLM 0.34's extensible KV cache caps torch so that its own later
+    allocations find room: ``set_torch_memory_limit``)."""
+    return max(0, min(free, math.floor(fraction * total) - reserved))
 
 
 def vllm_still_needs(*, total: int, utilization: float, held: int) -> int:
@@ -28,7 +49,8 @@ def vllm_still_needs(*, total: int, utilization: float, held: int) -> int:
 
 
 def fit_error(nbytes: int, *, free: int, total: int, utilization: float, held: int,
-              kv_cache_memory_bytes: int | None) -> str | None:
+              kv_cache_memory_bytes: int | None, extensible: bool = False,
+              torch_free: int | None = None) -> str | None:
     """Why a bank of ``nbytes`` cannot be uploaded next to vLLM's caches (None: it fits).
 
     The bank must fit in what is free now less what vLLM still needs
@@ -36,10 +58,17 @@ def fit_error(nbytes: int, *, free: int, total: int, utilization: float, held: i
     ``--kv-cache-memory-bytes`` vLLM sizes no KV cache by utilization (nor
     knows what it allocates later); the same budget is kept, so a smaller KV
     cache makes room only where that budget is used up, and a lower
-    utilization otherwise.
+    utilization otherwise.  ``extensible``: vLLM 0.34's extensible KV cache,
+    sized before the connector exists (``held`` counts its bytes) and kept
+    beside its transient peak and a margin (``margin``); ``torch_free``:
+    what torch's allocator can still take where vLLM caps it
+    (``allocatable``), which must hold the bank and what vLLM still needs.
     """
     still = vllm_still_needs(total=total, utilization=utilization, held=held)
-    room = free - still - MARGIN_BYTES
+    kept = margin(still, extensible)
+    room = free - still - kept
+    if torch_free is not None:
+        room = min(room, torch_free - still)
     if nbytes <= room:
         return None
     short, gib = nbytes - room, 2**30
@@ -56,7 +85,7 @@ def fit_error(nbytes: int, *, free: int, total: int, utilization: float, held: i
     return (f"this rank's part of the bank takes {nbytes / gib:.2f} GiB; the GPU has {free / gib:.2f} GiB free, "
             f"{still / gib:.2f} GiB of them kept for what vLLM allocates after registering its caches (CUDA "
             f"graphs, activations: its budget of --gpu-memory-utilization {utilization} x {total / gib:.2f} GiB "
-            f"less the {held / gib:.2f} GiB it holds) and {MARGIN_BYTES >> 20} MiB of margin, leaving "
+            f"less the {held / gib:.2f} GiB it holds) and {kept >> 20} MiB of margin, leaving "
             f"{max(room, 0) / gib:.2f} GiB. Make room for {short / gib:.2f} GiB more: " + "; or ".join(ways))
 
 
@@ -65,7 +94,8 @@ PLACEMENTS = ("auto", "device", "host")
 
 def choose_placement(asked: str, *, rows: int, states: int, staging: int, free: int, total: int,
                      utilization: float, held: int, kv_cache_memory_bytes: int | None,
-                     rotate: bool = False) -> tuple[str | None, str]:
+                     rotate: bool = False, extensible: bool = False,
+                     torch_free: int | None = None) -> tuple[str | None, str]:
     """Where a rank's bank part goes on a GPU, and why: ``(placement, line)``,
     placement None when it fits nowhere asked (``line`` then says why).
 
@@ -77,7 +107,7 @@ def choose_placement(asked: str, *, rows: int, states: int, staging: int, free: 
     part fits, else the host.
     """
     gpu = dict(free=free, total=total, utilization=utilization, held=held,
-               kv_cache_memory_bytes=kv_cache_memory_bytes)
+               kv_cache_memory_bytes=kv_cache_memory_bytes, extensible=extensible, torch_free=torch_free)
     gib = 2**30
     on_device = rows + states + (staging if rotate else 0)
     whole = fit_error(on_device, **gpu) if asked != "host" else None
@@ -91,7 +121,8 @@ def choose_placement(asked: str, *, rows: int, states: int, staging: int, free: 
     if staged is not None:
         return None, (f"even kept in host memory (bank_placement {asked!r}), the part's recurrent states and its "
                       f"staging ({states / gib:.2f} + {staging / gib:.2f} GiB) do not fit: " + staged)
-    room = max(0, free - vllm_still_needs(total=total, utilization=utilization, held=held) - MARGIN_BYTES)
+    still = vllm_still_needs(total=total, utilization=utilization, held=held)
+    room = max(0, min(free - still - margin(still, extensible), free if torch_free is None else torch_free - still))
     why = ("asked" if asked == "host" else
            f"the part's {on_device / gib:.2f} GiB exceed the {room / gib:.2f} GiB the GPU has beside "
            f"vLLM's budget")

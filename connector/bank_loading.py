@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Mapping
 
-import torch
 from vllm.logger import init_logger
 
 from kvfill.bank import Bank
@@ -24,48 +23,39 @@ from .states import state_alignment
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
 
 # Under "vllm." so that vLLM's logging configuration (handlers, level) applies.
 logger = init_logger("vllm.kvfill.connector")
 
 
 def load_rank_bank(options, groups: dict[str, CacheGroup], state_caches: Mapping[str, Any],
-                   vllm_config: "VllmConfig", *, tp_rank: int, tp_size: int, max_model_len: int) -> tuple[Bank, str]:
+                   vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", *, tp_rank: int, tp_size: int,
+                   max_model_len: int) -> tuple[Bank, str]:
     """This rank's part of the bank ``options.bank`` and where the fill keeps
     its rows (``options.bank_placement``, ``staging_mib``:
     ``bank_checks.load_bank``; ``max_model_len`` 0: every recorded position)."""
     # This rank's part only: its KV heads, its stage's layers, its DCP positions below max_model_len.
     part = rank_part(groups, tp_rank, tp_size, max_model_len or None)
     part = replace(part, layers=part.layers | frozenset(state_caches))  # and its state layers' states
-    outside = caches_outside_torch(vllm_config, [g.layers for g in groups.values()], state_caches)
+    outside = caches_outside_torch(vllm_config, kv_cache_config)
     return load_bank(options.bank, part, vllm_config, device=cache_device(groups), placement=options.bank_placement,
                      staging_bytes=options.staging_mib << 20, rotate=options.past_bank == "rotate",
                      caches_outside_torch=outside)
 
 
-def caches_outside_torch(vllm_config: "VllmConfig", *caches) -> int:
-    """Bytes of the registered caches that torch's allocator does not hold:
-    vLLM 0.34's extensible KV cache (CUDA's default) maps its own device
-    memory, sized from what is free after warmup, and creates the connector
-    afterwards; its bytes are vLLM's as much as the weights torch holds.  0
-    where the caches are torch's (vLLM 0.32 and 0.33, or the cache turned off)."""
+def caches_outside_torch(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> int:
+    """Bytes of vLLM's KV cache that torch's allocator does not hold: vLLM
+    0.34's extensible KV cache (CUDA's default) maps its own device memory,
+    sized from what is free after warmup, and creates the connector
+    afterwards; its bytes are vLLM's as much as the weights torch holds.
+    Every device tensor of the connector's ``kv_cache_config`` then names
+    the one committed allocation (``committed_kv_cache_tensors``): counted
+    once.  0 where the cache is torch's (vLLM 0.32 and 0.33, or it is off)."""
     if not getattr(vllm_config.cache_config, "enable_extensible_kv_cache", False):
         return 0
-    storages = {}
-
-    def walk(x):
-        if isinstance(x, torch.Tensor):
-            st = x.untyped_storage()
-            storages[st.data_ptr()] = st.nbytes()
-        elif isinstance(x, Mapping):
-            for v in x.values():
-                walk(v)
-        elif isinstance(x, (list, tuple)):
-            for v in x:
-                walk(v)
-
-    walk(caches)
-    return sum(storages.values())
+    return max((int(t.size) for t in kv_cache_config.kv_cache_tensors if not getattr(t, "host_resident", False)),
+               default=0)
 
 
 def replay_states(bank: Bank, caches: Mapping[str, Any], groups: dict[str, CacheGroup], specs: Mapping[str, Any],

@@ -174,7 +174,8 @@ class KVFillWorker:
         ``(bank, where its rows are kept, the groups left to the engine)``."""
         try:
             bank, placement = load_rank_bank(self.options, groups, state_caches, self.vllm_config,
-                                             tp_rank=self.tp_rank, tp_size=self.tp_size, max_model_len=self.max_model_len)
+                                             self.kv_cache_config, tp_rank=self.tp_rank, tp_size=self.tp_size,
+                                             max_model_len=self.max_model_len)
             if not self.options.zero_packed:
                 check_packed_rows(bank, bank.part, self.packed)
             state_pages, state_groups, groups = replay_states(bank, state_caches, groups, self.specs,

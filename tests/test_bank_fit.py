@@ -18,7 +18,7 @@ import re
 import numpy as np
 import pytest
 
-from kvfill.connector.bank_fit import MARGIN_BYTES, choose_placement, fit_error
+from kvfill.connector.bank_fit import MARGIN_BYTES, allocatable, choose_placement, fit_error
 
 GIB = 2**30
 H200 = 143_771 * 2**20  # what torch reports for an H200's memory
@@ -239,30 +239,53 @@ def test_re_rotating_a_device_resident_bank_counts_its_staging_and_auto_keeps_it
 
 
 # ------------------------------------------------------------ vLLM 0.34's extensible KV cache
+NON_TORCH = 1 << 29  # extensible_kv_cache.py: KV_CACHE_NON_TORCH_RESERVE_BYTES on CUDA
+
+
 def vllm_034_extensible(*, total, baseline, utilization, weights, activations, graphs):
     """The GPU as the connector sees it under vLLM 0.34's extensible KV cache
     (CUDA's default), modelled as ``extensible_kv_cache.measure_kv_cache_bytes``
     sizes it: after warmup (weights and CUDA graphs in torch's allocator) the
     cache takes its budget less what vLLM uses, capped by the device less a
-    margin, less the transient peak it keeps free; only then is the connector
-    created.  ``(gpu, kv, still_needed)``: ``held`` as ``load_bank`` counts it,
-    torch's bytes plus the cache mapped outside torch."""
+    margin, less the transient peak it keeps free; torch is capped at what it
+    holds plus what stays free less 512 MiB; only then is the connector
+    created.  ``(gpu, free, kv, torch_cap, peak, vllm_margin)``: ``gpu`` as
+    ``load_bank`` sees it, ``held`` torch's bytes plus the cache mapped
+    outside torch, ``torch_free`` what torch can still take."""
     init_free = total - baseline
     non_kv = weights + graphs
-    margin = max(GIB, int(activations * 0.75))
-    kv = max(0, min(math.ceil(total * utilization) - non_kv, init_free - non_kv - margin) - activations)
-    return dict(free=init_free - non_kv - kv, total=total, held=non_kv + kv), kv, activations
+    vllm_margin = max(GIB, int(activations * 0.75))
+    kv = max(0, min(math.ceil(total * utilization) - non_kv, init_free - non_kv - vllm_margin) - activations)
+    free = init_free - non_kv - kv
+    cap = non_kv + free - NON_TORCH
+    gpu = dict(free=free, torch_free=allocatable(free, total, non_kv, cap / total), total=total, held=non_kv + kv)
+    return gpu, free, kv, cap, activations, vllm_margin
 
 
 EXTENSIBLE = dict(total=H200, baseline=3 * GIB // 2, weights=16 * GIB, activations=4 * GIB, graphs=2 * GIB)
 
 
+def largest_extensible(gpu, utilization):
+    lo, hi = 0, gpu["free"] + 1
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        ok = fit_error(mid, utilization=utilization, kv_cache_memory_bytes=None, extensible=True, **gpu) is None
+        lo, hi = (mid, hi) if ok else (lo, mid)
+    return lo
+
+
 @pytest.mark.parametrize("utilization", [0.8, 0.9, 0.95])
-def test_under_the_extensible_kv_cache_a_bank_gets_the_budgets_slack_and_vllms_transient_peak_stays_free(utilization):
-    gpu, _, still = vllm_034_extensible(utilization=utilization, **EXTENSIBLE)
-    largest = largest_accepted(gpu, utilization)
-    assert largest == H200 - EXTENSIBLE["baseline"] - math.ceil(H200 * utilization) - MARGIN_BYTES
-    assert gpu["free"] - largest >= still + MARGIN_BYTES
+def test_under_the_extensible_kv_cache_a_bank_leaves_vllm_its_peak_its_margin_and_torchs_room(utilization):
+    """What a bank takes leaves vLLM what it keeps free for itself - its
+    transient peak and its margin - and torch, capped by vLLM, room to grow
+    by the peak; below utilization 1.0 the bank gets the budget's slack less
+    that margin."""
+    gpu, free, _, cap, peak, vllm_margin = vllm_034_extensible(utilization=utilization, **EXTENSIBLE)
+    largest = largest_extensible(gpu, utilization)
+    assert free - largest >= peak + vllm_margin
+    assert cap - (EXTENSIBLE["weights"] + EXTENSIBLE["graphs"]) - largest >= peak
+    slack = H200 - EXTENSIBLE["baseline"] - math.ceil(H200 * utilization)
+    assert largest == max(0, slack - vllm_margin)
 
 
 def test_under_the_extensible_kv_cache_at_vllms_default_utilization_no_bank_fits_and_the_way_out_makes_room():
@@ -270,11 +293,12 @@ def test_under_the_extensible_kv_cache_at_vllms_default_utilization_no_bank_fits
     extensible KV cache: the cache takes the whole GPU but its transient peak
     and margin, so no byte of a bank fits; the utilization the refusal names
     leaves a KV cache small enough for it."""
-    gpu, kv, _ = vllm_034_extensible(utilization=1.0, **EXTENSIBLE)
-    assert largest_accepted(gpu, 1.0) == 0
+    gpu, _, kv, _, _, _ = vllm_034_extensible(utilization=1.0, **EXTENSIBLE)
+    assert largest_extensible(gpu, 1.0) == 0
     bank = 20 * GIB
-    line = fit_error(bank, utilization=1.0, kv_cache_memory_bytes=None, **gpu)
+    line = fit_error(bank, utilization=1.0, kv_cache_memory_bytes=None, extensible=True, **gpu)
     lower = float(re.search(r"--gpu-memory-utilization (0\.\d+) or lower", line).group(1))
-    gpu, smaller, still = vllm_034_extensible(utilization=lower, **EXTENSIBLE)
-    assert fit_error(bank, utilization=lower, kv_cache_memory_bytes=None, **gpu) is None
-    assert gpu["free"] - bank >= still + MARGIN_BYTES and kv - smaller < bank + 2 * GIB
+    gpu, free, smaller, _, peak, vllm_margin = vllm_034_extensible(utilization=lower, **EXTENSIBLE)
+    assert fit_error(bank, utilization=lower, kv_cache_memory_bytes=None, extensible=True, **gpu) is None
+    # a KV cache smaller by the bank, vLLM's margin and the suggestion's rounding to 0.01, no more
+    assert free - bank >= peak + vllm_margin and kv - smaller < bank + vllm_margin + H200 // 100 + GIB

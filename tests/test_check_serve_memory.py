@@ -103,8 +103,9 @@ def _starts(engine: dict, free: int, total: int, monkeypatch) -> bool:
     if EXTENSIBLE:
         cuda = SimpleNamespace(is_cuda_alike=lambda: True, is_rocm=lambda: False, device_type="cuda")
         monkeypatch.setattr(platforms, "_current_platform", cuda)
-        VllmConfig._resolve_extensible_kv_cache(SimpleNamespace(
-            cache_config=cache, kv_transfer_config=None, parallel_config=SimpleNamespace(enable_elastic_ep=False)))
+        parallel = SimpleNamespace(enable_elastic_ep=bool(engine.get("enable_elastic_ep")))
+        VllmConfig._resolve_extensible_kv_cache(SimpleNamespace(cache_config=cache, kv_transfer_config=None,
+                                                                parallel_config=parallel))
     try:
         request_memory(SimpleNamespace(total_memory=total, free_memory=free, device_="cuda:0"), cache)
     except ValueError:
@@ -117,8 +118,10 @@ EXTENSIBLE = "enable_extensible_kv_cache" in EngineArgs.__dataclass_fields__
 FIXED = {"enable_extensible_kv_cache": False} if EXTENSIBLE else {}
 
 
-@pytest.mark.parametrize("engine", [{}, {"gpu_memory_utilization": 0.5}, {"dtype": "float32"}],
-                         ids=["default", "user's", "other flags"])
+@pytest.mark.parametrize("engine", [{}, {"gpu_memory_utilization": 0.5}, {"dtype": "float32"},
+                                    {"kv_cache_memory_bytes": 8 * GiB}, {"num_gpu_blocks_override": 1000},
+                                    {"enable_elastic_ep": True}],
+                         ids=["default", "user's", "other flags", "kv bytes", "block count", "elastic EP"])
 def test_the_server_utilization_is_where_vllms_own_start_up_check_refuses(engine, monkeypatch):
     """The fraction named is the one below which vLLM's own start-up check
     refuses to start a server with these flags (the user's, else vLLM's
