@@ -224,8 +224,9 @@ def bank_coverage(path: str, ids: list[list[int]], block_size: int) -> dict | No
     position by position (``BankIndex.coverage``): ``own`` (the prompt's
     recorded rows), ``other`` (another recorded text's), ``wrapped`` (a
     sequence's rows past its recorded length, again from its start),
-    ``positions`` in all and ``prompts_wrapped``; None for a bank without
-    its sequences' token ids (every block then picked by hash)."""
+    ``positions`` in all and ``prompts_wrapped``, and the ``block_size``
+    replay's blocks were cut by; None for a bank without its sequences'
+    token ids (every block then picked by hash)."""
     from kvfill.bank import BankIndex
 
     index = BankIndex.read(path)
@@ -239,6 +240,7 @@ def bank_coverage(path: str, ids: list[list[int]], block_size: int) -> dict | No
         out["positions"] += n
         out["prompts_wrapped"] += wrapped > 0
     out["longest_sequence"] = int(index.lengths.max())
+    out["block_size"] = int(block_size)
     return out
 
 

@@ -51,6 +51,7 @@ def run(job: dict) -> dict:
             llm.generate([TokensPrompt(prompt_token_ids=t) for t in job["decoys"]],
                          SamplingParams(max_tokens=1, ignore_eos=True, detokenize=False), use_tqdm=False)
         runner = llm.collective_rpc(probes.model_runner)[0]
+        block = llm.collective_rpc(probes.block_size)[0]
         moe, notes = job.get("moe"), []
         hooks = llm.collective_rpc(probes.install_expert_counter, args=tuple(moe))[0] if moe else {"layers": []}
         hooked = hooks["layers"]
@@ -82,7 +83,7 @@ def run(job: dict) -> dict:
         timing = time_passes(llm, prompts, job)
         before_eos = probes.counters(llm)
         eos_rows, eos_s, after_eos = _eos(llm, prompts, job)
-    result = {"run": job["run"], "model_runner": runner, "startup_s": round(startup_s, 1),
+    result = {"run": job["run"], "model_runner": runner, "block_size": block, "startup_s": round(startup_s, 1),
               "greedy_s": round(greedy_s, 2), "timing": timing, "greedy": rows, "eos": eos_rows,
               "eos_s": round(eos_s, 2), "counters": after_greedy,
               "eos_counters": {k: v - before_eos.get(k, 0) for k, v in after_eos.items()}}

@@ -60,6 +60,15 @@ def model_runner(worker) -> str:
     return kind.upper() if kind else type(runner).__name__
 
 
+def block_size(worker) -> int | None:
+    """The KV cache block size the worker's engine runs with: what vLLM's
+    platform settled in the worker (vLLM 0.34 picks the attention backend's
+    preferred size there, not the front end's default)."""
+    size = getattr(getattr(worker, "vllm_config", None), "cache_config", None)
+    size = getattr(size, "block_size", None)
+    return int(size) if size else None
+
+
 def _cannot_read(runner, what: str) -> str:
     return (f"{what} not read: the model runner {type(runner).__name__} exposes neither V1's input batch nor "
             f"Model Runner V2's prepare_inputs")

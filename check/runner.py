@@ -69,9 +69,6 @@ def run_all(cfg: CheckConfig, inputs: Inputs | None = None, log=print) -> dict:
             steps["record"] = {**steps["record"], "error": f"its bank cannot be read: {exc}"}
             log(f"record: its bank cannot be read - {exc}")
             bank = None
-    # replay's blocks as vLLM cuts them (vLLM CPU's unless --block-size; 16, most GPU backends', elsewhere)
-    block = int(cfg.engine.get("block_size") or (CPU_BLOCK_SIZE if on_cpu() else 16))
-    coverage = bank_coverage(bank, ids, block) if bank else None
     split = cfg.split == "on" or (cfg.split == "auto" and bool(stats and stats["has_state"]))
     n_steps = made + 1 + split + len(cfg.fills) + served
     spec = cfg.engine.get("speculative_config")
@@ -112,9 +109,15 @@ def run_all(cfg: CheckConfig, inputs: Inputs | None = None, log=print) -> dict:
             _raise_if_stopped()
         if run == "prefill" and "error" in steps[run] and runs[1:]:
             log(f"real prefill failed: {', '.join(runs[1:])} not run (nothing to compare them with)")
+    # replay's blocks as vLLM cut them: the block size its engine ran with (vLLM 0.34 picks the attention
+    # backend's in the worker), else the one asked, vLLM CPU's default or 16, most GPU backends'
+    block = next((steps[r]["block_size"] for r in ("replay", "prefill") if steps.get(r, {}).get("block_size")),
+                 None) or int(cfg.engine.get("block_size") or (CPU_BLOCK_SIZE if on_cpu() else 16))
+    coverage = bank_coverage(bank, ids, block) if bank else None
     return {"prompt_tokens": [len(t) for t in ids], "max_model_len": max_len, "kv_space": kv, "bank": bank,
             "bank_recorded": made,
-            "bank_stats": stats, "bank_prompts_held": held, "bank_coverage": coverage, "moe": moe, "moe_note": _moe_note(config, moe),
+            "bank_stats": stats, "bank_prompts_held": held, "bank_coverage": coverage, "moe": moe,
+            "moe_note": _moe_note(config, moe),
             "speculative_config": spec,
             "indexer": any(k in config for k in ("index_topk", "index_n_heads")),
             "fills": fills, "steps": steps, "samples": samples(tok, steps),
