@@ -48,6 +48,20 @@ def vllm_still_needs(*, total: int, utilization: float, held: int) -> int:
     return max(0, math.ceil(total * utilization) - held)
 
 
+def bank_room(*, free: int, total: int, utilization: float, held: int, extensible: bool = False,
+              torch_free: int | None = None) -> tuple[int, int, int]:
+    """``(room, still, kept)``: the bytes a bank may take on the GPU - what
+    is free less what vLLM still needs (``vllm_still_needs``) and the margin
+    kept beside it (``margin``), and where vLLM caps torch's allocator no
+    more than ``torch_free`` less what vLLM still needs - with those two."""
+    still = vllm_still_needs(total=total, utilization=utilization, held=held)
+    kept = margin(still, extensible)
+    room = free - still - kept
+    if torch_free is not None:
+        room = min(room, torch_free - still)
+    return room, still, kept
+
+
 def fit_error(nbytes: int, *, free: int, total: int, utilization: float, held: int,
               kv_cache_memory_bytes: int | None, extensible: bool = False,
               torch_free: int | None = None) -> str | None:
@@ -64,11 +78,8 @@ def fit_error(nbytes: int, *, free: int, total: int, utilization: float, held: i
     what torch's allocator can still take where vLLM caps it
     (``allocatable``), which must hold the bank and what vLLM still needs.
     """
-    still = vllm_still_needs(total=total, utilization=utilization, held=held)
-    kept = margin(still, extensible)
-    room = free - still - kept
-    if torch_free is not None:
-        room = min(room, torch_free - still)
+    room, still, kept = bank_room(free=free, total=total, utilization=utilization, held=held, extensible=extensible,
+                                  torch_free=torch_free)
     if nbytes <= room:
         return None
     short, gib = nbytes - room, 2**30
@@ -106,8 +117,9 @@ def choose_placement(asked: str, *, rows: int, states: int, staging: int, free: 
     (``kvfill/kernels/staging.py``); ``auto``: the device where the whole
     part fits, else the host.
     """
-    gpu = dict(free=free, total=total, utilization=utilization, held=held,
-               kv_cache_memory_bytes=kv_cache_memory_bytes, extensible=extensible, torch_free=torch_free)
+    budget = dict(free=free, total=total, utilization=utilization, held=held, extensible=extensible,
+                  torch_free=torch_free)
+    gpu = dict(budget, kv_cache_memory_bytes=kv_cache_memory_bytes)
     gib = 2**30
     on_device = rows + states + (staging if rotate else 0)
     whole = fit_error(on_device, **gpu) if asked != "host" else None
@@ -121,8 +133,7 @@ def choose_placement(asked: str, *, rows: int, states: int, staging: int, free: 
     if staged is not None:
         return None, (f"even kept in host memory (bank_placement {asked!r}), the part's recurrent states and its "
                       f"staging ({states / gib:.2f} + {staging / gib:.2f} GiB) do not fit: " + staged)
-    still = vllm_still_needs(total=total, utilization=utilization, held=held)
-    room = max(0, min(free - still - margin(still, extensible), free if torch_free is None else torch_free - still))
+    room = max(0, bank_room(**budget)[0])
     why = ("asked" if asked == "host" else
            f"the part's {on_device / gib:.2f} GiB exceed the {room / gib:.2f} GiB the GPU has beside "
            f"vLLM's budget")

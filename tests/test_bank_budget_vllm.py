@@ -27,9 +27,8 @@ CONFIGS = [{}, {"gpu_memory_utilization": 0.5}] + (
 @pytest.mark.parametrize("flags", CONFIGS, ids=str)
 def test_the_budget_weighed_is_the_one_vllms_worker_requests(flags, vllm_cpu_platform):
     cache = CacheConfig(**flags)
-    total = 143_771 * 2**20
-    snapshot = SimpleNamespace(total_memory=total, free_memory=total, device_="cuda:0")
-    assert math.ceil(total * server_utilization(cache)) == request_memory(snapshot, cache)
+    snapshot = SimpleNamespace(total_memory=H200, free_memory=H200, device_="cuda:0")
+    assert math.ceil(H200 * server_utilization(cache)) == request_memory(snapshot, cache)
 
 
 def test_the_cache_outside_torch_is_the_committed_allocation_counted_once():

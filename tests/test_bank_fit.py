@@ -34,12 +34,13 @@ def vllm_after_register(*, total, baseline, utilization, weights, activations, g
     return dict(free=total - baseline - held, total=total, held=held), activations + graphs
 
 
-def largest_accepted(gpu, utilization, kv_cache_memory_bytes=None):
+def largest_accepted(gpu, utilization, kv_cache_memory_bytes=None, extensible=False):
     """The largest bank fit_error accepts (bisection over bytes)."""
     lo, hi = 0, gpu["free"] + 1
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        ok = fit_error(mid, utilization=utilization, kv_cache_memory_bytes=kv_cache_memory_bytes, **gpu) is None
+        ok = fit_error(mid, utilization=utilization, kv_cache_memory_bytes=kv_cache_memory_bytes,
+                       extensible=extensible, **gpu) is None
         lo, hi = (mid, hi) if ok else (lo, mid)
     return lo
 
@@ -265,15 +266,6 @@ def vllm_034_extensible(*, total, baseline, utilization, weights, activations, g
 EXTENSIBLE = dict(total=H200, baseline=3 * GIB // 2, weights=16 * GIB, activations=4 * GIB, graphs=2 * GIB)
 
 
-def largest_extensible(gpu, utilization):
-    lo, hi = 0, gpu["free"] + 1
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        ok = fit_error(mid, utilization=utilization, kv_cache_memory_bytes=None, extensible=True, **gpu) is None
-        lo, hi = (mid, hi) if ok else (lo, mid)
-    return lo
-
-
 @pytest.mark.parametrize("utilization", [0.8, 0.9, 0.95])
 def test_under_the_extensible_kv_cache_a_bank_leaves_vllm_its_peak_its_margin_and_torchs_room(utilization):
     """What a bank takes leaves vLLM what it keeps free for itself - its
@@ -281,7 +273,7 @@ def test_under_the_extensible_kv_cache_a_bank_leaves_vllm_its_peak_its_margin_an
     by the peak; below utilization 1.0 the bank gets the budget's slack less
     that margin."""
     gpu, free, _, cap, peak, vllm_margin = vllm_034_extensible(utilization=utilization, **EXTENSIBLE)
-    largest = largest_extensible(gpu, utilization)
+    largest = largest_accepted(gpu, utilization, extensible=True)
     assert free - largest >= peak + vllm_margin
     assert cap - (EXTENSIBLE["weights"] + EXTENSIBLE["graphs"]) - largest >= peak
     slack = H200 - EXTENSIBLE["baseline"] - math.ceil(H200 * utilization)
@@ -294,7 +286,7 @@ def test_under_the_extensible_kv_cache_at_vllms_default_utilization_no_bank_fits
     and margin, so no byte of a bank fits; the utilization the refusal names
     leaves a KV cache small enough for it."""
     gpu, _, kv, _, _, _ = vllm_034_extensible(utilization=1.0, **EXTENSIBLE)
-    assert largest_extensible(gpu, 1.0) == 0
+    assert largest_accepted(gpu, 1.0, extensible=True) == 0
     bank = 20 * GIB
     line = fit_error(bank, utilization=1.0, kv_cache_memory_bytes=None, extensible=True, **gpu)
     lower = float(re.search(r"--gpu-memory-utilization (0\.\d+) or lower", line).group(1))
