@@ -7,9 +7,12 @@ A bank recorded for long prompts is large - 128 KiB per token of an 8B model,
 16 GiB per 128k-token sequence - and on the caches' device it takes memory
 vLLM's KV cache would otherwise have.  Kept in host memory, the rows a fill's
 replay entries read, and no others, are gathered on the host into a pinned
-staging buffer, copied to a staging buffer on the device with one
-non-blocking copy per replayed group and row size, stream-ordered before the
-fill, and the fill reads them there.  The bank stays where ``Bank.load`` put
+staging buffer, copied to a staging buffer on the device non-blocking -
+one copy per replayed group and row size where a chunk fills the staging,
+else one per layer, each into a contiguous slice (``host_copy.py``: a copy
+into a strided slice goes through a device temporary) - stream-ordered
+before the fill, and the fill reads them there; the row indices and
+positions a step uploads go pinned and non-blocking too.  The bank stays where ``Bank.load`` put
 it (pageable host memory): only the staging is pinned.  Re-rotating, the rows
 of entries that reach past their sequence's end are staged the same way (from
 the device-resident bank: a gather on the device into staging rows right
@@ -38,6 +41,8 @@ import torch
 from kvfill.bank import DcpGeometry
 
 from . import values as V
+from . import host_copy
+from .host_copy import copy_rows, pinned_empty, upload
 from .plan import GroupFill
 from .rotary import Rerotation
 
@@ -95,19 +100,17 @@ class Staging:
         self.on_device = {n: r for n, (_, r) in layers.items() if not isinstance(r, HostRows)}
         self.base = int((self.table[:, 0] + self.table[:, 1]).max()) if self.on_device else 0  # the bank's rows
         self.group_of = {n: g for n, (g, _) in layers.items()}
-        pin = device.type == "cuda"
         keyed: dict[tuple, list[str]] = {}
         for name, r in self.host.items():
             keyed.setdefault((self.group_of[name], r.rows.dtype, r.rows.shape[1]), []).append(name)
         self.parts: list[_Part] = []
         for (group, dtype, row), names in keyed.items():
             shape = (len(names), self.capacity, row)
-            host = tuple(torch.empty(shape[0] * shape[1] * row, dtype=dtype, device="cpu", pin_memory=pin)
-                         for _ in range(2))
+            host = tuple(pinned_empty(shape[0] * shape[1] * row, dtype, device) for _ in range(2))
             self.parts.append(_Part(group, tuple(names), torch.empty(shape, dtype=dtype, device=device), host))
         self.groups = set(self.group_of.values())
         self._turn = 0
-        self._done: list[torch.cuda.Event | None] = [None, None]  # the last copy out of each pinned buffer
+        self._done: list = [None, None]  # the last copy out of each pinned buffer (host_copy.record_event)
 
     @property
     def nbytes(self) -> int:
@@ -170,9 +173,8 @@ class Staging:
                     chunk[g] = _merged(chunk.get(g), entries)
                     tables.append(table)
                     n += len(table)
-            if self.device.type == "cuda" and self.parts:
-                self._done[turn] = torch.cuda.Event()
-                self._done[turn].record()
+            if self.parts:
+                self._done[turn] = host_copy.record_event(self.device)
             yield chunk, padded(np.concatenate(tables))
 
     def _staged_entries(self, group: str, e: GroupFill) -> np.ndarray:
@@ -202,8 +204,8 @@ class Staging:
         """The pinned buffer the next chunk gathers into, once its last copy is done."""
         turn = self._turn
         self._turn ^= 1
-        if self._done[turn] is not None:
-            self._done[turn].synchronize()
+        host_copy.wait_event(self._done[turn])  # the one host wait: a pinned buffer reused (docstring)
+        self._done[turn] = None
         return turn
 
     def _bounds(self, entries: GroupFill) -> list[int]:
@@ -251,11 +253,11 @@ class Staging:
             host = p.pinned[turn][: len(p.layers) * n * p.device.shape[2]].view(len(p.layers), n, -1)
             for i, name in enumerate(p.layers):
                 self.host[name].gather(rows, out=host[i])
-            p.device[:, :n].copy_(host, non_blocking=True)
+            copy_rows(p.device[:, :n], host)  # into contiguous slices: no device temporary
         index = None
         for name, r in self.on_device.items():
             if self.group_of[name] == group:
-                index = rows.to(self.device) if index is None else index
+                index = upload(rows, self.device) if index is None else index
                 torch.index_select(r[:self.base], 0, index, out=r[self.base:self.base + n])
 
     def _rotate(self, group: str, n: int, true: np.ndarray, held: np.ndarray) -> None:
@@ -264,7 +266,7 @@ class Staging:
         layers = [name for name in self.rerotate if self.group_of[name] == group]
         if not layers or ((true == held).all() and not self._turns_all(group)):
             return
-        t, p = (torch.from_numpy(np.ascontiguousarray(x, np.int64)).to(self.device) for x in (true, held))
+        t, p = upload(torch.from_numpy(np.ascontiguousarray(np.stack([true, held]), np.int64)), self.device)
         staging, angles = self.staging(), {}
         for name in layers:  # the layers of one table share their angles
             r = self.rerotate[name]

@@ -17,6 +17,8 @@ from typing import Mapping
 import numpy as np
 import torch
 
+from .host_copy import upload
+
 
 @dataclass(frozen=True)
 class StateWrite:
@@ -97,10 +99,7 @@ class StatePages:
                 offsets[key] = sum(len(a) for a in arrays)
                 arrays += [ids, seqs]
             where.append(offsets[key])
-        host = torch.from_numpy(np.concatenate(arrays))
-        if dev.type == "cuda":
-            host = host.pin_memory()
-        index = host.to(dev, non_blocking=True)
+        index = upload(torch.from_numpy(np.concatenate(arrays)), dev)  # pinned, non-blocking
         pages = nbytes = 0
         for (rows, st, ids, _), at in zip(staged, where):
             n = len(ids)

@@ -22,6 +22,7 @@ import torch
 from . import triton_fill
 from . import values as V
 from .backend import FillBackend
+from .host_copy import upload
 from .plan import GroupFill
 from .registry import LaunchClass, Registry
 
@@ -130,10 +131,7 @@ class TritonBackend(FillBackend):
         flat = [p.reshape(-1) for p in parts]
         if sequences is not None:  # after the entries, whose groups' rows end 16-byte aligned
             flat.append(np.ascontiguousarray(sequences, dtype=np.int64).reshape(-1).view(np.int32))
-        host_t = torch.from_numpy(np.concatenate(flat))
-        if self.registry.device.type == "cuda":
-            host_t = host_t.pin_memory()
-        uploaded = host_t.to(self.registry.device, non_blocking=True)
+        uploaded = upload(torch.from_numpy(np.concatenate(flat)), self.registry.device)  # pinned, non-blocking
         n = pos * self.entry_cols
         entries = uploaded[:n].view(pos, self.entry_cols)
         table = uploaded[n:].view(torch.int64).view(-1, 2) if sequences is not None else None
@@ -165,10 +163,15 @@ class TritonBackend(FillBackend):
             raise ValueError(f"entries must be contiguous, got strides {entries.stride()}")
         if entries.device != self.registry.device:
             raise ValueError(f"entries are on {entries.device}, the caches on {self.registry.device}")
-        if self.registry.staged is not None and group in self.registry.staged.groups:
-            raise ValueError(f"group {group!r} replays a bank kept in host memory (bank_placement 'host'), whose "
-                             f"rows each fill stages from its host plan; device-built entries (CUDA graphs) need "
-                             f"bank_placement 'device'")
+        staged = self.registry.staged
+        if staged is not None and group in staged.groups:
+            if any(staged.group_of[n] == group for n in staged.host):
+                raise ValueError(f"group {group!r} replays a bank kept in host memory (bank_placement 'host'), "
+                                 f"whose rows each fill stages from its host plan; device-built entries (CUDA "
+                                 f"graphs) need bank_placement 'device'")
+            raise ValueError(f"group {group!r} re-rotates keys past each recorded sequence's end (past_bank "
+                             f"'rotate'), staged from each fill's host plan; device-built entries (CUDA graphs) "
+                             f"need past_bank 'wrap'")
         launches = 0
         for cl in self._launches:
             if cl.cls.group == group:

@@ -363,51 +363,7 @@ def test_state_pages_write_the_recorded_state_into_each_block_and_nothing_else()
     assert (checked, bad) == (2, 1) and first == [(name, 1, 0)]
 
 
-class BlockingCopies(torch.overrides.TorchFunctionMode):
-    """Counts the copies from host memory to another device that block the
-    host: ``Tensor.to`` and ``copy_`` without ``non_blocking``, and factories
-    given host data and a device."""
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.Tensor.to:
-            device, _, non_blocking, _ = torch._C._nn._parse_to(*args[1:], **kwargs)
-            self.count += device is not None and args[0].device.type == "cpu" != device.type and not non_blocking
-        elif func is torch.Tensor.copy_:
-            non_blocking = kwargs.get("non_blocking", args[2] if len(args) > 2 else False)
-            self.count += args[1].device.type == "cpu" != args[0].device.type and not non_blocking
-        elif func in (torch.as_tensor, torch.tensor) and kwargs.get("device") is not None:
-            self.count += torch.device(kwargs["device"]).type != "cpu"
-        return func(*args, **kwargs)
-
-
-def test_state_pages_of_a_step_go_to_the_device_in_one_upload_that_does_not_block_the_host():
-    """Two state layers of one group on a non-CPU device (``meta`` stands in
-    for a GPU): the step's block ids and sequences go up in one non-blocking
-    copy, none that blocks the host, then a gather and a scatter per layer."""
-    bank = _bank()
-    name = "model.layers.0.linear_attn"
-    pages = bank.state_pages(name, [st.shape for st in GDN], [st.dtype for st in GDN])
-    layers = [name, "model.layers.1.linear_attn"]
-    caches = {n: torch.empty((6, 1, 1, pages.shape[1]), dtype=torch.int8, device="meta") for n in layers}
-    sp = StatePages(caches, {n: pages for n in layers})
-    ids, seqs = np.array([4, 1]), np.array([2, 0])
-    with BlockingCopies() as spy:
-        written = sp.write({n: (ids, seqs) for n in layers})
-    assert spy.count == 0
-    assert written == StateWrite(pages=4, bytes=4 * pages.shape[1], launches=1 + 2 * 2)
-
-
-def test_the_blocking_copy_spy_sees_a_plain_to_device():
-    with BlockingCopies() as spy:
-        torch.arange(3, device="cpu").to("meta")
-        torch.arange(3, device="cpu").to("meta", non_blocking=True)
-        torch.empty(3, device="meta").copy_(torch.arange(3.0, device="cpu"))
-    assert spy.count == 2
+# A step's state write makes no host sync and no blocking copy: tests/test_device_ledger.py (the stand-in's ledger).
 
 
 def test_state_pages_refuse_a_bad_block_or_sequence_before_any_write():
