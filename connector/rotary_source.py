@@ -104,12 +104,15 @@ def _tables(rope, model_dtype: torch.dtype,
 
 def rotary_layers(ropes: list[Any], kv_geometry: Mapping[str, tuple[int, int, int] | None],
                   packed: Mapping[str, str], model_dtype: torch.dtype, *, indexer_neox: bool | None = None,
-                  recorded_max_model_len: int | None = None) -> dict[str, Rotary]:
+                  recorded_max_model_len: int | None = None, max_positions: int | None = None) -> dict[str, Rotary]:
     """Layer -> its ``Rotary`` for every layer of K/V geometry or of a
     rotated packing (``packed``: layer -> its packed kind, ``indexer_mx``
     for an indexer whose scales are UE8M0 bytes), module docstring;
     ``indexer_neox``: the indexer's pairing (DeepSeek's sparse attention);
-    ValueError naming what cannot be matched."""
+    ``max_positions``: the serving max_model_len - the tables are cut to
+    the positions a fill can reach (true and recorded alike: the bank is
+    cut there too), as they go to the device; ValueError naming what
+    cannot be matched."""
     tables = []
     for r in ropes:
         if not any(_same_table(r, d) for d in tables):
@@ -128,7 +131,8 @@ def rotary_layers(ropes: list[Any], kv_geometry: Mapping[str, tuple[int, int, in
         raise ValueError(f"past_bank 'rotate': the model has rotary embeddings of one table with both NeoX and GPT-J "
                          f"pairs ({_describe(rope)}) and no DeepSeek indexer to tell their layers apart{WRAP}")
     style = styles.pop() if len(styles) == 1 else not indexer_neox  # MLA's and attention's; the indexer's its own
-    table, source = _tables(rope, model_dtype, recorded_max_model_len)
+    table, source = (None if t is None else t[:max_positions] for t in _tables(rope, model_dtype,
+                                                                              recorded_max_model_len))
     out, unmatched = {}, []
     for name, kv in kv_geometry.items():
         kind = packed.get(name)
@@ -178,10 +182,29 @@ def worker_rotary(vllm_config, groups, kv_geometry: Mapping, packed: Mapping[str
     recorded = bank_metadata.get("max_model_len")
     rotary = rotary_layers(model_ropes(), replayed, kinds, model.dtype,
                            indexer_neox=not getattr(hf, "indexer_rope_interleave", False) if kinds else None,
-                           recorded_max_model_len=int(recorded) if str(recorded or "").isdigit() else None)
+                           recorded_max_model_len=int(recorded) if str(recorded or "").isdigit() else None,
+                           max_positions=model.max_model_len or None)
     turned_all = sum(r.source is not None for r in rotary.values())
     logging.getLogger("vllm.kvfill.connector").info(
         "KVFillConnector: past_bank 'rotate': the keys of %d layers past each recorded sequence's end are re-rotated "
         "to their true positions%s", len(rotary),
         f" (every key of {turned_all}: the bank was recorded with LongRoPE's other factors)" if turned_all else "")
     return rotary
+
+
+def rotary_table_bytes(max_positions: int) -> int:
+    """Device bytes ``past_bank: "rotate"`` keeps for this process's rotary
+    tables, known before the bank is read (the fit counts them,
+    ``bank_fit.choose_placement``): each distinct table once, float32, cut to
+    ``max_positions``, and a LongRoPE model's other table as well (a bank
+    recorded with the other factors is turned from it)."""
+    distinct = []
+    for r in model_ropes():
+        if not any(_same_table(r, d) for d in distinct):
+            distinct.append(r)
+    total = 0
+    for r in distinct:
+        cache = getattr(r, "cos_sin_cache", getattr(r, "long_short_cos_sin_cache", None))
+        rows = min(int(cache.shape[0]) if isinstance(cache, torch.Tensor) else max_positions, max_positions)
+        total += (2 if type(r).__name__ == LONGROPE else 1) * rows * int(r.rotary_dim) * 4
+    return total

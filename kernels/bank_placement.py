@@ -19,7 +19,8 @@ import torch
 from kvfill.bank import Bank, BankError, free_bytes
 
 from . import values as V
-from .rotary import Rerotation, Rotary
+from .rotary import Rerotation, Rotary, table_nbytes
+from .host_copy import is_host
 from .staging import STAGING_BYTES, Staging, host_rows, size
 
 if TYPE_CHECKING:
@@ -48,10 +49,16 @@ def check_placement(placement: str, staging_bytes: int | None, past_bank: str = 
 
 
 def placed_rows(registry: "Registry", bank: Bank, placement: str, staging_bytes: int | None,
-                rotary: Mapping[str, Rotary] | None = None) -> tuple[list["LayerTensor"], Staging | None]:
+                rotary: Mapping[str, Rotary] | None = None) -> tuple[list["LayerTensor"], Staging | None,
+                                                                     tuple[int, int]]:
     """Every replaying tensor given its layer's rows as the fill reads them
     (on the device, or staged there), after checking the bank matches the
-    caches; and the staging (None: every row read in place)."""
+    caches; the staging (None: every row read in place); and the device
+    bytes counted for them: ``(held, transient)`` - held, the rows uploaded,
+    the staging and the rotary tables, all the bank keeps on the device;
+    transient, the most a fill's re-rotation takes beside them
+    (``turn_bytes``).  The ledger of tests/test_device_ledger.py holds the
+    engine to both."""
     formats = registry.row_formats()
     need = {}  # layer -> (its stored rows, the format that orders them for its caches, or None)
     vdtype = {}
@@ -63,7 +70,11 @@ def placed_rows(registry: "Registry", bank: Bank, placement: str, staging_bytes:
     unknown = sorted(set(rotary or {}) - set(need))
     if unknown:
         raise ValueError(f"rotary names layers no replayed group holds: {unknown[:4]}")
-    rerotate = {n: Rerotation(r, formats[n].order, vdtype[n], device) for n, r in (rotary or {}).items()}
+    counted = 0 if is_host(device) else table_nbytes(rotary or {})
+    _check_room(bank, "the rotary tables", counted, device,
+                "a smaller max_model_len, or past_bank 'wrap'")
+    tables: dict = {}  # one device copy per distinct table, shared by every re-rotated layer
+    rerotate = {n: Rerotation(r, formats[n].order, vdtype[n], device, tables) for n, r in (rotary or {}).items()}
     groups = {t.layer: t.group for t in registry.tensors if t.mode == V.REPLAY}
     staged_groups = set(groups.values()) if placement == "host" else {groups[n] for n in rerotate}
     staged = [n for n in need if groups[n] in staged_groups]
@@ -72,17 +83,18 @@ def placed_rows(registry: "Registry", bank: Bank, placement: str, staging_bytes:
         row_bytes = sum(need[n][0].shape[1] * need[n][0].element_size() for n in staged)
         capacity = max(max(registry.groups[g].slots_per_block for g in staged_groups),
                        (STAGING_BYTES if staging_bytes is None else staging_bytes) // max(row_bytes, 1))
+    transient = turn_bytes(rerotate, capacity) if not is_host(device) else 0
     if placement == "host":
-        _check_room(bank, f"the {len(need)} replayed layers' staging", capacity * row_bytes, device,
+        _check_room(bank, f"the {len(need)} replayed layers' staging", capacity * row_bytes + transient, device,
                     "a smaller staging_bytes")
         staging = Staging({n: (groups[n], host_rows(r, fmt.order if fmt is not None else None))
                            for n, (r, fmt) in need.items()}, bank.sequence_table(), device, capacity,
                           _dcps(registry), rerotate)
-        return _with(registry.tensors, staging), staging
+        return _with(registry.tensors, staging), staging, (counted + capacity * row_bytes, transient)
     # What is uploaded (a host bank for GPU caches); rows already there are used in place.
     nbytes = sum(r.numel() * r.element_size() for r, _ in need.values() if r.device != device)
     nbytes += capacity * sum(need[n][0].shape[1] * need[n][0].element_size() for n in staged)
-    _check_room(bank, f"the {len(need)} replayed layers' rows", nbytes, device,
+    _check_room(bank, f"the {len(need)} replayed layers' rows", nbytes + transient, device,
                 "bank_placement 'host', lower gpu_memory_utilization, or record fewer sequences or positions")
     on_device = {}  # one layer at a time: a permuted copy lives only until its upload
     for name, (r, fmt) in need.items():
@@ -93,11 +105,21 @@ def placed_rows(registry: "Registry", bank: Bank, placement: str, staging_bytes:
             on_device[name] = out
         else:
             on_device[name] = rows.to(device).contiguous()
+    counted += nbytes
     if not staged:
-        return _with(registry.tensors, None, on_device), None
+        return _with(registry.tensors, None, on_device), None, (counted, 0)
     staging = Staging({n: (groups[n], on_device[n]) for n in staged}, bank.sequence_table(), device, capacity,
                       _dcps(registry), rerotate)
-    return _with(registry.tensors, staging, on_device), staging
+    return _with(registry.tensors, staging, on_device), staging, (counted, transient)
+
+
+def turn_bytes(rerotate: Mapping[str, Rerotation], rows: int) -> int:
+    """The device temporaries of re-rotating ``rows`` staged rows of every
+    layer: one key's angles (shared), then the layers one at a time."""
+    if not rerotate or not rows:
+        return 0
+    parts = [r.transient_bytes(rows) for r in rerotate.values()]
+    return max(a for a, _ in parts) + max(t for _, t in parts)
 
 
 def _dcps(registry: "Registry") -> dict:

@@ -65,23 +65,10 @@ class FillEngine:
     positions (``page_images.PageImages``; None: 1 GiB, 0: none).
     """
 
-    def __init__(
-        self,
-        groups: Mapping[str, CacheGroup],
-        *,
-        values: V.ValueSpec | None = None,
-        mean: float = 0.015,
-        std: float = 0.0,
-        seed: int = 0,
-        backend: str = "auto",
-        layer_ids: Mapping[str, int] | None = None,
-        bank: Bank | None = None,
-        page_image_bytes: int | None = None,
-        bank_placement: str = "device",
-        staging_bytes: int | None = None,
-        past_bank: str = "wrap",
-        rotary: Mapping | None = None,
-    ):
+    def __init__(self, groups: Mapping[str, CacheGroup], *, values: V.ValueSpec | None = None, mean: float = 0.015,
+                 std: float = 0.0, seed: int = 0, backend: str = "auto", layer_ids: Mapping[str, int] | None = None,
+                 bank: Bank | None = None, page_image_bytes: int | None = None, bank_placement: str = "device",
+                 staging_bytes: int | None = None, past_bank: str = "wrap", rotary: Mapping | None = None):
         if page_image_bytes is not None:
             if not _is_int(page_image_bytes) or page_image_bytes < 0:
                 raise ValueError(f"page_image_bytes must be an int >= 0 (or None), got {page_image_bytes!r}")
@@ -112,6 +99,11 @@ class FillEngine:
         """Where the bank's rows are: ``device``, ``host`` (``staging.py``), None without a bank."""
         staged = self._registry.staged
         return None if self._registry.bank_table is None else "host" if staged and staged.host else "device"
+
+    @property
+    def bank_device_bytes(self) -> tuple[int, int]:
+        """``(held, transient)`` device bytes of the bank (``bank_placement.placed_rows``)."""
+        return self._registry.bank_device_bytes
 
     @property
     def num_sequences(self) -> int:

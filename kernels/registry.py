@@ -160,6 +160,7 @@ class Registry:
         self.bank_sequences: torch.Tensor | None = None
         self.bank_table: np.ndarray | None = None
         self.staged: Staging | None = None  # rows a fill stages (a host-kept bank's; re-rotated keys)
+        self.bank_device_bytes = (0, 0)  # (held, transient) the bank's placement counted on the device
         self.kv: dict[str, tuple[int, int, int] | None] = {}  # layer -> the geometry its group gave
         self.groups: dict[str, RegisteredGroup] = {}
         self.tensors: list[LayerTensor] = []
@@ -182,7 +183,8 @@ class Registry:
             # The rows live on in each tensor's device copy (placement "device": the host
             # bank, a second copy when the caches are on a GPU, is not kept) or in the staged bank.
             bank = self._rank_positions(bank)
-            self.tensors, self.staged = placed_rows(self, bank, bank_placement, staging_bytes, rotary)
+            self.tensors, self.staged, self.bank_device_bytes = placed_rows(self, bank, bank_placement,
+                                                                            staging_bytes, rotary)
             self.bank_table = bank.sequence_table()
             # a staged bank's fills name staged sequences (staging.py): warmup launches as they do
             launched = (self.bank_table if self.staged is None else

@@ -55,6 +55,9 @@ ROTATED_DTYPES = (torch.float16, torch.bfloat16, torch.float32,  # keys rotated 
 PACKINGS = (None, "fp8_ds_mla", "indexer", "indexer_mx")
 DS_MLA_ROPE_BYTES = (528, 656)  # an fp8_ds_mla row's RoPE part: 64 bfloat16 values after 512 fp8 and 4 scales
 INDEXER_SCALE_AT = 128  # an indexer row: 128 fp8 values, then its scale's 4 bytes
+# Float32 temporaries live at once, per rotated element: the angles' gathered table rows and products; a
+# pair's two halves, their products and sums (and fp8's clamps); an indexer row's dequantised values.
+ANGLE_TEMPS, TURN_TEMPS, INDEXER_TEMPS = 12, 10, 4
 FP8_MAX = 448.0  # what vLLM's indexer writer scales keys to (float8_e4m3fn's largest finite value)
 
 
@@ -108,14 +111,34 @@ class Rotary:
                 np.tile(i, self.heads))
 
 
+def device_table(table: torch.Tensor, device, made: dict) -> torch.Tensor:
+    """``table`` as float32 on ``device``: one copy per distinct table,
+    whichever layer asks (``made``: id of a host table -> its copy).  A
+    model has one table (and a LongRoPE bank its recording's): every layer
+    turned by it reads the same copy, not one of its own."""
+    key = (id(table), str(device))
+    if key not in made:
+        made[key] = (table, table.to(device=device, dtype=torch.float32).contiguous())
+    return made[key][1]
+
+
+def table_nbytes(rotary) -> int:
+    """Device bytes of the float32 tables the layers of ``rotary`` (layer ->
+    ``Rotary``) share: each distinct table once."""
+    distinct = {id(t): t for r in rotary.values() for t in (r.table, r.source) if t is not None}
+    return sum(t.shape[0] * t.shape[1] * 4 for t in distinct.values())
+
+
 class Rerotation:
     """A layer's re-rotation on the caches' device: ``apply(rows, t, p)``
     turns rows recorded at positions p into keys at positions t, in place.
     ``order``: the cache's element order of a canonical row (None: the
     same), so the rows may be in the cache's order; ``vdtype``: what their
-    bits encode (a packed row's: bytes)."""
+    bits encode (a packed row's: bytes); ``tables``: the device copies of
+    the tables made so far (``device_table``), shared by every layer."""
 
-    def __init__(self, rotary: Rotary, order: np.ndarray | None, vdtype: torch.dtype, device):
+    def __init__(self, rotary: Rotary, order: np.ndarray | None, vdtype: torch.dtype, device,
+                 tables: dict | None = None):
         if rotary.packing is None and vdtype not in ROTATED_DTYPES:
             raise ValueError(f"keys stored as {vdtype} are not re-rotated; expected one of {list(ROTATED_DTYPES)}")
         if rotary.packing is not None and (order is not None or vdtype.itemsize != 1):
@@ -127,8 +150,9 @@ class Rerotation:
             place[order] = np.arange(order.size)
             a, b = place[a], place[b]
         self.a, self.b = (torch.from_numpy(np.ascontiguousarray(x)).to(device) for x in (a, b))
-        self.table = rotary.table.to(device=device, dtype=torch.float32)
-        self.source = None if rotary.source is None else rotary.source.to(device=device, dtype=torch.float32)
+        tables = {} if tables is None else tables  # shared by the layers of one engine (device_tables)
+        self.table = device_table(rotary.table, device, tables)
+        self.source = None if rotary.source is None else device_table(rotary.source, device, tables)
         self.key = (id(rotary.table), id(rotary.source))  # layers of one key share their angles (Staging)
         self.half = rotary.rotary_dim // 2
         self.heads, self.stride, self.offset, self.neox = rotary.heads, rotary.head_stride, rotary.offset, rotary.neox
@@ -140,6 +164,18 @@ class Rerotation:
     def turns_all(self) -> bool:
         """Every key is turned (the bank was rotated by another table), not only those past a sequence's end."""
         return self.source is not None
+
+    def transient_bytes(self, n: int) -> tuple[int, int]:
+        """Device bytes of the float32 temporaries of turning ``n`` rows, at
+        their peak: ``(angles, this layer's turn)`` - the angles of one key
+        are shared by its layers, which are turned one after another, so a
+        fill's peak is one ``angles`` and the largest turn (bounds the
+        stand-in's ledger checks, tests/test_device_ledger.py)."""
+        angles = ANGLE_TEMPS * n * self.half * 4
+        turn = TURN_TEMPS * n * self.heads * self.half * 4
+        if self.packing in ("indexer", "indexer_mx"):  # the row dequantised to float32 and requantised
+            turn += INDEXER_TEMPS * n * INDEXER_SCALE_AT * 4
+        return angles, turn
 
     def angles(self, t: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's ``M(t) M(p)^-1`` as (cos, sin) ``[n, rotary_dim / 2]``
