@@ -304,3 +304,14 @@ def test_integer_keys_and_a_rotary_for_no_replayed_layer_are_refused_naming_why(
                    bank=bank_of(geo, torch.bfloat16), past_bank="rotate", rotary={"l9": geo.rotary(rope_table(8, 16))})
     with pytest.raises(ValueError, match=r"with past_bank 'wrap'; they are read with past_bank 'rotate' only"):
         FillEngine({"g": CacheGroup({"l0": torch.zeros(2, 2, 4, 16)})}, rotary={"l0": geo.rotary(rope_table(8, 16))})
+
+
+@pytest.mark.parametrize("placement,way_out", [("device", "past_bank 'wrap'"), ("host", "bank_placement 'device'")])
+def test_device_built_entries_are_refused_naming_what_stages_the_group(placement, way_out):
+    """A group whose fills stage rows cannot take a plan built on the device
+    (CUDA graphs): a re-rotating device-resident bank names past_bank, a
+    host-kept bank names its placement (issue 59's G7 named the host for both)."""
+    _, _, eng, _ = run(LAYERS["neox"], torch.bfloat16, "triton", "rotate", rope_table(64, 16), placement=placement,
+                       entries=None)
+    with pytest.raises(ValueError, match=way_out):
+        eng.fill_device_entries("g", torch.zeros(1, 5, dtype=torch.int32))
