@@ -26,6 +26,8 @@ MOE_SCALE = 0.5
 # itself widens it where the host is noisier; past TIME_UNMEASURABLE the report says time is not measurable.
 TIME_BAND = 1.1
 TIME_UNMEASURABLE = 2.0
+# Fewer timed passes a side than this: the interval is two or three draws wide, marked thin and not judged.
+THIN_PASSES = 3
 # Fewer prompts (reaching EOS) or MoE layers than this behind a verdict: marked thin.
 THIN = 5
 # Expert load: a sign test over at least SIGN_LAYERS layers, at level SIGN_P (below that many layers,
@@ -66,6 +68,7 @@ class Evidence:
         self.differs: list[str] = []
         self.unknown: list[str] = []
         self.only_for: list[str] = []
+        self.unmeasured: list[str] = []  # observables taken but too noisy or thin to judge: never "measured"
 
     def summary(self, run: str) -> str:
         if self.differs:
@@ -74,6 +77,7 @@ class Evidence:
         if self.unknown:
             return f"=> {run}: not shown valid ({'; '.join(self.unknown)})"
         on = f"; measured: {', '.join(self.measured)}" if self.measured else ""
+        on += f"; not measurable here: {', '.join(self.unmeasured)}" if self.unmeasured else ""
         if self.only_for:
             return f"=> {run}: valid only for {'; '.join(self.only_for)}{on}"
         return (f"=> {run}: valid for this benchmark - every observable that sets decode time is real prefill's or "
@@ -245,7 +249,7 @@ def time_host_line(t: dict | None) -> tuple[str | None, float]:
             f"{t['batch']}; {host})")
     if band > TIME_UNMEASURABLE:
         return (line + f" - decode time is not measurable on this host now: its own passes differ by up to "
-                       f"{band:.2g}x; every ratio below is noise unless beyond that"), band
+                       f"{band:.2g}x; every ratio below is not measurable here unless beyond that"), band
     if band > TIME_BAND:
         return line + f" - a fill's time counts as different only beyond {band:.2g}x", band
     return line, band
@@ -264,8 +268,13 @@ def _ms(values: list[float]) -> str:
 
 def time_lines(run: str, t: dict | None, band: float, ev: Evidence) -> list[str]:
     """A fill's decode time against real prefill's passes interleaved with
-    it in its engine: noise while the interval holds 1 (whatever else
-    differs), different beyond the host's band, else too small to tell."""
+    it in its engine: different where its interval lies wholly beyond the
+    host's band; within what the host resolves where it lies wholly inside
+    the band; else - an interval reaching past the band (whether or not it
+    holds 1: it admits a difference the host could have seen), a host that
+    resolves nothing now (band past ``TIME_UNMEASURABLE``), or fewer than
+    ``THIN_PASSES`` passes a side - not measurable here, and never counted
+    as measured."""
     if t is None:
         ev.only_for.append("what was measured besides decode time (not timed: --time-passes 0, or the engine's "
                            "steps could not be timed)")
@@ -275,22 +284,26 @@ def time_lines(run: str, t: dict | None, band: float, ev: Evidence) -> list[str]
         return [f"{run}: decode time not measured - {t['error']}"]
     lo, hi = t["interval"]
     fill, real = t["ms_per_token"]
+    passes = min(t["passes"])
     what = (f"{run}: decode {fill:.3g} vs {real:.3g} ms per request-token of real prefill interleaved in the same "
-            f"engine: {t['ratio']:g}x [{lo:g}, {hi:g}] ({t['passes'][0]}+{t['passes'][1]} passes, "
-            f"{t['steps'][0]}+{t['steps'][1]} steps at batch {t['batch']}; pass medians "
-            f"{_ms(t['pass_medians'][0])} vs {_ms(t['pass_medians'][1])} ms; load {t['load'][0]:g}-{t['load'][1]:g}, "
-            f"{_cpu(t)})")
+            f"engine: {t['ratio']:g}x [{lo:g}, {hi:g}] ({t['passes'][0]}+{t['passes'][1]} passes"
+            f"{'; thin' if passes < THIN_PASSES else ''}, {t['steps'][0]}+{t['steps'][1]} steps at batch "
+            f"{t['batch']}; pass medians {_ms(t['pass_medians'][0])} vs {_ms(t['pass_medians'][1])} ms; load "
+            f"{t['load'][0]:g}-{t['load'][1]:g}, {_cpu(t)})")
     gained = t.get("tokens_per_step")
     if gained and gained[0] != gained[1]:  # a drafter's acceptance moves time per token, not per step
         what += (f"; per step {t['step_ratio']:g}x, requests gaining {gained[0]:g} vs {gained[1]:g} tokens a step: "
                  f"the difference is acceptance's")
-    if lo <= 1 <= hi:
-        ev.measured.append(f"decode time ({t['passes'][0]}+{t['passes'][1]} passes)")
-        return [f"{what} - the interval holds 1: noise, not the fill's"]
     if lo > band or hi < 1 / band:
         ev.differs.append("decode time")
         return [f"{what} - {'slower' if lo > 1 else 'faster'} than real prefill beyond this host's noise "
                 f"({band:.2g}x)"]
+    why = (f"thin: {passes} timed passes a side, fewer than {THIN_PASSES}" if passes < THIN_PASSES else
+           f"this host resolves nothing finer than {band:.2g}x now" if band > TIME_UNMEASURABLE else
+           f"the interval reaches past the {band:.2g}x this host resolves: it admits a difference as large")
+    if passes < THIN_PASSES or band > TIME_UNMEASURABLE or hi > band or lo < 1 / band:
+        ev.unmeasured.append(f"decode time ({why})")
+        return [f"{what} - not measurable here: {why}"]
     ev.measured.append(f"decode time ({t['passes'][0]}+{t['passes'][1]} passes, within {band:.2g}x)")
     return [f"{what} - within {band:.2g}x: below what this host resolves"]
 

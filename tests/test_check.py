@@ -137,7 +137,7 @@ def test_verdicts_tell_replay_from_a_distorting_fill_and_report_a_failed_run(tmp
     assert "replay: acceptance 67 %, 3 tokens per step = real prefill's counters (10 drafts, 30 draft tokens)" in text
     assert "=> replay: valid for this benchmark - every observable that sets decode time is real prefill's or within " \
         "its floor; measured: greedy tokens (4 prompts), EOS lengths (4 prompts), acceptance (10 drafts), expert " \
-        "load (1 layers), decode time (3+3 passes)" in lines
+        "load (1 layers), decode time (3+3 passes, within 1.1x)" in lines
     assert "normal: 2/8 greedy tokens as real prefill's (25 %, 4 prompts), first divergence at token 0" in text
     assert "normal: acceptance 3 % vs 67 % real, 1.1 vs 3 tokens per step (30 vs 10 drafts) - use replay" in text
     assert "normal: decode 3 vs 2 ms per request-token of real prefill interleaved in the same engine: 1.5x [" in text
@@ -244,21 +244,28 @@ def test_without_real_prefill_there_is_nothing_to_compare_with(tmp_path):
                                           "replay, zeros"]
 
 
-def test_a_burst_of_load_in_one_pass_is_noise_with_its_interval_never_the_fills_effect():
+def test_a_burst_of_load_in_one_pass_is_not_measurable_never_the_fills_effect_nor_measured():
     """Two checks of the same inputs, one with a pass 3x slower in every
-    step (a sleep, a neighbour's burst): its ratio's interval holds 1 and
-    the line says noise, whatever else; the fill stays valid."""
+    step (a sleep, a neighbour's burst): both intervals hold 1; the quiet
+    one lies within the host's band (measured: no difference it resolves),
+    the noisy one reaches past it - it admits a slowdown as large as the
+    band's, so it is "not measurable here", never counted as measured (an
+    adversarial run found 1.364x [0.768, 4.284] called noise and measured);
+    the fill is not judged on time either way."""
     quiet = {"prefill": _step("prefill", [[1, 2]] * 2, [], [], {}), "replay": _step("replay", [[1, 2]] * 2, [], [], {})}
     noisy = {**quiet, "replay": _step("replay", [[1, 2]] * 2, [], [], {}, slow_pass=2)}  # its second fill pass
-    for steps in (quiet, noisy):
+    for steps, ending in ((quiet, "below what this host resolves"), (noisy, "reaches past the 1.1x this host "
+                                                                           "resolves: it admits a difference as large")):
         res = _res(steps)
         cmp = compare.compare_all(res)
         t = cmp["replay"]["decode_time"]
         assert t["interval"][0] <= 1 <= t["interval"][1], t
         lines = verdict.verdicts(res, cmp)
         line = next(line for line in lines if line.startswith("replay: decode "))
-        assert line.endswith("the interval holds 1: noise, not the fill's") and f"[{t['interval'][0]:g}, " in line
-        assert any(line.startswith("=> replay: valid only for EOS-ignored runs") for line in lines), lines
+        assert line.endswith(ending) and f"[{t['interval'][0]:g}, " in line, line
+        summary = next(line for line in lines if line.startswith("=> replay: valid only for EOS-ignored runs"))
+        assert ("decode time (3+3 passes" in summary.split("; measured: ")[1]) == (steps is quiet), summary
+        assert ("; not measurable here: decode time (the interval reaches past" in summary) == (steps is noisy)
     assert min(noisy["replay"]["timing"]["passes"][2]["ms"]) > 5 and \
         cmp["replay"]["decode_time"]["pass_medians"][0][1] > 5  # the burst is in the data, and named in the line
 
@@ -324,7 +331,7 @@ def test_a_fill_is_valid_only_for_what_was_measured_eos_that_no_real_output_reac
     res = _res(steps)
     lines = verdict.verdicts(res, compare.compare_all(res))
     assert "=> constant: valid only for EOS-ignored runs or outputs capped at 24 tokens (no real output ended at " \
-        "EOS: raise --max-tokens); measured: decode time (3+3 passes)" in lines, lines
+        "EOS: raise --max-tokens); measured: decode time (3+3 passes, within 1.1x)" in lines, lines
     for step in steps.values():
         step.pop("timing")
     lines = verdict.verdicts(res, compare.compare_all(res))
