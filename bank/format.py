@@ -33,7 +33,10 @@ Schema (one safetensors file, ``BANK_FORMAT`` version ``BANK_VERSION``)
   (``Registry.row_parts``) - what the order is for a layer without ``kv``)
   and provenance written by the recorder (``model``, ``dtype``,
   ``kv_cache_dtype``, ``block_size``, ``max_model_len``, ``vllm_version``,
-  ``prompts_sha256``, ...), kept as given.
+  ``prompts_sha256``, ``indexer_scales``: how a DeepSeek indexer row stores
+  its scale, ``float32`` or ``ue8m0_x4`` (vLLM 0.34 on SM100; absent from
+  banks recorded before kvfill wrote it, which hold float32), ...), kept as
+  given.
 * State section (hybrid models, ``state.py``): per state layer (vLLM's
   ``MambaSpec`` layers: gated delta-net, Mamba, ...) and state tensor ``i``,
   a tensor ``<layer>/state<i>`` ``[S, *full shape]`` in the state's own

@@ -13,13 +13,19 @@ still leaves zeroed, named at start.
   zero (packed formats kvfill does not know: nvfp4, DeepSeek-V4's compressed
   caches, ...) and what that does to a benchmark.
 * ``check_packed_rows``: replaying, a bank without rows for a packed layer
-  this engine fills is refused, naming the layers and the way out.
+  this engine fills is refused, naming the layers and the way out; the
+  indexer rows it holds are converted to the scale encoding this engine's
+  vLLM reads (``match_indexer_scales``).
+* ``indexer_scale_encoding``: how this platform's vLLM stores an indexer
+  token's scale - float32, or four UE8M0 bytes (vLLM 0.34 on SM100) - what
+  the recorder writes into a bank's provenance (``INDEXER_SCALES_KEY``).
 * ``refused_layout`` / ``refused_line`` / ``refuse_layouts``: caches whose page layout kvfill
   cannot address a token in - vLLM 0.34's head-major K/V slots (``H2ND``,
   MiniMax-M3's NVFP4 KV cache) - refused when the worker starts.
 """
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
@@ -31,6 +37,9 @@ from kvfill.kernels.packed_rows import (
     DS_MLA_ROW,
     NVFP4_DS_MLA_ROW,
     SCALE_BYTES,
+    SCALES_FLOAT32,
+    SCALES_UE8M0_X4,
+    convert_indexer_scales,
     ds_mla_parts,
     ds_mla_values,
     indexer_parts,
@@ -41,6 +50,9 @@ from kvfill.kernels.packed_rows import (
 
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheSpec
+
+# Under "vllm." so that vLLM's logging configuration (handlers, level) applies.
+logger = logging.getLogger("vllm.kvfill.connector")
 
 INDEXER = "indexer"
 FP8_DS_MLA = "fp8_ds_mla"
@@ -100,6 +112,19 @@ def indexer_mx_scales() -> bool:
     except ImportError:
         return False
     return bool(mqa_logits_use_mx_scales())
+
+
+# A bank's provenance key naming how its indexer rows store their scales (``packed_rows.INDEXER_SCALES``).
+INDEXER_SCALES_KEY = "indexer_scales"
+_SCALES_ON = {SCALES_FLOAT32: "float32 (vLLM 0.32, and 0.34 off SM100)",
+              SCALES_UE8M0_X4: "four UE8M0 bytes (vLLM 0.34 on SM100: B200/GB200)"}
+
+
+def indexer_scale_encoding() -> str:
+    """How this platform's vLLM stores an indexer token's scale
+    (``indexer_mx_scales``): ``ue8m0_x4`` or ``float32``.  The recorder writes
+    it into a bank's provenance; a replaying worker converts the bank's rows to it."""
+    return SCALES_UE8M0_X4 if indexer_mx_scales() else SCALES_FLOAT32
 
 
 def zeroed_line(specs: Mapping[str, "KVCacheSpec"], encodings: Mapping[str, Any]) -> str | None:
@@ -207,11 +232,15 @@ def _describe(spec: "KVCacheSpec") -> str:
     return f"{type(spec).__name__} ({what}{extra})"
 
 
-def check_packed_rows(bank: Bank, part: BankPart, packed: Mapping[str, str]) -> None:
+def check_packed_rows(bank: Bank, part: BankPart, packed: Mapping[str, str],
+                      serving_scales: str | None = None) -> None:
     """Replaying: BankError when the bank has no rows for a packed layer this
-    rank fills (recorded before kvfill recorded them, or zero-filled then)."""
+    rank fills (recorded before kvfill recorded them, or zero-filled then);
+    then its indexer rows converted to ``serving_scales`` (None: this
+    platform's, ``indexer_scale_encoding``) by ``match_indexer_scales``."""
     missing = sorted(n for n in packed if n in (part.layers or ()) and n not in bank.layers)
     if not missing:
+        match_indexer_scales(bank, packed, serving_scales)
         return
     kinds = sorted({packed[n] for n in missing})
     raise BankError(f"{bank.source}: has no rows for {len(missing)} sparse-attention cache layer(s) of this engine "
@@ -219,3 +248,43 @@ def check_packed_rows(bank: Bank, part: BankPart, packed: Mapping[str, str]) -> 
                     f"its decode reads. Record the bank again with this kvfill (kvfill-record records them), or set "
                     f"kv_connector_extra_config zero_packed: true to give them zeros as the in-tree connector does "
                     f"(every indexer score then ties)")
+
+
+def match_indexer_scales(bank: Bank, packed: Mapping[str, str], serving: str | None = None) -> int:
+    """The bank's rows of this engine's indexer layers (``packed``: layer ->
+    its kind) rewritten in place, in the bank's own memory, from the scale
+    encoding the bank records (``INDEXER_SCALES_KEY``; a bank recorded before
+    kvfill wrote it holds float32 scales, as every recording then did) into
+    ``serving``'s (None: ``indexer_scale_encoding``), the bank's metadata
+    then naming it: each row decodes to the recorded key, and everything
+    after - replay's bytes, verify, re-rotation (which decodes with the
+    serving encoding) - reads rows of the encoding vLLM reads here.
+    BankError naming both encodings where a scale has no exact code in the
+    serving one.  Returns the layers converted."""
+    names = sorted(n for n, k in packed.items() if k == INDEXER and n in bank.layers)
+    if not names:
+        return 0
+    serving = serving or indexer_scale_encoding()
+    recorded = bank.metadata.get(INDEXER_SCALES_KEY)
+    # a bank of an older kvfill: float32; were it UE8M0 bytes, no scale would read as a float32 power of two
+    # (four equal bytes set mantissa bits, or are 0.0) and the conversion below would refuse it
+    assumed = recorded is None
+    recorded = SCALES_FLOAT32 if assumed else recorded
+    if recorded not in _SCALES_ON:
+        raise BankError(f"{bank.source}: records {INDEXER_SCALES_KEY}={recorded!r}; expected one of "
+                        f"{list(_SCALES_ON)}")
+    if recorded == serving:
+        return 0
+    for name in names:
+        try:
+            convert_indexer_scales(bank.layers[name], recorded, serving)
+        except ValueError as exc:
+            raise BankError(f"{bank.source}: layer {name!r} stores its indexer scales as {_SCALES_ON[recorded]}, "
+                            f"this engine's vLLM reads {_SCALES_ON[serving]}, and they cannot be converted without "
+                            f"loss: {exc}. Record the bank again on this platform") from None
+    bank.metadata[INDEXER_SCALES_KEY] = serving  # what its rows hold now
+    logger.info("KVFillConnector: %s: the scales of its %d indexer layers converted from %s%s to %s, as this "
+                "engine's vLLM reads them (each key as recorded)", bank.source, len(names), _SCALES_ON[recorded],
+                " (taken as float32: the bank does not record its indexer scale encoding, recorded before kvfill "
+                "wrote it, when every recording held float32)" if assumed else "", _SCALES_ON[serving])
+    return len(names)

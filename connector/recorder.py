@@ -32,6 +32,7 @@ from kvfill.kernels import FillEngine
 
 from .metadata import KVFillConnectorMetadata
 from .options import FillOptions
+from .packed import INDEXER_SCALES_KEY, indexer_scale_encoding
 from .planner import Planner
 from .states import has_recurrent_state
 
@@ -81,6 +82,8 @@ class Recorder:
         self.files_per_prompt = self.pp_size * (self.tp_size if self.records_states else self.tp_size // replicas)
         self.pages = None  # StatePages of this rank's state layers (set_states)
         self.state_layers: dict = {}  # layer -> (group index, full layout, the page's state alignment)
+        # how this worker's vLLM stores an indexer token's scale: the bank's provenance (packed.py)
+        self.indexer_scales = indexer_scale_encoding()
 
     def _heads(self, formats) -> dict[str, list[int]]:
         """Layer -> ``[lo, hi, total]``: the model's KV heads this rank's rows
@@ -142,7 +145,7 @@ class Recorder:
         layers = {name: {"kv": list(f.kv) if f.kv else None, "parts": [list(p) for p in f.parts]}
                   for name, f in formats.items()}
         part = {"tp_rank": str(self.tp_rank), "tp_size": str(self.tp_size), "pp_rank": str(self.pp_rank),
-                "files_per_prompt": str(self.files_per_prompt),
+                "files_per_prompt": str(self.files_per_prompt), INDEXER_SCALES_KEY: self.indexer_scales,
                 "states": layouts_to_json({n: v[1] for n, v in self.state_layers.items()})}
         for item in meta.records:
             n = item.positions

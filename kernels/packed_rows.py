@@ -31,7 +31,10 @@ Replay moves the recorded bytes whatever they encode.  vLLM 0.34 on a GPU
 whose MQA-logits kernels take only MX-scaled keys (SM100:
 ``vllm.utils.deep_gemm.mqa_logits_use_mx_scales``) stores the indexer's
 scale ``2^k`` not as float32 but as four equal UE8M0 bytes ``k + 127``
-(``indexer_values(..., mx_scales=True)``, ``ue8m0_x4``).
+(``indexer_values(..., mx_scales=True)``, ``ue8m0_x4``).  A bank names
+which its rows hold (``INDEXER_SCALES``); ``convert_indexer_scales``
+turns recorded rows from one into the other where that is lossless (a
+power of two either way).
 """
 from __future__ import annotations
 
@@ -150,6 +153,84 @@ def ue8m0_x4(scale: float) -> float:
     if m != 0.5 or not 1 <= e + 126 <= 254:
         raise ValueError(f"an MX scale is a normal float32 power of two, got {scale!r}")
     return struct.unpack("<f", bytes([e + 126] * 4))[0]
+
+
+# How an indexer row stores its scale 2^k (a bank's provenance ``indexer_scales``): a float32, or
+# four equal UE8M0 bytes k + 127 (vLLM 0.34 on SM100: ``pack_ue8m0_x4``, bits 23..30 of the float32).
+SCALES_FLOAT32, SCALES_UE8M0_X4 = "float32", "ue8m0_x4"
+INDEXER_SCALES = (SCALES_FLOAT32, SCALES_UE8M0_X4)
+_UE8M0_SMALLEST_BITS = 0x00400000  # 2^-127: UE8M0's byte 0, a float32 subnormal
+_CHUNK_ROWS = 1 << 20  # bounded temporaries
+
+
+def _ue8m0_codes(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float32 scales' bytes ``[n, 4]`` -> (UE8M0 byte ``[n]``, whether it
+    is exact): vLLM's ``pack_ue8m0_x4`` keeps bits 23..30 (the exponent), so
+    it is the scale only for a positive power of two 2^-127 ... 2^127."""
+    bits = scales.contiguous().view(torch.int32)[:, 0]
+    exponent = (bits >> 23) & 0xFF
+    power = (bits & ~(0xFF << 23)) == 0  # sign and mantissa clear
+    exact = (power & (exponent >= 1) & (exponent <= 254)) | (bits == _UE8M0_SMALLEST_BITS)
+    return exponent.to(torch.uint8), exact
+
+
+def _float32_codes(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """UE8M0 scales' bytes ``[n, 4]`` -> (float32 bits ``[n]`` as int32,
+    whether they are four equal bytes of a power of two: 255 is UE8M0's NaN)."""
+    code = scales[:, 0].to(torch.int32)
+    exact = (scales == scales[:, :1]).all(dim=1) & (code != 255)
+    return torch.where(code == 0, torch.full_like(code, _UE8M0_SMALLEST_BITS), code << 23), exact
+
+
+def _scale_text(scale: torch.Tensor, source: str) -> str:
+    """One recorded scale's 4 bytes and what they read as under ``source``."""
+    raw = bytes(int(b) for b in scale)
+    if source == SCALES_FLOAT32:
+        return f"{struct.unpack('<f', raw)[0]!r} (float32 bytes {raw.hex(' ')})"
+    return f"UE8M0 bytes {raw.hex(' ')}"
+
+
+def convert_indexer_scales(rows: torch.Tensor, source: str, target: str) -> int:
+    """Indexer rows ``[T, D + 4]`` uint8 (D fp8 key bytes, then the scale's
+    4 bytes: a bank's canonical indexer row) with every scale rewritten in
+    place from ``source``'s encoding into ``target``'s (``INDEXER_SCALES``);
+    the key bytes and the power of two are kept, so each row decodes to the
+    same key.  Float32 2^k -> four bytes k + 127 (exactly vLLM 0.34's
+    ``pack_ue8m0_x4``); four bytes b -> float32 2^(b - 127).  Nothing is
+    written unless every row converts: a ValueError names the rows whose
+    scale has no exact code in ``target`` (a float32 that is not a power of
+    two or is below 2^-127; UE8M0 bytes that differ or are 255).  Returns
+    the rows converted (0 when the encodings are the same)."""
+    for enc in (source, target):
+        if enc not in INDEXER_SCALES:
+            raise ValueError(f"indexer scale encoding {enc!r} is not one of {list(INDEXER_SCALES)}")
+    if rows.dtype != torch.uint8 or rows.dim() != 2 or rows.shape[1] <= SCALE_BYTES:
+        raise ValueError(f"indexer rows must be [rows, key bytes + {SCALE_BYTES}] uint8, got "
+                         f"{tuple(rows.shape)} {rows.dtype}")
+    if source == target:
+        return 0
+    at = rows.shape[1] - SCALE_BYTES
+    code = _ue8m0_codes if target == SCALES_UE8M0_X4 else _float32_codes
+    bad, first = 0, None
+    for a in range(0, rows.shape[0], _CHUNK_ROWS):  # every row checked before any is written
+        _, exact = code(rows[a:a + _CHUNK_ROWS, at:])
+        wrong = (~exact).nonzero()
+        bad += len(wrong)
+        if first is None and len(wrong):
+            first = a + int(wrong[0, 0])
+    if bad:
+        why = ("a positive power of two from 2^-127 to 2^127 is one UE8M0 byte" if target == SCALES_UE8M0_X4
+               else "a UE8M0 scale is four equal bytes below 255")
+        raise ValueError(f"{bad} of {rows.shape[0]} indexer scales have no exact {target} code (first: row {first}, "
+                         f"{_scale_text(rows[first, at:], source)}): {why}")
+    for a in range(0, rows.shape[0], _CHUNK_ROWS):
+        scales = rows[a:a + _CHUNK_ROWS, at:]
+        new, _ = code(scales)
+        if target == SCALES_UE8M0_X4:
+            scales.copy_(new[:, None].expand(-1, SCALE_BYTES))
+        else:
+            scales.copy_(new[:, None].view(torch.uint8))
+    return rows.shape[0]
 
 
 def indexer_values(spec: V.ValueSpec, mx_scales: bool = False) -> tuple[V.PartValues, V.PartValues]:

@@ -4,9 +4,11 @@ Each worker saves, per recorded prompt, one file of its part:
 ``<key>.tp<r>-pp<p>.safetensors`` holding its layers (its pipeline stage's),
 each ``[N, row]`` of its KV heads in canonical order (K of its heads, then
 their V), with metadata naming the heads ``[lo, hi)`` of the model's ``total``
-each layer holds and how many files the run writes per prompt.  Here the
-parts of every prompt are checked - the expected number of files, every layer
-from one pipeline stage, every head of every layer exactly once - and merged:
+each layer holds, how many files the run writes per prompt and how the
+worker's vLLM stores an indexer token's scale (``indexer_scales``, the
+bank's provenance).  Here the parts of every prompt are checked - the
+expected number of files, every layer from one pipeline stage, every head of
+every layer exactly once, one scale encoding - and merged:
 a layer's K columns in head order, then its V columns, the prompts one after
 another (a ragged bank, ``kvfill/bank/format.py``).
 """
@@ -45,6 +47,7 @@ class _Part:
             self.tp_rank, self.tp_size = int(meta["tp_rank"]), int(meta.get("tp_size", "1"))
             self.state_layouts = layouts_from_json(meta.get("states"), path)
             self.where = f"TP rank {meta['tp_rank']}, PP rank {meta['pp_rank']}"
+            self.indexer_scales = meta.get("indexer_scales")  # None: a part of a kvfill that did not write it
         except (KeyError, ValueError, TypeError) as exc:
             raise RuntimeError(f"{path}: not a recorder's rows file (metadata {exc})") from None
         state_names = {state_tensor_name(n, i): n for n, lay in self.state_layouts.items() for i in range(len(lay))}
@@ -129,6 +132,7 @@ def assemble(work: str, unique: list, meta: dict, out: str) -> Bank:
     states: dict[str, list[list[torch.Tensor]]] = {}  # state layer -> per prompt, its full tensors [1, *shape]
     layouts: dict = {}
     kvs, info, value_dtypes, merged = {}, {}, {}, set()
+    scales: dict[str, str] = {}  # indexer scale encoding -> a part that recorded with it
     for t in unique:
         key = sequence_key(t)
         paths = sorted(glob.glob(os.path.join(work, f"{key}.tp*-pp*.safetensors")))
@@ -144,6 +148,8 @@ def assemble(work: str, unique: list, meta: dict, out: str) -> Bank:
         by_state: dict[str, list] = {}
         for p in parts:
             value_dtypes.update(p.value_dtypes)
+            if p.indexer_scales is not None:
+                scales.setdefault(p.indexer_scales, f"{p.where} ({os.path.basename(p.path)})")
             for name, rows in p.rows.items():
                 info[name] = p.layers.get(name) or {}
                 kv = info[name].get("kv")
@@ -173,8 +179,14 @@ def assemble(work: str, unique: list, meta: dict, out: str) -> Bank:
             if len(got) > 1:  # a worker's cache dims name its heads only: not the merged row's
                 merged.add(name)
             layers.setdefault(name, []).append(rows)
+    if len(scales) > 1:  # workers on GPUs of two kinds (an H200 node and a B200 node): one bank cannot say which
+        raise RuntimeError(f"the workers stored indexer scales in {len(scales)} encodings "
+                           f"({'; '.join(f'{k} on {w}' for k, w in sorted(scales.items()))}); record on GPUs of one "
+                           f"kind, whose vLLM stores them one way")
     first = next(iter(layers.values()))[0]
     meta = {**meta, "dtype": str(first.dtype).removeprefix("torch.")}
+    if scales:
+        meta["indexer_scales"] = next(iter(scales))
     return Bank({name: torch.cat(rows) for name, rows in layers.items()},
                 sequence_lengths=[len(t) for t in unique], sequence_tokens=unique,
                 value_dtypes={k: v for k, v in value_dtypes.items() if k in layers},

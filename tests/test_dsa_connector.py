@@ -322,3 +322,67 @@ def test_past_bank_rotate_turns_the_indexers_and_mlas_rope_parts_of_a_dsa_model(
             rope = slice(528, 656) if mla_dtype == "fp8_ds_mla" else slice(1024, 1152)  # bf16: 512 latent, then 64
             assert torch.equal(past[:, :rope.start], again[:, :rope.start]), name
             assert (past[:, rope] != again[:, rope]).any(dim=1).all(), name
+
+
+@pytest.mark.parametrize("mx", [False, True], ids=["float32", "ue8m0"])
+def test_a_recording_names_how_its_vllm_stores_the_indexers_scales(tmp_path, monkeypatch, mx):
+    """Issue 59 G2: the bank's provenance ``indexer_scales`` is the recording
+    worker's vLLM's rule (``mqa_logits_use_mx_scales``, True on SM100)."""
+    import kvfill.connector.packed as packed
+
+    monkeypatch.setattr(packed, "indexer_mx_scales", lambda: mx)
+    _, _, bank = record(tmp_path, "auto")
+    assert bank.metadata["indexer_scales"] == ("ue8m0_x4" if mx else "float32")
+
+
+def _replay(tmp_path, name, mla_dtype, extra, n_extra=0):
+    """Replay PROMPT (+ ``n_extra`` tokens) from tmp_path's bank; the indexer layers' token bytes."""
+    groups, _, _ = dsa_group(mla_dtype)
+    h = make_harness(tmp_path / name, groups, block_size=BS, cache_dtype=mla_dtype, poison_seed=8,
+                     extra={"fill_mode": "replay", "bank": str(tmp_path / "bank.safetensors"), "verify": "raise",
+                            **extra})
+    h.add("a", PROMPT + list(range(7, 7 + n_extra)) + [5])
+    h.step()  # verify: raise - every written row read back
+    blocks = h.block_table("a")[0]
+    return {indexer(i): token_bytes(h, h.raw, indexer(i), blocks, len(PROMPT) + n_extra) for i in range(LAYERS)}
+
+
+@pytest.mark.parametrize("rotate", [False, True], ids=["replay", "rotate"])
+def test_a_float32_bank_replays_into_a_ue8m0_reading_vllm_as_the_same_keys_in_its_bytes(tmp_path, monkeypatch,
+                                                                                     rotate, vllm_cpu_platform):
+    """Issue 59 G2: a bank recorded where vLLM stores float32 scales (H200,
+    vLLM 0.32), replayed where it reads four UE8M0 bytes (B200, vLLM 0.34):
+    every indexer token's bytes are the float32 replay's with the scale as
+    vLLM 0.34's ``pack_ue8m0_x4`` stores it - the recorded keys, and past
+    the bank's end (``past_bank: rotate``) the same turned keys, decoded
+    from what the converted rows hold.  Before the conversion at load the
+    float32 bytes were replayed verbatim (verify passed) and re-rotation
+    read them as UE8M0 bytes."""
+    from test_indexer_scales import pack_ue8m0_x4
+
+    import kvfill.connector.packed as packed
+
+    _, _, bank = record(tmp_path, "auto")
+    assert bank.metadata["indexer_scales"] == "float32"
+    extra, n_extra = {}, 0
+    if rotate:
+        from vllm.config import VllmConfig, set_current_vllm_config
+        from vllm.model_executor.layers import rotary_embedding
+        from vllm.model_executor.layers.rotary_embedding import get_rope
+
+        monkeypatch.setattr(rotary_embedding, "_ROPE_DICT", {})
+        yarn = {"rope_theta": 10000, "rope_type": "deepseek_yarn", "factor": 40,
+                "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
+                "mscale_all_dim": 1.0}
+        with set_current_vllm_config(VllmConfig()):
+            for neox in (False, True):  # MLA's, the indexer's
+                get_rope(64, 4096, is_neox_style=neox, rope_parameters=yarn, dtype=torch.bfloat16)
+        extra, n_extra = {"past_bank": "rotate"}, 80
+    here = _replay(tmp_path, "f32", "auto", extra, n_extra)
+    monkeypatch.setattr(packed, "indexer_mx_scales", lambda: True)
+    sm100 = _replay(tmp_path, "mx", "auto", extra, n_extra)
+    for name, rows in here.items():
+        scale = rows[:, 128:].contiguous().view(torch.float32)[:, 0]
+        assert torch.all(torch.frexp(scale).mantissa == 0.5), name
+        want = torch.cat([rows[:, :128], pack_ue8m0_x4(scale)[:, None].contiguous().view(torch.uint8)], dim=1)
+        assert torch.equal(sm100[name], want), name
