@@ -9,6 +9,10 @@ from it - far past the bank's end - three ways:
 * ``rotate``, the bank in host memory (``bank_placement: host``): each step's
   rows staged.
 
+On a GPU with vLLM 0.34's extensible KV cache each server is started with
+the ``--gpu-memory-utilization`` that leaves its bank room (``serve.py``:
+``replay_utilization``), or not started, saying why.
+
 Every server runs with ``verify: raise`` on its first client run (each
 filled row read back; keys turned as the fill turned them) and without it on
 the timed run, so the figures are the fill and decode alone.  Per run:
@@ -92,18 +96,19 @@ def main(argv=None) -> int:
 
     lengths = list(Bank.load(bank).lengths)
     log(f"bank: {len(lengths)} sequences of {lengths} positions; prompts of {a.input_len} tokens")
-    runs = {}
+    runs, peak = {}, None  # vLLM 0.34's measured transient peak, carried from one server to the next
     for name in a.configs:
         args = argparse.Namespace(
             model=model, bank=bank, replay_extra=CONFIGS[name], max_model_len=POSITIONS, concurrency=[1],
             input_len=a.input_len, output_len=a.output_len, prompts_per_level=None, none_max_prompts=1,
             kv_cache_gib=a.kv_cache_gib, enforce_eager=True, run_timeout=1800, repeat=1, start_timeout=600,
-            log_dir=os.path.join(a.work, name), fill_std=0.1)
+            log_dir=os.path.join(a.work, name), fill_std=0.1, measured_peak=peak)
         verified = dict(args.replay_extra, verify="raise")
         args.replay_extra, args.prompts_per_level = verified, 1
         checked, _, _ = S.run_connector(args, "replay", log)  # one verified request: every row read back
         args.replay_extra, args.prompts_per_level = CONFIGS[name], a.prompts
         records, metrics, commands = S.run_connector(args, "replay", log)
+        peak = args.measured_peak  # run_connector: the replay servers' bank room (vLLM 0.34 on CUDA)
         runs[name] = {"verified": checked, "records": records, "server_metrics": metrics, "commands": commands}
     rows = []
     for name, run in runs.items():

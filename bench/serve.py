@@ -49,12 +49,14 @@ def kv_transfer_config(connector: str, extra: dict) -> dict | None:
 
 
 def serve_args(model: str, port: int, *, max_model_len: int, max_num_seqs: int, kt: dict | None,
-               enforce_eager: bool = True) -> list[str]:
+               enforce_eager: bool = True, gpu_memory_utilization: float | None = None) -> list[str]:
     """``vllm serve`` on 127.0.0.1 only, with the connector config ``kt`` (None: no connector)."""
     args = ["serve", model, "--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(max_model_len),
             "--max-num-seqs", str(max_num_seqs), "--seed", "0"]
     if enforce_eager:
         args.append("--enforce-eager")
+    if gpu_memory_utilization is not None:
+        args += ["--gpu-memory-utilization", str(gpu_memory_utilization)]
     if kt is not None:
         args += ["--kv-transfer-config", json.dumps(kt)]
     return args
@@ -126,16 +128,48 @@ def run_client(server: Server, a, connector: str, concurrency: int, result_dir: 
     return rec, cmd
 
 
+def replay_utilization(a, replay: dict, max_model_len: int, log) -> tuple[float | None, str | None]:
+    """The replay server's ``--gpu-memory-utilization`` and, where its bank
+    would have no room, why it is not started: under vLLM 0.34's extensible
+    KV cache (CUDA's default) the connector loads the bank after warmup
+    beside a cache sized to leave only vLLM's own peak free, so the room is
+    made (or a ``--gpu-memory-utilization`` that leaves none refused) before
+    the server starts (``kvfill.check.device_memory.replay_room``; the peak
+    as an earlier server of this run measured it, ``a.measured_peak``)."""
+    from kvfill.check.device_memory import replay_room
+
+    engine = {"max_model_len": max_model_len, "enforce_eager": a.enforce_eager,
+              "gpu_memory_utilization": getattr(a, "gpu_memory_utilization", None)}
+    plan = replay_room(engine, replay, a.bank, max_model_len, getattr(a, "measured_peak", None))
+    if plan is None:
+        return engine["gpu_memory_utilization"], None
+    if plan.refused:
+        return None, plan.line
+    log(f"replay: {plan.line}")
+    return plan.utilization or engine["gpu_memory_utilization"], None
+
+
 def run_connector(a, connector: str, log) -> tuple[list[dict], dict, list[list[str]]]:
+    from kvfill.check.device_memory import measured_peak
+
     port = free_port()
     replay = {"fill_mode": "replay", "bank": a.bank, **getattr(a, "replay_extra", {})}
-    args = serve_args(a.model, port, max_model_len=getattr(a, "max_model_len", None) or a.input_len + a.output_len + 64,
+    max_model_len = getattr(a, "max_model_len", None) or a.input_len + a.output_len + 64
+    utilization = getattr(a, "gpu_memory_utilization", None)
+    if connector == "replay":
+        utilization, refused = replay_utilization(a, replay, max_model_len, log)
+        if refused:
+            log(f"{connector}: not started - {refused}")
+            return [{"connector": connector, "concurrency": None, "error": refused}], {}, []
+    args = serve_args(a.model, port, max_model_len=max_model_len,
                       max_num_seqs=max(a.concurrency), enforce_eager=a.enforce_eager,
+                      gpu_memory_utilization=utilization,
                       kt=kv_transfer_config(connector, replay if connector == "replay"
                                             else {"fill_mean": 0.015, "fill_std": a.fill_std}))
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(a.kv_cache_gib)}
     os.makedirs(a.log_dir, exist_ok=True)
-    server = Server(vllm_command(*args), env, os.path.join(a.log_dir, f"serve-{connector}.log"), port)
+    log_path = os.path.join(a.log_dir, f"serve-{connector}.log")
+    server = Server(vllm_command(*args), env, log_path, port)
     records, cmds, metrics = [], [server.cmd], {}
     try:
         t0 = time.time()
@@ -153,6 +187,9 @@ def run_connector(a, connector: str, log) -> tuple[list[dict], dict, list[list[s
         records.append({"connector": connector, "concurrency": None, "error": f"{type(exc).__name__}: {exc}"})
     finally:
         server.stop()
+        if os.path.exists(log_path):  # vLLM 0.34's measured peak: the next replay server's room
+            with open(log_path, errors="replace") as f:
+                a.measured_peak = measured_peak(f.read()) or getattr(a, "measured_peak", None)
     return records, metrics, cmds
 
 
@@ -219,6 +256,9 @@ def main(argv=None):
     p.add_argument("--none-max-prompts", type=int, default=32,
                    help="cap for the no-connector server (real prefill of every prompt is slow on CPU)")
     p.add_argument("--kv-cache-gib", type=int, default=4, help="CPU only: VLLM_CPU_KVCACHE_SPACE")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="every server's; replay under vLLM 0.34's extensible KV cache: unset, the one that leaves "
+                        "the bank room (a value that leaves none is refused before the server starts)")
     p.add_argument("--no-enforce-eager", dest="enforce_eager", action="store_false")
     p.add_argument("--run-timeout", type=float, default=1800, help="seconds per client run")
     p.add_argument("--repeat", type=int, default=1,

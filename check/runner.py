@@ -96,15 +96,23 @@ def run_all(cfg: CheckConfig, inputs: Inputs | None = None, log=print) -> dict:
             steps[run] = {"run": run, "error": "not run: no bank (the recording failed; see above)"}
             log(f"[{i}/{n_steps}] replay: not run - no bank (the recording failed)")
             continue
-        connector = None
+        connector, run_engine = None, engine
         if run in cfg.fills:
             fills[run] = fill_config(run, cfg, bank, stats)
             connector = {"kv_connector": "KVFillConnector", "kv_role": "kv_both",
                          "kv_connector_extra_config": fills[run]}
-        steps[run] = step(run, {**base, "run": run, "connector": connector}, cfg, i, n_steps, log, env)
+        if run == "replay":
+            run_engine, refused = replay_engine(cfg, engine, fills[run], bank, max_len, log)
+            if refused:
+                steps[run] = {"run": run, "error": refused}
+                log(f"[{i}/{n_steps}] replay: not run - {refused}")
+                i += bool(dataset)
+                continue
+        steps[run] = step(run, {**base, "run": run, "engine": run_engine, "connector": connector}, cfg, i, n_steps,
+                          log, env)
         if dataset and run != "prefill_split" and "error" not in steps[run]:
             i += 1
-            steps[run].update(serve_step(run, cfg, engine, connector, dataset, base["decoys"], len(ids),
+            steps[run].update(serve_step(run, cfg, run_engine, connector, dataset, base["decoys"], len(ids),
                                          f"[{i}/{n_steps}]", log, env))
             _raise_if_stopped()
         if run == "prefill" and "error" in steps[run] and runs[1:]:
@@ -122,6 +130,33 @@ def run_all(cfg: CheckConfig, inputs: Inputs | None = None, log=print) -> dict:
             "indexer": any(k in config for k in ("index_topk", "index_n_heads")),
             "fills": fills, "steps": steps, "samples": samples(tok, steps),
             "decoys": cfg.decoys, "runtime_s": round(time.perf_counter() - t_start, 1)}
+
+
+def replay_engine(cfg: CheckConfig, engine: dict, extra: dict, bank: str, max_len: int, log) -> tuple[dict, str | None]:
+    """The replay run's engine flags and, where its bank would have no room,
+    why it is not run: under vLLM 0.34's extensible KV cache (CUDA's
+    default) the connector loads the bank only after warmup, beside a cache
+    sized to leave nothing but vLLM's own peak free, so the utilization that
+    leaves the bank room is passed, or a user's one that does not is refused,
+    before the engine starts (``device_memory.replay_room``; the peak as real
+    prefill's engine, of the same flags, measured it).  Elsewhere the flags as
+    they are."""
+    from .device_memory import measured_peak, release_before_serving, replay_room
+
+    release_before_serving(None)  # --in-process: the earlier engines' memory back to the driver first
+    peak = None
+    for name in ("prefill.log", "served-prefill-server.log"):
+        path = os.path.join(cfg.out, "logs", name)
+        if peak is None and os.path.exists(path):
+            with open(path, errors="replace") as f:
+                peak = measured_peak(f.read())
+    plan = replay_room(engine, extra, bank, max_len, peak)
+    if plan is None:
+        return engine, None
+    if plan.refused:
+        return engine, plan.line
+    log(f"replay: {plan.line}")
+    return (engine if plan.utilization is None else {**engine, "gpu_memory_utilization": plan.utilization}), None
 
 
 def decoys(ids: list[list[int]], shared: int) -> list[list[int]]:

@@ -128,6 +128,8 @@ def server_flags(cfg: CheckConfig, engine: dict, connector: dict | None, port: i
         args.append("--no-enable-prefix-caching")
     if "enforce_eager" not in cfg.engine and engine.get("enforce_eager"):
         args.append("--enforce-eager")
+    if "gpu_memory_utilization" not in cfg.engine and engine.get("gpu_memory_utilization") is not None:
+        args += ["--gpu-memory-utilization", str(engine["gpu_memory_utilization"])]  # replay's bank room
     if connector is not None:
         args += ["--kv-transfer-config", json.dumps(connector)]
     return args

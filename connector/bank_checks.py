@@ -48,12 +48,14 @@ def rank_part(groups: Mapping[str, CacheGroup], tp_rank: int, tp_size: int,
 
 def load_bank(path: str, part: BankPart, vllm_config: "VllmConfig", device: torch.device,
               placement: str = "device", staging_bytes: int = 256 << 20, rotate: bool = False,
-              caches_outside_torch: int = 0) -> tuple[Bank, str]:
+              caches_outside_torch: int = 0, tables: int = 0) -> tuple[Bank, str]:
     """This rank's part of the bank in this process's memory and where the
     fill keeps its rows (``placement`` asked: ``auto``, ``device`` or
     ``host``; ``bank_fit.choose_placement``; ``rotate``: past_bank
     "rotate"; ``caches_outside_torch``: bytes of vLLM's caches its torch
-    allocator does not hold, ``bank_loading.caches_outside_torch``), decided
+    allocator does not hold, ``bank_loading.caches_outside_torch``;
+    ``tables``: bytes of the rotary tables re-rotation keeps on the device,
+    counted in every placement), decided
     from the file's header before a row is read and logged with why; with a
     warning per mismatch above."""
     chosen = {"where": "host" if placement == "host" else "device",
@@ -70,7 +72,7 @@ def load_bank(path: str, part: BankPart, vllm_config: "VllmConfig", device: torc
                                            free=free, torch_free=allocatable(free, total, reserved, cap), total=total,
                                            utilization=server_utilization(cache), held=reserved + caches_outside_torch,
                                            kv_cache_memory_bytes=getattr(cache, "kv_cache_memory_bytes", None),
-                                           rotate=rotate,
+                                           rotate=rotate, tables=tables,
                                            extensible=bool(getattr(cache, "enable_extensible_kv_cache", False)))
             chosen.update(where=where, why=line)
             return None if where else line

@@ -31,17 +31,19 @@ logger = init_logger("vllm.kvfill.connector")
 
 def load_rank_bank(options, groups: dict[str, CacheGroup], state_caches: Mapping[str, Any],
                    vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", *, tp_rank: int, tp_size: int,
-                   max_model_len: int) -> tuple[Bank, str]:
+                   max_model_len: int, tables: int = 0) -> tuple[Bank, str]:
     """This rank's part of the bank ``options.bank`` and where the fill keeps
     its rows (``options.bank_placement``, ``staging_mib``:
-    ``bank_checks.load_bank``; ``max_model_len`` 0: every recorded position)."""
+    ``bank_checks.load_bank``; ``max_model_len`` 0: every recorded position;
+    ``tables``: bytes of the rotary cos/sin tables ``past_bank: "rotate"``
+    keeps on the device, counted in every placement)."""
     # This rank's part only: its KV heads, its stage's layers, its DCP positions below max_model_len.
     part = rank_part(groups, tp_rank, tp_size, max_model_len or None)
     part = replace(part, layers=part.layers | frozenset(state_caches))  # and its state layers' states
     outside = caches_outside_torch(vllm_config, kv_cache_config)
     return load_bank(options.bank, part, vllm_config, device=cache_device(groups), placement=options.bank_placement,
                      staging_bytes=options.staging_mib << 20, rotate=options.past_bank == "rotate",
-                     caches_outside_torch=outside)
+                     caches_outside_torch=outside, tables=tables)
 
 
 def caches_outside_torch(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> int:

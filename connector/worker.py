@@ -40,7 +40,7 @@ from .planner import GroupKind, Planner
 from .ranks import current_dcp_rank, current_pp_rank, current_tp_rank
 from .recorder import Recorder
 from .registration import CpuAttentionViews, cache_groups, group_mode, layer_ids, platform_is_cpu, with_cache_slots
-from .rotary_source import worker_rotary
+from .rotary_source import rotary_table_bytes, worker_rotary
 from .specs import (
     geometries_from_config, layer_encoding, layer_kv_geometry, layer_specs_by_name, spec_kind, startup_fill_group_ids,
     untransferred_layers,
@@ -173,9 +173,11 @@ class KVFillWorker:
         recorded states (``bank_loading.py``), with the scheduler's handshake;
         ``(bank, where its rows are kept, the groups left to the engine)``."""
         try:
+            rotate = self.options.past_bank == "rotate"  # its rotary tables on the device, counted by the fit
             bank, placement = load_rank_bank(self.options, groups, state_caches, self.vllm_config,
                                              self.kv_cache_config, tp_rank=self.tp_rank, tp_size=self.tp_size,
-                                             max_model_len=self.max_model_len)
+                                             max_model_len=self.max_model_len,
+                                             tables=rotary_table_bytes(self.max_model_len) if rotate else 0)
             if not self.options.zero_packed:
                 check_packed_rows(bank, bank.part, self.packed)
             state_pages, state_groups, groups = replay_states(bank, state_caches, groups, self.specs,
