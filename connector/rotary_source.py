@@ -131,8 +131,13 @@ def rotary_layers(ropes: list[Any], kv_geometry: Mapping[str, tuple[int, int, in
         raise ValueError(f"past_bank 'rotate': the model has rotary embeddings of one table with both NeoX and GPT-J "
                          f"pairs ({_describe(rope)}) and no DeepSeek indexer to tell their layers apart{WRAP}")
     style = styles.pop() if len(styles) == 1 else not indexer_neox  # MLA's and attention's; the indexer's its own
-    table, source = (None if t is None else t[:max_positions] for t in _tables(rope, model_dtype,
-                                                                              recorded_max_model_len))
+    table, source = _tables(rope, model_dtype, recorded_max_model_len)
+    if max_positions is not None and max_positions > table.shape[0]:
+        raise ValueError(f"past_bank 'rotate': the model's rotary table ({_describe(rope)}) covers "
+                         f"{table.shape[0]} positions and max_model_len is {max_positions}: a key at a position "
+                         f"from {table.shape[0]} on has no angle to be turned to. Serve with --max-model-len "
+                         f"{table.shape[0]} or less, or use past_bank 'wrap'")
+    table, source = (None if t is None else t[:max_positions] for t in (table, source))
     out, unmatched = {}, []
     for name, kv in kv_geometry.items():
         kind = packed.get(name)

@@ -235,3 +235,23 @@ def test_what_cannot_be_matched_is_refused_naming_why(ropes, geometry, packed, m
         found = _ropes(*ropes)
     with pytest.raises(ValueError, match=match):
         rotary_layers(found, geometry, packed, torch.bfloat16)
+
+
+def test_rotate_cuts_the_table_to_max_model_len_and_refuses_positions_past_it_at_start(monkeypatch):
+    """Issue 61's second finding: a Llama of 4096 positions served at a
+    longer max_model_len started silently, and its requests past the table
+    failed in the step; now registration refuses it naming both lengths.
+    Within the table, the device copy is cut to max_model_len rows, and
+    ``rotary_table_bytes`` (what the fit counts before the bank is read)
+    is that cut table's float32 bytes."""
+    from kvfill.connector import rotary_source
+    from kvfill.connector.rotary_source import rotary_layers, rotary_table_bytes
+
+    default = (64, True, {"rope_theta": 10000, "rope_type": "default"})
+    ropes = _ropes(default)
+    with pytest.raises(ValueError, match=r"covers 4096 positions and max_model_len is 5000.*--max-model-len 4096"):
+        rotary_layers(ropes, {"attn.0": (8, 64, 64)}, {}, torch.bfloat16, max_positions=5000)
+    got = rotary_layers(ropes, {"attn.0": (8, 64, 64)}, {}, torch.bfloat16, max_positions=1000)["attn.0"]
+    assert got.positions == 1000 and torch.equal(got.table, ropes[0].cos_sin_cache[:1000].to(torch.bfloat16).float())
+    monkeypatch.setattr(rotary_source, "model_ropes", lambda: ropes)  # the process's embeddings, as after loading
+    assert rotary_table_bytes(1000) == 1000 * 64 * 4 and rotary_table_bytes(10**6) == 4096 * 64 * 4
