@@ -31,7 +31,11 @@ captured in a CUDA graph, offsets past 2^32 bytes with a bank past 2^31
 elements (``gpu_check_large.py``), and a bank kept in host memory against
 the same bank on the device (``gpu_check_host_bank.py``).  Timings: kvfill vs
 memset vs the in-tree fill, packed-row and state-page fills vs memset, a
-replay fill from a device-resident and a host-kept bank vs memset.  ``--smoke`` on the CPU runs
+replay fill from a device-resident and a host-kept bank vs memset.  Bandwidth
+(``gpu_check_bandwidth.py``): the normal fill above and below the L2, best and
+median, as a fraction of a memset and of the datasheet peak (below the L2: a
+latency), a fill beside a forward-sized matmul on another stream, and the H200
+goal (>= 87 % of peak), in the JSON's ``bandwidth``.  ``--smoke`` on the CPU runs
 every section (CUDA graphs apart) and the timings at toy sizes.
 
 ``--budget-s``: sections that would start past it are skipped and named in the
@@ -51,6 +55,7 @@ import torch
 
 from kvfill.bench import common as C  # noqa: E402
 from kvfill.bench import fill_bench  # noqa: E402
+from kvfill.bench import gpu_check_bandwidth as BW
 from kvfill.bench.gpu_check_host_bank import check_host_bank, time_host_bank
 from kvfill.bench.gpu_check_large import check_large_offsets
 from kvfill.bench.gpu_check_packed import check_packed_capture, check_packed_rows, time_packed
@@ -180,6 +185,16 @@ def main(argv=None):
         perf += got or []
         if not error:
             log(f"timed launch-bound step {mode}")
+    # Bandwidth vs memset and datasheet peak above and below the L2, and a fill beside a forward (issue 59).
+    bandwidth, bw_repeat = BW.context(device, a.smoke), 3 if a.smoke else 20
+    if budget.spend("perf bandwidth: fills above and below L2, a fill beside a forward"):
+        got, _ = attempt("perf bandwidth", BW.fill_rows, device, bandwidth, layers, bw_repeat, a.smoke)
+        bandwidth["rows"] = got or []
+        bandwidth["overlap"], _ = attempt("perf overlap", BW.overlap, device, bandwidth, layers, bw_repeat, a.smoke)
+    else:
+        bandwidth["skipped_for_budget"] = True
+    bandwidth["goal"] = BW.goal(bandwidth)
+    log(bandwidth["goal"]["line"])
     more, more_failures = correctness(device, log, budget, "rest", a.dtypes)
     rows, failures = rows + more, failures + more_failures
     log(f"correctness: {len(rows)} layout x dtype x mode cases, {failures} with mismatched bytes")
@@ -192,6 +207,10 @@ def main(argv=None):
     unverified = [r for r in perf if r["impl"] == "kvfill" and r["verified"] is not True]
     for r in unverified:
         log(f"UNVERIFIED perf row: {r['case']} {r['mode']}")
+    bw_unverified = [r["case"] for r in bandwidth.get("rows", []) if r["verified"] is not True] + (
+        ["fill beside a forward"] if bandwidth.get("overlap") and bandwidth["overlap"]["verified"] is not True else [])
+    for case in bw_unverified:
+        log(f"UNVERIFIED bandwidth row: {case}")
 
     os.makedirs(a.out, exist_ok=True)
     path = os.path.join(a.out, "gpu_check.json")
@@ -209,6 +228,7 @@ def main(argv=None):
                         "unverified_perf_rows": len(unverified), "rows": rows},
         "perf": perf,
         "replay_over_normal_bandwidth": replay_ratio,
+        "bandwidth": bandwidth,
     })
     log(f"wrote {path}")
     by_mode = {m: [r for r in rows if r["mode"] == m] for m in MODES}
@@ -233,6 +253,7 @@ def main(argv=None):
     if budget.skipped:
         summary.append(f"SKIPPED for the budget ({a.budget_s:g} s): {len(budget.skipped)} sections: "
                        + "; ".join(budget.skipped))
+    summary += BW.summary(bandwidth) + [f"UNVERIFIED bandwidth row: {case}" for case in bw_unverified]
     summary.append(C.table(perf, fill_bench.COLUMNS))
     text = "\n".join(summary)
     with open(os.path.join(a.out, "gpu-check-summary.txt"), "w") as f:
@@ -241,7 +262,7 @@ def main(argv=None):
     # Every failed check counts: a fast row whose bytes are wrong is a failure, not a figure.
     perf_errors = sum(e.startswith("perf ") for e in errors)
     return (failures + (graph_ok is False) + (replay_graph_ok is False) + (guard_ok is False) + (packed_ok is False)
-            + sum(bool(f) for f in sections.values()) + len(unverified) + perf_errors)
+            + sum(bool(f) for f in sections.values()) + len(unverified) + len(bw_unverified) + perf_errors)
 
 
 def _word(ok, none="n/a"):

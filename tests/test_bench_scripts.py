@@ -83,8 +83,9 @@ def test_gpu_check_names_what_its_budget_skipped(tmp_path, capsys):
     import json
 
     skipped = json.loads((tmp_path / "gpu_check.json").read_text())["skipped_for_budget"]
-    # 4: both CUDA graphs, the packed rows, the device guard; 3: the packed-row, state-page and host-bank timings
-    assert len(skipped) == 13 * 3 + 4 + len(gpu_check.SECTIONS) + 3 + 3 + 2 + 13 * 3
+    # 4: both CUDA graphs, the packed rows, the device guard; 3: the packed-row, state-page and host-bank timings;
+    # 1: the bandwidth figures (bench/gpu_check_bandwidth.py)
+    assert len(skipped) == 13 * 3 + 4 + len(gpu_check.SECTIONS) + 3 + 3 + 2 + 1 + 13 * 3
     # the order a short lease meets them: one dtype of every layout, the GPU-only sections, the other dtypes
     assert skipped.index("CUDA graph capture of fill_blocks") == 13 * 3
     assert skipped.index("perf launch-bound normal") < skipped.index("correctness std-LBHNC constant (other dtypes)")
@@ -98,8 +99,9 @@ def test_gpu_check_fails_when_a_perf_row_is_not_verified(tmp_path, monkeypatch, 
     monkeypatch.setattr(sections.LZ, "CASES", sections.LZ.CASES[:1])  # the perf rows are what is checked here
     monkeypatch.setattr(gpu_check, "check_packed_rows", lambda device, log: [])
     monkeypatch.setattr(gpu_check, "SECTIONS", ())
-    # 5 fill rows, 6 packed-row rows and 3 host-bank rows unverified; the state pages' row checks its pages itself
-    assert gpu_check.main(["--smoke", "--out", str(tmp_path), "--device", "cpu"]) == 14
+    # 5 fill rows, 6 packed-row rows and 3 host-bank rows unverified; the state pages' row checks its pages itself;
+    # 3 more: the bandwidth section's two fills and its fill beside a forward ("UNVERIFIED bandwidth row")
+    assert gpu_check.main(["--smoke", "--out", str(tmp_path), "--device", "cpu"]) == 17
     out = capsys.readouterr().out
     assert out.count("UNVERIFIED perf row") == 14 and "perf rows verified: 1/15" in out
 

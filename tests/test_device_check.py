@@ -1,13 +1,17 @@
 """bench/device_check.sh, the one-shot GPU run, driven on the CPU with a
 stand-in python: the suite runs to its end under a budget, gpu_check runs
 whatever the suite did, the exit status says whether either failed, and the
-summary comes last (failures by test id, then the check's table)."""
+summary comes last (failures by test id, then the check's table).  Then the
+check's bandwidth figures (bench/gpu_check_bandwidth.py): the datasheet peak
+by GPU name, the goal's verdicts, and the figures measured on the tests'
+device (on a GPU run: CUDA events, streams, the device's L2)."""
 import os
 import pathlib
 import stat
 import subprocess
 
 import pytest
+import torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -101,3 +105,72 @@ def test_the_suite_budget_skips_and_names_what_it_could_not_run(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:]
     assert "BUDGET-SKIPPED tests/test_devices.py: 2 tests, from test_every_generator" in proc.stdout
     assert "2 skipped" in proc.stdout and "passed" not in proc.stdout
+
+
+from kvfill.bench import gpu_check_bandwidth as BW  # noqa: E402
+
+
+@pytest.mark.parametrize("name, peak", [
+    ("NVIDIA H200", 4.8), ("NVIDIA H200 NVL", 4.8), ("NVIDIA H100 80GB HBM3", 3.35), ("NVIDIA H100 PCIe", 2.0),
+    ("NVIDIA H100 NVL", None), ("NVIDIA B200", 7.67), ("NVIDIA GB200", None), ("NVIDIA H20", 4.0),
+    ("NVIDIA A100-SXM4-80GB", 2.039), ("NVIDIA A100 80GB PCIe", 1.935), ("NVIDIA A100-SXM4-40GB", None),
+    ("NVIDIA GeForce RTX 4090", None), (None, None)])
+def test_the_datasheet_peak_follows_the_gpus_name(name, peak):
+    assert BW.peak_tbps(name) == peak
+
+
+def _bw(gpu, *rows, skipped=False):
+    """The section's report as goal() reads it: rows of (MiB, median GB/s, verified)."""
+    peak = BW.peak_tbps(gpu)
+    return {"gpu": gpu, "peak_TBps": peak, "skipped_for_budget": skipped, "rows": [
+        {"MiB": mib, "median GB/s": gbs, "verified": ok, "%peak median": gbs and peak and round(gbs / peak / 10, 1),
+         "%peak best": gbs and peak and round(gbs / peak / 10, 1)} for mib, gbs, ok in rows]}
+
+
+@pytest.mark.parametrize("bw, status, detail", [
+    (_bw(None), "not measurable", "no GPU"),
+    (_bw("NVIDIA H200", skipped=True), "not measurable", "skipped for the budget"),
+    (_bw("NVIDIA H100 NVL", (800, 3000.0, True)), "not measurable", "no datasheet peak for NVIDIA H100 NVL"),
+    (_bw("NVIDIA H200", (12, None, True)), "not measurable", "no fill above the L2 ran"),
+    # the largest fill above the L2 decides, by its median: 4300 GB/s is 89.6 % of 4.8 TB/s
+    (_bw("NVIDIA H200", (12, None, True), (200, 3000.0, True), (800, 4300.0, True)), "met", "89.6 % median"),
+    (_bw("NVIDIA H200", (200, 4500.0, True), (800, 4100.0, True)), "not met", "85.4 % median"),
+    (_bw("NVIDIA H200", (800, 4300.0, False)), "not measurable", "did not verify"),
+    (_bw("NVIDIA B200", (800, 7000.0, True)), "met", "(the goal is set on an H200)"),
+])
+def test_the_goal_is_met_not_met_or_not_measurable(bw, status, detail):
+    got = BW.goal(bw)
+    assert got["status"] == status and detail in got["detail"], got
+    assert got["line"].startswith("goal: on an H200, the fill >= 87% of the datasheet peak") and status in got["line"]
+
+
+def test_the_bandwidth_figures_on_the_tests_device():
+    """Toy sizes either side of the L2 (the device's on CUDA, an assumed one
+    elsewhere) and a fill beside a matmul, on the tests' device: a latency
+    below the L2, a bandwidth above it, fractions of the peak only where the
+    GPU has one, every fill verified; overlapped on another stream on CUDA
+    only; the summary says what it was measured against and the goal."""
+    from conftest import DEVICE
+
+    cuda = torch.device(DEVICE).type == "cuda"
+    ctx = BW.context(DEVICE, smoke=True)
+    assert (ctx["gpu"] is not None) == cuda and ctx["l2_bytes"] > 0
+    assert ctx["l2_source"] == "device properties" if cuda else ctx["l2_source"].startswith("assumed: no GPU")
+    rows = BW.fill_rows(DEVICE, ctx, layers=2, repeat=2, smoke=True)
+    below, above = rows
+    assert below["size"] == "below L2: latency" and below["median GB/s"] is None and below["%peak median"] is None
+    assert below["MiB"] * 2**20 <= ctx["l2_bytes"] < above["MiB"] * 2**20 and above["size"] == "above L2"
+    assert 0 < above["best us"] <= above["median us"] and above["best GB/s"] >= above["median GB/s"] > 0
+    assert (above["%peak median"] is None) == (ctx["peak_TBps"] is None)
+    assert all(r["verified"] is True and r["%memset median"] > 0 for r in rows)
+    pair = BW.overlap(DEVICE, ctx, layers=2, repeat=2, smoke=True)
+    assert pair["overlapped"] == cuda and pair["verified"] is True
+    assert (pair["fill hidden (median)"] is None) != cuda and (cuda or "not overlapped" in pair["how"])
+    assert all(pair["us"][k]["best"] > 0 for k in ("fill", "forward", "pair"))
+    bw = {**ctx, "rows": rows, "overlap": pair}
+    bw["goal"] = BW.goal(bw)
+    assert (bw["goal"]["status"] == "not measurable") == (not cuda or ctx["peak_TBps"] is None)
+    text = "\n".join(BW.summary(bw))
+    assert f"L2 {ctx['l2_bytes'] / 2**20:g} MiB" in text and "below L2: latency" in text and "%peak median" in text
+    assert ("no peak" in text) == (ctx["peak_TBps"] is None) and "fill beside a forward" in text
+    assert text.splitlines()[-1] == bw["goal"]["line"]
