@@ -29,10 +29,12 @@ import time
 from kvfill.bench import common as C
 from kvfill.bench.models import make_model, make_tokenizer
 from kvfill.bench.null_connector import KV_TRANSFER_CONFIG as NULL_CONFIG
+from kvfill.check.prefill_probe import prefill_probe
 from kvfill.check.serving import Server, free_port, vllm_command
 
 CONNECTORS = ("null", "kvfill", "in-tree", "none", "replay")  # replay: kvfill from --bank (not in the default sweep)
 METRICS = ("ttft", "tpot", "itl", "e2el")
+PROBE_IDS = [10 + (i * 37) % 200 for i in range(256)]  # --prefill-probe's prompt: 16 blocks of 16 tokens
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -181,7 +183,10 @@ def run_connector(a, connector: str, log) -> tuple[list[dict], dict, list[list[s
             cmds += level_cmds
             log(f"{connector} c={c}: " + (rec.get("error") or f"{rec['request_throughput']:.2f} req/s, "
                                                               f"TTFT p50 {rec['p50_ttft_ms']:.0f} ms"))
-        metrics = server.metrics()
+        metrics = server.metrics()  # the client's runs' (the probe's requests after them)
+        if getattr(a, "prefill_probe", False) and connector in ("kvfill", "replay"):
+            a.probes[connector] = probe = prefill_probe(server.url(), a.model, PROBE_IDS, timeout=a.run_timeout)
+            log(f"{connector}: kvfill_prefill under prefix caching - {'ok' if probe['ok'] else probe}")
     except Exception as exc:  # noqa: BLE001 - record it, stop this server, go on with the next
         log(f"{connector}: {type(exc).__name__}: {exc}")
         records.append({"connector": connector, "concurrency": None, "error": f"{type(exc).__name__}: {exc}"})
@@ -261,6 +266,10 @@ def main(argv=None):
                         "the bank room (a value that leaves none is refused before the server starts)")
     p.add_argument("--no-enforce-eager", dest="enforce_eager", action="store_false")
     p.add_argument("--run-timeout", type=float, default=1800, help="seconds per client run")
+    p.add_argument("--prefill-probe", action="store_true",
+                   help="kvfill's servers, after the client: a prompt filled, then asked with kvfill_prefill true, "
+                        "must decode a cache-salted request's tokens, and a malformed value get HTTP 400 "
+                        "(check/prefill_probe.py)")
     p.add_argument("--repeat", type=int, default=1,
                    help="client runs per level (other prompts each); a record's figures are their medians")
     add_server_args(p, "serve")
@@ -277,6 +286,7 @@ def main(argv=None):
 
     device, tag = device_tag()
     records, metrics, commands = [], {}, {}
+    a.probes = {}
     for conn in a.connectors:
         recs, metrics[conn], commands[conn] = run_connector(a, conn, log)
         records += recs
@@ -284,7 +294,8 @@ def main(argv=None):
     payload = {
         "machine": C.machine_info(device), "vllm": vllm.__version__,
         "command": "python bench/serve.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "args": vars(a), "commands": commands, "server_metrics": metrics, "records": records,
+        "args": {k: v for k, v in vars(a).items() if k != "probes"}, "commands": commands,
+        "server_metrics": metrics, "records": records, **({"prefill_probe": a.probes} if a.probes else {}),
     }
     base = os.path.join(a.out, f"serve-{tag}")
     C.write_json(base + ".json", payload)

@@ -123,7 +123,7 @@ def time_passes(llm, prompts, job) -> dict:
     asked for or the engine's steps cannot be timed here."""
     from vllm import SamplingParams
 
-    from kvfill.connector.scheduler import PREFILL_PARAM
+    from kvfill.connector.request_params import PREFILL_PARAM
 
     n = job.get("time_passes", 0)
     timer = probes.StepTimer(llm, job.get("spec_tokens", 0)) if n else None

@@ -1,7 +1,8 @@
 """vLLM general plugin: makes ``"kv_connector": "KVFillConnector"`` work by name.
 
 Declared in setup.cfg under the ``vllm.general_plugins`` entry points, so vLLM
-calls ``register`` in every process it starts.
+calls ``register`` in every process it starts; it also adds kvfill's check
+of a request's ``kvfill_prefill`` to vLLM's (``request_params.py``).
 """
 
 CONNECTOR_NAME = "KVFillConnector"
@@ -9,6 +10,10 @@ CONNECTOR_NAME = "KVFillConnector"
 
 def register() -> None:
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    from .request_params import install_param_check
+
+    install_param_check()  # a malformed kvfill_prefill refused where vLLM checks a request (HTTP 400)
 
     if CONNECTOR_NAME not in KVConnectorFactory._registry:
         KVConnectorFactory.register_connector(CONNECTOR_NAME, "kvfill.connector.vllm_connector", CONNECTOR_NAME)

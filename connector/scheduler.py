@@ -12,7 +12,8 @@ The step's selections travel to the workers as ``KVFillConnectorMetadata``.
 A request whose ``kv_transfer_params`` hold ``{"kvfill_prefill": true}``
 (``SamplingParams(extra_args={"kv_transfer_params": ...})``, or the
 OpenAI API's ``kv_transfer_params`` field) is not filled: vLLM prefills it
-for real beside filled ones, in the same engine (``PREFILL_PARAM``).
+for real beside filled ones, in the same engine, its prefix-cache blocks
+kept apart from filled ones (``request_params.py``).
 
 Record role (``record_dir``, used by ``kvfill.record``): nothing is granted;
 the block tables of scheduled requests are followed, and in the step whose
@@ -32,11 +33,9 @@ from kvfill.bank import sequence_key
 from .metadata import KVFillConnectorMetadata, KVFillStats, RecordItem
 from .options import FillOptions
 from .planner import RECORDED_KINDS, GroupKind, Planner, RequestSelection, wrapped_positions
+from .request_params import wants_prefill
 from .specs import geometries_from_config, select_request, startup_fill_group_ids
 
-# kv_transfer_params key: a request carrying it true is prefilled by vLLM, not filled (kvfill-check times
-# real prefill's decode against a fill's in one engine, interleaved, with it).
-PREFILL_PARAM = "kvfill_prefill"
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -138,8 +137,8 @@ class KVFillScheduler:
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
         if self.recorder is not None:
             return 0, False  # recording: every prompt is prefilled for real
-        if (getattr(request, "kv_transfer_params", None) or {}).get(PREFILL_PARAM) is True:
-            return 0, False  # asked to be prefilled for real (PREFILL_PARAM)
+        if wants_prefill(getattr(request, "kv_transfer_params", None)):
+            return 0, False  # asked to be prefilled for real (request_params.PREFILL_PARAM)
         preemptions = getattr(request, "num_preemptions", 0)
         seen = self.filled.get(request.request_id)
         if seen is not None and not (self.options.refill_on_preemption and preemptions > seen):

@@ -31,6 +31,7 @@ from .metadata import (
 )
 from .options import FillOptions
 from .ranks import worker_where
+from .request_params import keep_apart
 from .scheduler import KVFillScheduler
 from .specs import filled_group_ids
 from .versions import untested_vllm
@@ -194,6 +195,12 @@ class KVFillConnector(KVConnectorBase_V1, SupportsHMA):
         return False
 
     # ---------------------------------------------------------------- scheduler
+    def on_new_request(self, request: "Request") -> None:
+        """Before vLLM looks the request up in its prefix cache: a
+        real-prefill request's hashes salted apart from filled ones'
+        (``request_params.keep_apart``)."""
+        keep_apart(request)
+
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self.scheduler is not None
         return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)

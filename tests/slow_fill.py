@@ -18,7 +18,7 @@ import os
 import time
 
 from kvfill.connector import KVFillConnector
-from kvfill.connector.scheduler import PREFILL_PARAM
+from kvfill.connector.request_params import PREFILL_PARAM
 
 
 class SlowFillConnector(KVFillConnector):

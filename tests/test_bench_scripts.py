@@ -306,7 +306,7 @@ def test_serving_benchmark_drives_a_real_server_with_vllms_client(tmp_path):
     from kvfill.bench import serve
 
     rc = serve.main(["--connectors", "kvfill", "--concurrency", "2", "--input-len", "300", "--output-len", "4",
-                     "--prompts-per-level", "4", "--repeat", "2", "--kv-cache-gib", "1",
+                     "--prompts-per-level", "4", "--repeat", "2", "--kv-cache-gib", "1", "--prefill-probe",
                      "--model", str(tmp_path / "model"), "--out", str(tmp_path), "--log-dir", str(tmp_path / "logs")])
     assert rc == 0
     payload = json.loads((tmp_path / "serve-cpu.json").read_text())
@@ -317,6 +317,12 @@ def test_serving_benchmark_drives_a_real_server_with_vllms_client(tmp_path):
     assert payload["server_metrics"]["kvfill"]["vllm:kvfill_requests_total"] == 8
     assert payload["server_metrics"]["kvfill"]["vllm:kvfill_bytes_total"] > 0
     assert "--host" in payload["commands"]["kvfill"][0] and "127.0.0.1" in payload["commands"]["kvfill"][0]
+    # Issue 61: under the server's prefix cache, a prompt filled and then asked with kvfill_prefill true
+    # decodes real prefill's tokens (a cache-salted request's), not the filled blocks' - which differ, so the
+    # probe could tell - and a kvfill_prefill of "true" gets HTTP 400 naming it.
+    probe = payload["prefill_probe"]["kvfill"]
+    assert probe["fill_differs"] and probe["real_is_real"], probe
+    assert probe["malformed"]["status"] == 400 and "'true' (str)" in probe["malformed"]["message"], probe
 
 
 @pytest.mark.needs_vllm
