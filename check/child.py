@@ -9,11 +9,19 @@ stopped) and SIGHUP end the step as an exception, ``SystemExit(128 +
 signum)``, so its engine is shut down and its temp folders removed on the
 way out (``record.engine.llm_engine``); a second one is ignored, so it
 does not cut that short.
+
+A check killed outright (SIGKILL, the OOM killer) cannot stop its step:
+the step asks Linux for SIGTERM when its parent dies (``PR_SET_PDEATHSIG``,
+``die_with_parent``), ends as above, and removes the temp folder its
+parent made for it (``KVFILL_STEP_TMP``), which no one else is left to.
 """
 from __future__ import annotations
 
+import os
 import signal
 import sys
+
+PARENT_ENV, TMP_ENV = "KVFILL_CHECK_PID", "KVFILL_STEP_TMP"  # set by steps.py for each step it starts
 
 
 def execute(job: dict) -> dict:
@@ -35,9 +43,42 @@ def _exit_on(signum, frame):
     raise SystemExit(128 + signum)
 
 
+def die_with_parent() -> bool:
+    """SIGTERM to this process when the check that started it dies (Linux's
+    ``PR_SET_PDEATHSIG``), and at once if it died already; True when set."""
+    parent = int(os.environ.get(PARENT_ENV) or 0)
+    if not parent or not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    pr_set_pdeathsig = 1  # <linux/prctl.h>
+    if ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0) != 0:
+        return False
+    if os.getppid() != parent:  # the check died before the request took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+    return True
+
+
+def _orphaned() -> bool:
+    parent = int(os.environ.get(PARENT_ENV) or 0)
+    return bool(parent) and os.getppid() != parent
+
+
 def main(argv=None) -> int:
     for s in (signal.SIGTERM, signal.SIGHUP):  # first: the step's imports take seconds
         signal.signal(s, _exit_on)
+    die_with_parent()
+    try:
+        return _run(argv)
+    finally:
+        tmp = os.environ.get(TMP_ENV)
+        if tmp and _orphaned():  # the check was killed: its step's temp folder is this process's to remove
+            from kvfill.record.engine import remove_vllm_tempdir
+
+            remove_vllm_tempdir(tmp)
+
+
+def _run(argv) -> int:
     import json
     import pickle
 

@@ -19,6 +19,7 @@ import tempfile
 import threading
 import time
 
+from .child import PARENT_ENV, TMP_ENV
 from .cli import CheckConfig, on_cpu
 
 HEARTBEAT_S = 30
@@ -126,7 +127,8 @@ def step(name: str, job: dict, cfg: CheckConfig, i: int, n: int, log, env: dict 
     work = _record_work(job)
     before = set(glob.glob(work)) if work else set()
     env = {**os.environ, **child_env(cfg), **(env or {}), "TMPDIR": tmp,
-           "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # the hooks live in this process
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the hooks live in this process
+           PARENT_ENV: str(os.getpid()), TMP_ENV: tmp}  # the step dies with the check (child.die_with_parent)
     log(f"[{i}/{n}] {name}: starting (log {log_file})")
     t0 = time.perf_counter()
     rc = None

@@ -228,3 +228,36 @@ def test_a_killed_step_and_a_step_past_run_timeout_leave_no_temp_folder_and_a_fa
     with open(out / "logs" / "prefill.log") as f:  # the child stopped its engine on the runner's SIGTERM
         assert "kvfill.check.child: SIGTERM: stopping the step" in f.read()
     json.dumps(got["kv_space"])  # as report.json holds it
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_step_dies_with_a_killed_check_and_removes_the_temp_folder_made_for_it(tmp_path):
+    """kvfill-check killed outright (SIGKILL, the OOM killer) cannot stop its
+    step (issue 61, finding 8: the step's engine and temp folder were left).
+    A stand-in check starts a step as steps.py does (its pid and the step's
+    temp folder in the environment), the step's work a sleep; the check is
+    SIGKILLed: the step gets SIGTERM from Linux, ends through its usual way
+    out, and removes the temp folder."""
+    import pickle
+
+    import psutil
+
+    step_tmp = tmp_path / "kvfill-step-x"
+    step_tmp.mkdir()
+    (step_tmp / "vllm_dist_probe").write_text("")
+    job = tmp_path / "x.job"
+    job.write_bytes(pickle.dumps({"kind": "sleep"}))
+    step = ("import sys, time; import kvfill.check.child as c; c.execute = lambda job: time.sleep(120); "
+            f"sys.exit(c.main([{str(job)!r}, {str(tmp_path / 'x.json')!r}]))")
+    check = ("import os, subprocess, sys; "
+             f"env = {{**os.environ, 'KVFILL_CHECK_PID': str(os.getpid()), 'KVFILL_STEP_TMP': {str(step_tmp)!r}}}; "
+             f"p = subprocess.Popen([sys.executable, '-c', {step!r}], env=env, start_new_session=True); "
+             "print(p.pid, flush=True); p.wait()")
+    parent = subprocess.Popen([sys.executable, "-c", check], stdout=subprocess.PIPE, text=True)
+    child = psutil.Process(int(parent.stdout.readline()))
+    time.sleep(3)  # the step is in its work
+    assert child.is_running() and step_tmp.exists()
+    parent.kill()
+    parent.wait(30)
+    child.wait(60)  # ended by Linux's SIGTERM, through its way out
+    assert not step_tmp.exists()
