@@ -23,6 +23,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 from vllm.engine.arg_utils import EngineArgs
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
+from .engine import multiprocessing_error
 from .inputs import RecordError, unresolved
 from .liveness import NODE_SILENCE_S, NODE_WAIT_S
 
@@ -242,6 +243,9 @@ def record_call(argv: Sequence[str] | None = None) -> dict:
     vLLM starts; argparse's own errors exit 2."""
     p = build_parser()
     args, given = parse(p, argv)
+    line = multiprocessing_error()
+    if line:
+        raise RecordError(line)
     found = refusals(p, args, given)
     if found:
         raise RecordError("recording cannot honour these vLLM flags:\n  " + "\n  ".join(found))

@@ -22,6 +22,17 @@ import weakref
 SHM = "/dev/shm"
 
 
+def multiprocessing_error() -> str | None:
+    """Why kvfill-record cannot run with the environment's
+    ``VLLM_ENABLE_V1_MULTIPROCESSING`` (None: unset or 0, what it sets)."""
+    value = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    if value is None or value.strip().lower() in ("0", "false", ""):
+        return None
+    return (f"VLLM_ENABLE_V1_MULTIPROCESSING={value!r}: kvfill-record runs vLLM's engine in its own process - it "
+            f"fetches each worker's recorded part by collective_rpc of a function, which vLLM's multiprocess "
+            f"client does not send - so unset it (kvfill-record sets 0) or set it to 0")
+
+
 def env_defaults(**values: str):
     """A decorator: the function runs with ``values`` in ``os.environ``
     where they are unset, taken out again when it returns, so a caller in

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 
-from .engine import env_defaults, llm_engine
+from .engine import env_defaults, llm_engine, multiprocessing_error
 from .engine_config import check_engine_config, engine_kwargs, given_flags, vllm_failed
 from .inputs import RecordError
 from .liveness import NODE_SILENCE_S, NODE_WAIT_S, NodeLost, watching
@@ -50,6 +50,9 @@ def run_vllm(model, token_ids, record_dir, dtype, kv_cache_dtype, block_size, ma
     from kvfill.connector.bank_checks import compilation_of
     from kvfill.connector.recorder import rpc_end_node
 
+    line = multiprocessing_error()
+    if line:  # before any engine: after it, every prompt prefilled, fetching the parts would fail
+        raise RecordError(line)
     kw = engine_kwargs(model, token_ids, record_dir, dtype, kv_cache_dtype, block_size, max_model_len, llm_kwargs,
                        tokenizer, cpu=current_platform.is_cpu())
     config = check_engine_config(kw, given_flags(llm_kwargs, dtype, kv_cache_dtype, block_size))

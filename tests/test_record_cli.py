@@ -306,3 +306,19 @@ def test_a_name_that_cannot_be_resolved_is_one_line_naming_it(base, tmp_path, mo
                                                     f"not a folder here and not found"), err
     assert ("HF_HUB_OFFLINE is set" in err) == bool(offline), err
     assert os.listdir(base[5].rsplit("/", 1)[0]) == []
+
+
+@pytest.mark.parametrize("value", ["1", "true"])
+def test_vllms_multiprocess_client_is_refused_at_start_naming_the_variable(base, out_dir, calls, capsys, monkeypatch,
+                                                                          value):
+    """VLLM_ENABLE_V1_MULTIPROCESSING=1 (vLLM's own default, set explicitly)
+    recorded every prompt, then failed fetching the parts (collective_rpc of
+    a function, which the multiprocess client does not send) blaming vLLM
+    (issue 61, finding 4): now refused before anything runs; 0 is taken."""
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", value)
+    rc, call = run(base, calls)
+    err = capsys.readouterr().err
+    assert rc == 2 and call is None and os.listdir(out_dir) == []
+    assert f"VLLM_ENABLE_V1_MULTIPROCESSING={value!r}: kvfill-record runs vLLM's engine in its own process" in err
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    assert run(base, calls)[1] is not None
