@@ -21,6 +21,8 @@ from .planner import Granularity
 VERIFY_MODES = ("log", "raise")
 PAST_BANK = ("wrap", "rotate")
 FILL_MODES = ("constant", "normal", "replay")
+STAGING_MIB = 256  # the default device staging of a replayed bank (kernels/staging.py STAGING_BYTES)
+MAX_STAGING_MIB = 1 << 20  # 1 TiB: past any device; larger values are typos (2**63 was taken)
 
 
 class OptionError(ValueError):
@@ -53,7 +55,7 @@ class FillOptions:
     record_flags: Any = None           # record role: {flag: digest of its value}, to name the flags nodes differ in
     zero_packed: bool = False          # DeepSeek's indexer and fp8_ds_mla rows get zeros, as the in-tree connector
     bank_placement: str = "auto"       # replay: "device" / "host" (rows streamed per step) / "auto" (device if it fits)
-    staging_mib: int = 256             # bank_placement "host": device staging for a step's rows (MiB)
+    staging_mib: int = STAGING_MIB     # bank_placement "host": device staging for a step's rows (MiB)
     past_bank: str = "wrap"            # replay past a recorded sequence's end: "wrap" / "rotate" (keys re-rotated)
     values: ValueSpec = field(init=False, repr=False, compare=False)
     bank_index: BankIndex | None = field(init=False, repr=False, compare=False)
@@ -81,9 +83,10 @@ class FillOptions:
             raise OptionError("page_image_mib", self.page_image_mib, "an int >= 0 (MiB; 0 keeps no page images)")
         if self.bank_placement not in PLACEMENTS:
             raise OptionError("bank_placement", self.bank_placement, f"one of {list(PLACEMENTS)}")
-        if isinstance(self.staging_mib, bool) or not isinstance(self.staging_mib, int) or self.staging_mib < 1:
-            raise OptionError("staging_mib", self.staging_mib, "an int >= 1 (MiB of device staging for a bank "
-                                                               "kept in host memory)")
+        if isinstance(self.staging_mib, bool) or not isinstance(self.staging_mib, int) or \
+                not 1 <= self.staging_mib <= MAX_STAGING_MIB:
+            raise OptionError("staging_mib", self.staging_mib, f"an int in [1, {MAX_STAGING_MIB}] (MiB of device "
+                                                               f"staging for a bank kept in host memory)")
         if self.past_bank not in PAST_BANK:
             raise OptionError("past_bank", self.past_bank, f"one of {list(PAST_BANK)}")
         if self.verify not in (None, *VERIFY_MODES):
@@ -132,6 +135,9 @@ class FillOptions:
         if mode != "replay" and self.bank_placement != "auto":
             raise OptionError("bank_placement", self.bank_placement, "'auto' (unset) without a bank: it says where "
                                                                      "a replayed bank is kept")
+        if mode != "replay" and self.staging_mib != STAGING_MIB:
+            raise OptionError("staging_mib", self.staging_mib, f"{STAGING_MIB} (unset) without a bank: it sizes the "
+                                                               f"staging a replayed bank's rows go through")
         if mode != "replay" and self.past_bank != "wrap":
             raise OptionError("past_bank", self.past_bank, "'wrap' (unset) without a bank: it says what replay writes "
                                                            "past a recorded sequence's end")

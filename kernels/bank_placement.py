@@ -78,18 +78,18 @@ def placed_rows(registry: "Registry", bank: Bank, placement: str, staging_bytes:
     groups = {t.layer: t.group for t in registry.tensors if t.mode == V.REPLAY}
     staged_groups = set(groups.values()) if placement == "host" else {groups[n] for n in rerotate}
     staged = [n for n in need if groups[n] in staged_groups]
-    capacity = 0
+    capacity, asked = 0, STAGING_BYTES if staging_bytes is None else staging_bytes
     if staged:
         row_bytes = sum(need[n][0].shape[1] * need[n][0].element_size() for n in staged)
         capacity = max(max(registry.groups[g].slots_per_block for g in staged_groups),
-                       (STAGING_BYTES if staging_bytes is None else staging_bytes) // max(row_bytes, 1))
+                       asked // max(row_bytes, 1))
     transient = turn_bytes(rerotate, capacity) if not is_host(device) else 0
     if placement == "host":
         _check_room(bank, f"the {len(need)} replayed layers' staging", capacity * row_bytes + transient, device,
                     "a smaller staging_bytes")
         staging = Staging({n: (groups[n], host_rows(r, fmt.order if fmt is not None else None))
                            for n, (r, fmt) in need.items()}, bank.sequence_table(), device, capacity,
-                          _dcps(registry), rerotate)
+                          _dcps(registry), rerotate, asked)
         return _with(registry.tensors, staging), staging, (counted + capacity * row_bytes, transient)
     # What is uploaded (a host bank for GPU caches); rows already there are used in place.
     nbytes = sum(r.numel() * r.element_size() for r, _ in need.values() if r.device != device)
@@ -109,7 +109,7 @@ def placed_rows(registry: "Registry", bank: Bank, placement: str, staging_bytes:
     if not staged:
         return _with(registry.tensors, None, on_device), None, (counted, 0)
     staging = Staging({n: (groups[n], on_device[n]) for n in staged}, bank.sequence_table(), device, capacity,
-                      _dcps(registry), rerotate)
+                      _dcps(registry), rerotate, asked)
     return _with(registry.tensors, staging, on_device), staging, (counted, transient)
 
 

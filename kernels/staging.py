@@ -92,10 +92,12 @@ class Staging:
     """
 
     def __init__(self, layers: Mapping[str, tuple], table: np.ndarray, device: torch.device, capacity: int,
-                 dcp: Mapping[str, DcpGeometry], rerotate: Mapping[str, Rerotation] | None = None):
+                 dcp: Mapping[str, DcpGeometry], rerotate: Mapping[str, Rerotation] | None = None,
+                 asked_bytes: int | None = None):
         self.table = np.asarray(table, np.int64)
         self.device, self.capacity, self.dcp = device, int(capacity), dict(dcp)
         self.rerotate = dict(rerotate or {})
+        self.asked_bytes = asked_bytes  # staging_bytes as given: less than one block's rows is raised to one block
         self.host = {n: r for n, (_, r) in layers.items() if isinstance(r, HostRows)}
         self.on_device = {n: r for n, (_, r) in layers.items() if not isinstance(r, HostRows)}
         self.base = int((self.table[:, 0] + self.table[:, 1]).max()) if self.on_device else 0  # the bank's rows
@@ -138,8 +140,10 @@ class Staging:
             how = f"from {'pinned' if pinned else 'pageable'} host buffers"
         else:
             how = "gathered on the device"
+        raised = (f"; staging_bytes {size(self.asked_bytes)} is less than one block's rows: raised to one block"
+                  if self.asked_bytes is not None and self.nbytes > self.asked_bytes else "")
         return (f"{'; '.join(what)}; staged through {size(self.nbytes)} on {self.device} ({self.capacity} rows per "
-                f"layer per chunk, {how})")
+                f"layer per chunk, {how}){raised}")
 
     # ------------------------------------------------------------ per fill
     def chunks(self, plan: Mapping[str, GroupFill]) -> Iterator[tuple[dict[str, GroupFill], np.ndarray]]:

@@ -59,6 +59,9 @@ def test_a_host_bank_writes_the_device_banks_bytes_and_nothing_else(case, dtype_
     assert_same_bytes(host, expected)
     assert engine.verify(plan_of(entries)).ok
     assert "bank in host memory" in engine.describe()
+    # staging_bytes 1 is raised to one block's rows, and the engine says so (issue 61's ninth finding)
+    assert ("staging_bytes 1 B is less than one block's rows: raised to one block" in engine.describe()) == \
+        (staging == "one block"), engine.describe()
 
 
 def _lbnhc():

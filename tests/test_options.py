@@ -48,8 +48,10 @@ def test_options_are_frozen():
         ("page_image_mib", 0.5, "an int >= 0 (MiB; 0 keeps no page images)"),
         ("bank_placement", "gpu", "one of ['auto', 'device', 'host']"),
         ("past_bank", "extend", "one of ['wrap', 'rotate']"),
-        ("staging_mib", 0, "an int >= 1 (MiB of device staging for a bank kept in host memory)"),
-        ("staging_mib", True, "an int >= 1 (MiB of device staging for a bank kept in host memory)"),
+        ("staging_mib", 0, "an int in [1, 1048576] (MiB of device staging for a bank kept in host memory)"),
+        ("staging_mib", True, "an int in [1, 1048576] (MiB of device staging for a bank kept in host memory)"),
+        ("staging_mib", 2**63, "an int in [1, 1048576] (MiB of device staging for a bank kept in host memory)"),
+        ("staging_mib", 64, "256 (unset) without a bank: it sizes the staging a replayed bank's rows go through"),
     ],
 )
 def test_a_bad_value_names_the_key_the_value_and_what_was_expected(key, value, expected):
