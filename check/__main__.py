@@ -14,6 +14,13 @@ import sys
 
 
 def main(argv=None) -> int:
+    from .env_checks import given_kv_space
+
+    try:
+        given_kv_space()  # before vLLM's import: seconds to a minute
+    except ValueError as exc:
+        print(f"kvfill-check: error: {exc}", file=sys.stderr)
+        return 2
     from .cli import CheckError, check_config
 
     argv = list(sys.argv[1:] if argv is None else argv)

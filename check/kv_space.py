@@ -11,6 +11,7 @@ import os
 
 from . import probes
 from .cli import CheckConfig, CheckError, on_cpu
+from .env_checks import given_kv_space
 
 GiB = 2**30
 KV_MARGIN = 1.25  # the sized KV space over the estimate (vLLM's blocks, a hybrid's page padding)
@@ -34,15 +35,11 @@ def kv_space(cfg: CheckConfig, prompts: int, max_len: int) -> dict | None:
         return None
     tp = int(cfg.engine.get("tensor_parallel_size") or 1)
     pp = int(cfg.engine.get("pipeline_parallel_size") or 1)
-    given = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "")
-    if given:
-        try:
-            gib = int(given)
-        except ValueError:
-            gib = 0
-        if gib < 1:
-            raise CheckError(f"VLLM_CPU_KVCACHE_SPACE={given!r}: expected a whole number of GiB >= 1 (each engine's "
-                             f"KV space on vLLM CPU), or unset (the check sizes it)")
+    try:
+        gib = given_kv_space()
+    except ValueError as exc:
+        raise CheckError(str(exc)) from None
+    if gib is not None:
         kv = {"gib": gib, "source": "VLLM_CPU_KVCACHE_SPACE set by the user"}
     else:
         kv = sized_kv_space(cfg, prompts, max_len)

@@ -261,3 +261,15 @@ def test_a_step_dies_with_a_killed_check_and_removes_the_temp_folder_made_for_it
     parent.wait(30)
     child.wait(60)  # ended by Linux's SIGTERM, through its way out
     assert not step_tmp.exists()
+
+
+def test_a_bad_kv_space_is_refused_before_vllm_is_imported(tmp_path):
+    """kvfill-check took 44-91 s to refuse VLLM_CPU_KVCACHE_SPACE=lots: it
+    imported vLLM first (issue 61, finding 9).  Now refused before."""
+    code = ("import sys; from kvfill.check.__main__ import main; "
+            f"rc = main(['--model', 'm', '--prompts', 'p', '--out', {str(tmp_path / 'o')!r}]); "
+            "print(rc, 'vllm' in sys.modules, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "lots"})
+    assert out.stdout.split() == ["2", "False", "False"], out.stdout + out.stderr
+    assert "VLLM_CPU_KVCACHE_SPACE='lots': expected a whole number of GiB >= 1" in out.stderr
