@@ -201,7 +201,7 @@ class NodeWatch:
         if self._done.is_set():
             return
         self.reason = reason
-        self.log(f"kvfill-record: stopping: {reason}")
+        self.log("kvfill-record: stopping this node's workers (the error that follows says why)")  # named once
         last = time.monotonic()
         while True:
             for proc in set(multiprocessing.active_children()) - self._ours:
