@@ -13,6 +13,7 @@ import math
 import os
 
 from .cli import CheckConfig, CheckError
+from .past_bank import check_rotate
 
 MAX_LEN_SLACK = 16  # the runs' default max_model_len: the longest prompt + the longest output + this
 
@@ -44,6 +45,7 @@ def prepare(cfg: CheckConfig) -> Inputs:
                             f"the runs' max_model_len {max_len} (the longest prompt's {longest} tokens + {output} "
                             f"generated + {MAX_LEN_SLACK})", "a smaller --max-model-len" if given else
                             "a lower --output-len / --max-tokens, or shorter prompts")
+    check_rotate(model, max_len, cfg.past_bank)  # what replay would refuse at its registration, refused now
     stats = held = None
     if cfg.bank is not None:
         from kvfill.bank.stream import read_stored
