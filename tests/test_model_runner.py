@@ -237,7 +237,8 @@ def test_v1_at_the_start_of_a_process_on_a_vllm_without_v1_is_one_line(tmp_path)
     (tmp_path / "vllm-0.34.0.dist-info").mkdir()
     code = ("import os; from kvfill.check import model_runner as m; m.apply(); "
             "print(os.environ.get('VLLM_USE_V2_MODEL_RUNNER'))")
-    out = _python(code, KVFILL_VLLM_RUNNER="v1", PYTHONPATH=str(tmp_path))
+    path = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p)  # kvfill's (the image's)
+    out = _python(code, KVFILL_VLLM_RUNNER="v1", PYTHONPATH=path)
     assert out.returncode == 0 and out.stdout.split()[-1] == "None", out.stdout + out.stderr[-2000:]
     assert out.stderr.count("KVFILL_VLLM_RUNNER=v1 refused: vLLM 0.34.0 has no Model Runner V1") == 1, out.stderr
 
