@@ -1,11 +1,12 @@
 """The per-step fill's parts around its one plan and one engine fill
 (``KVFillWorker.start_fill`` runs them in order): the state blocks the step's
-requests replay recorded states into, a skipped fill handed to vLLM's
+requests replay recorded states into, a request whose fill is refused
+filled apart from the others and handed to vLLM's
 ``kv_load_failure_policy``, and ``verify``'s read-back of what was written.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -30,6 +31,40 @@ def state_blocks(planner: Planner, state_groups: dict[str, list[str]], selection
         return {}
     plan = planner.plan(selections, groups=state_groups)
     return {layer: (e.block_ids, e.sequence) for g, e in plan.groups.items() for layer in state_groups[g]}
+
+
+def fill_requests(selections: list, fill: Callable, planner: Planner, load_failure_policy: Any) -> tuple[list, set]:
+    """The step's requests filled in one engine fill (``fill(selections)``
+    -> ``(plan, states, FillStats, StateWrite)``), and where that is refused
+    - a request whose metadata the caches cannot take (the engine validates
+    a whole plan before its first write) - each request on its own, so only
+    the refused ones go to ``kv_load_failure_policy`` (``skipped_blocks``)
+    and the rest of the step is filled.  ``(done, failed)``: ``done`` a list
+    of ``(selections, plan, states, stats, written)``, ``failed`` the block
+    ids to report."""
+    try:
+        return [(selections, *fill(selections))], set()
+    except ValueError as exc:
+        if len(selections) == 1:
+            return [], skipped_blocks(selections, exc, planner, load_failure_policy)
+    done, failed, refused = [], set(), 0
+    for sel in selections:
+        try:
+            done.append(([sel], *fill([sel])))
+        except ValueError as exc:  # nothing of it written
+            refused += 1
+            failed |= skipped_blocks([sel], exc, planner, load_failure_policy)
+    logger.error("KVFillConnector: %d of this step's %d requests could not be filled (above); the other %d were",
+                 refused, len(selections), len(selections) - refused)
+    return done, failed
+
+
+def log_fill(selections: list, stats, written, elapsed: float) -> None:
+    logger.debug(
+        "KVFillConnector: filled %d requests, %d block entries and %d state pages, %.2f MiB in %d launches, "
+        "%.3f ms host", len(selections), stats.entries, written.pages, (stats.bytes + written.bytes) / 2**20,
+        stats.launches + written.launches, elapsed * 1e3,
+    )
 
 
 def skipped_blocks(selections, exc: ValueError, planner: Planner, load_failure_policy: Any) -> set[int]:

@@ -46,7 +46,7 @@ from .specs import (
     untransferred_layers,
 )
 from .states import state_layouts
-from .step_fill import skipped_blocks, state_blocks, state_rule_breaks, verify_fill
+from .step_fill import fill_requests, log_fill, state_blocks, state_rule_breaks, verify_fill
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -215,8 +215,9 @@ class KVFillWorker:
 
         Metadata this engine cannot apply (block ids past its caches, another
         group count: another engine configuration) writes nothing - the engine
-        validates the whole plan before its first write - and is handed to
-        vLLM's ``kv_load_failure_policy`` (``step_fill.skipped_blocks``).
+        validates the whole plan before its first write - and the step's
+        other requests are filled apart, the refused ones handed to vLLM's
+        ``kv_load_failure_policy`` (``step_fill.fill_requests``).
         """
         self.last_stats = None
         if not meta:
@@ -224,27 +225,25 @@ class KVFillWorker:
         if self.engine is None:
             raise RuntimeError("KVFillConnector: start_load_kv before register_kv_caches")
         t0 = time.perf_counter()
-        selections = meta.request_selections()
-        try:
-            plan = self.planner.plan(selections, groups=self.engine.groups)
-            states = state_blocks(self.planner, self.state_groups, selections)
-            if states:
-                self.state_pages.check(states)  # before the engine writes anything
-            stats = self.last_stats = self.engine.fill(plan)
-            written = self.state_pages.write(states) if states else StateWrite(0, 0, 0)
-        except ValueError as exc:
-            self.failed_block_ids |= skipped_blocks(selections, exc, self.planner, self.load_failure_policy)
-            return
-        elapsed = time.perf_counter() - t0
-        self.stats.record(len(selections), stats.entries, stats.bytes + written.bytes, elapsed)
-        logger.debug(
-            "KVFillConnector: filled %d requests, %d block entries and %d state pages, %.2f MiB in %d launches, "
-            "%.3f ms host", len(selections), stats.entries, written.pages, (stats.bytes + written.bytes) / 2**20,
-            stats.launches + written.launches, elapsed * 1e3,
-        )
-        if self.options.verify:
-            breaks = state_rule_breaks(selections, self.planner, self.state_lengths) if states else []
-            verify_fill(self.engine, plan, self.state_pages, states, self.stats, self.options.verify, breaks)
+        done, failed = fill_requests(meta.request_selections(), self._fill, self.planner, self.load_failure_policy)
+        self.failed_block_ids |= failed
+        for selections, plan, states, stats, written in done:
+            self.last_stats, elapsed = stats, time.perf_counter() - t0
+            self.stats.record(len(selections), stats.entries, stats.bytes + written.bytes, elapsed)
+            log_fill(selections, stats, written, elapsed)
+            if self.options.verify:
+                breaks = state_rule_breaks(selections, self.planner, self.state_lengths) if states else []
+                verify_fill(self.engine, plan, self.state_pages, states, self.stats, self.options.verify, breaks)
+
+    def _fill(self, selections: list) -> tuple:
+        """``selections`` planned and filled (their state blocks too), all
+        checked before the first write: ``(plan, states, stats, written)``."""
+        plan = self.planner.plan(selections, groups=self.engine.groups)
+        states = state_blocks(self.planner, self.state_groups, selections)
+        if states:
+            self.state_pages.check(states)  # before the engine writes anything
+        stats = self.engine.fill(plan)
+        return plan, states, stats, self.state_pages.write(states) if states else StateWrite(0, 0, 0)
 
     def record(self, meta: KVFillConnectorMetadata) -> None:
         """Record role: after the forward, save the rows of the prompts the step completed."""

@@ -1363,3 +1363,41 @@ def test_vllms_v2_runner_drives_the_fill_through_its_connector_helper(tmp_path):
     assert not output.invalid_block_ids
     assert output.kv_connector_stats is not None and output.kv_connector_stats.data["requests"] == 1
     assert (h.raw != h.poison).any()
+
+
+def test_a_refused_request_fails_alone_and_the_rest_of_its_step_is_filled(tmp_path, monkeypatch):
+    """Two requests in one step, the engine refusing any plan that holds
+    one of them (a request whose metadata the caches cannot take): before,
+    the whole step was skipped - the valid request's blocks reported too, so
+    it came back failed with it (issue 61, finding 2).  Now the other is
+    filled, and only the refused one's blocks go to vLLM's policy."""
+    from kvfill.kernels import FillEngine
+
+    h = make_harness(tmp_path, [(LAYERS, FullAttentionSpec(**ATT))], extra=FILL)
+    h.add("a", list(range(1, 41)))
+    h.add("b", list(range(101, 141)))
+    out = h.scheduler.schedule()
+    assert set(out.num_scheduled_tokens) == {"a", "b"}
+    refused = set(h.block_table("b")[0])
+    fill = FillEngine.fill
+
+    def refuses_b(self, plan):
+        if any(set(e.block_ids.tolist()) & refused for e in plan.groups.values()):
+            raise ValueError("a block of 'b' does not fit the caches")
+        return fill(self, plan)
+
+    monkeypatch.setattr(FillEngine, "fill", refuses_b)
+    before = h.raw.clone()
+    h.worker.bind_connector_metadata(out.kv_connector_metadata)
+    h.worker.start_load_kv(None)
+    h.worker.clear_connector_metadata()
+    assert h.worker.get_block_ids_with_load_errors() == set(h.block_table("b")[0][:3])
+    stats = h.worker.worker.stats.data
+    assert stats["requests"] == 1 and stats["bytes"] == 2 * 39 * 32 * 2  # a's, whole
+    expected = before.clone()  # a's 39 slots of each layer filled alone, in a copy: the bytes written are those
+    monkeypatch.setattr(FillEngine, "fill", fill)
+    single = make_harness(tmp_path / "alone", [(LAYERS, FullAttentionSpec(**ATT))], extra=FILL)
+    single.raw.copy_(expected)
+    single.add("a", list(range(1, 41)))
+    single.step()
+    assert torch.equal(h.raw, single.raw) and not torch.equal(h.raw, before)
