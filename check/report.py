@@ -9,7 +9,7 @@ import os
 import re
 
 from .compare import REFERENCE
-from .verdict import _pct
+from .verdict import _pct, time_class, time_host_line
 
 # Per-token and per-prompt lists a run measured: in OUT/logs/RUN.json, summarised in report.json.
 RAW = ("greedy", "eos", "expert_counts", "texts")  # --serve: the client's own file, OUT/logs/served-RUN.json
@@ -105,9 +105,11 @@ def markdown(cfg, res: dict, cmp: dict, lines: list[str]) -> str:
            "## Verdicts", ""]
     out += [f"- {line}" for line in lines]
     served = " served req/s | served TPOT ms |" if cfg.serve else ""
+    _, band = time_host_line(cmp.get(REFERENCE, {}).get("decode_time"))
     out += ["", "## Runs", "", "Decode time: ms per request-token (median of the timed passes' pure decode steps), the "
             "ratio to real prefill timed in the same engine with its 95 % interval, the host's 1-minute load over "
-            "the passes and the process's CPU seconds per wall second.", "",
+            "the passes and the process's CPU seconds per wall second; after the interval, what it shows against "
+            "the host's band: differs, within, or not measurable (n.m.: thin, or reaching past the band).", "",
             "| run | tokens = real | EOS mean length | at EOS | acceptance | expert TV | "
             f"decode ms/token | ratio [95 %] | load | CPU/wall | run s |{served}",
             "|---|---|---|---|---|---|---|---|---|---|---|" + "---|---|" * cfg.serve]
@@ -122,7 +124,7 @@ def markdown(cfg, res: dict, cmp: dict, lines: list[str]) -> str:
         tok = f"{t['equal']}/{t['total']}" if t else ("reference" if run == REFERENCE else "")
         tv_cell = "" if tv is None else (f"floor {tv}" if run == REFERENCE else tv)
         out.append(f"| {run} | {tok} | {e['mean'] if e else ''} | {_pct(e['eos_share']) if e else ''} "
-                   f"| {_pct(s['acceptance']) if s else ''} | {tv_cell} | {_time_cells(row.get('decode_time'))} "
+                   f"| {_pct(s['acceptance']) if s else ''} | {tv_cell} | {_time_cells(row.get('decode_time'), band)} "
                    f"| {step.get('step_s', '')} |" + (_served_cells(step) if cfg.serve else ""))
     if res.get("samples"):
         out += ["", "## What each run wrote", "", "The first prompt's first greedy tokens:", "",
@@ -132,11 +134,13 @@ def markdown(cfg, res: dict, cmp: dict, lines: list[str]) -> str:
     return "\n".join(out) + "\n"
 
 
-def _time_cells(t: dict | None) -> str:
-    """decode ms/token | ratio [95 %] | load | CPU/wall (real prefill's row: against itself)."""
+def _time_cells(t: dict | None, band: float) -> str:
+    """decode ms/token | ratio [95 %] and what it shows | load | CPU/wall (real prefill's row: against itself)."""
     if not t or "ratio" not in t:
         return " | | | "
-    return (f"{t['ms_per_token'][0]:.3g} | {t['ratio']:g} [{t['interval'][0]:g}, {t['interval'][1]:g}] | "
+    kind, why = time_class(t, band)
+    shows = {"differs": "differs", "within": "within"}.get(kind, "n.m." + (" (thin)" if why.startswith("thin") else ""))
+    return (f"{t['ms_per_token'][0]:.3g} | {t['ratio']:g} [{t['interval'][0]:g}, {t['interval'][1]:g}] {shows} | "
             f"{t['load'][0]:g}-{t['load'][1]:g} | {t['cpu_per_wall']:g}")
 
 
@@ -167,7 +171,8 @@ def plot(path: str, res: dict, cmp: dict, title: str) -> bool:
                        lambda r: 0.0 if r == REFERENCE else cmp[r].get("expert_load", {}).get("tv_mean", 0.0)))
     if cmp.get(REFERENCE, {}).get("served"):
         panels.append(("served requests/s", lambda r: (cmp[r].get("served") or {}).get("request_throughput") or 0.0))
-    panels.append(("decode time vs real prefill in its engine (bar: 95 %)",
+    _, band = time_host_line(cmp.get(REFERENCE, {}).get("decode_time"))
+    panels.append((f"decode time / real prefill\n(bar: 95 %; green: host resolves {band:.2g}x)",
                    lambda r: (cmp[r].get("decode_time") or {}).get("ratio", 0.0)))
     fig, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels), 3.2), squeeze=False)
     for ax, (name, value) in zip(axes[0], panels):
@@ -182,10 +187,17 @@ def plot(path: str, res: dict, cmp: dict, title: str) -> bool:
                                 bar.get_height()), ha="center", va="bottom", fontsize=7)
         if name.startswith("decode"):
             ax.axhline(1.0, color="k", ls="--", lw=1)
+            ax.axhspan(1 / band, band, color="tab:green", alpha=0.12, lw=0)  # what this host resolves
             for i, r in enumerate(runs):
                 t = cmp[r].get("decode_time") or {}
                 if "interval" in t:
                     ax.plot([i, i], t["interval"], color="k", lw=1.5)
+                    kind, why = time_class(t, band)
+                    label = {"differs": "differs", "within": "ok"}.get(kind, "thin" if why.startswith("thin")
+                                                                       else "n.m.")
+                    ax.annotate(label, (i, min(t["interval"][1], 3 * band)), ha="center", va="bottom", fontsize=7)
+            ax.set_ylim(0, max([3 * band] + [min(3 * band, (cmp[r].get("decode_time") or {}).get("ratio", 0) * 1.2)
+                                             for r in runs]))
         ax.set_title(name, fontsize=8)
         ax.tick_params(axis="x", labelrotation=45, labelsize=7)
     fig.suptitle(f"kvfill-check: {title}", fontsize=9)

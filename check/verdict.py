@@ -294,18 +294,35 @@ def time_lines(run: str, t: dict | None, band: float, ev: Evidence) -> list[str]
     if gained and gained[0] != gained[1]:  # a drafter's acceptance moves time per token, not per step
         what += (f"; per step {t['step_ratio']:g}x, requests gaining {gained[0]:g} vs {gained[1]:g} tokens a step: "
                  f"the difference is acceptance's")
-    if lo > band or hi < 1 / band:
+    kind, why = time_class(t, band)
+    if kind == "differs":
         ev.differs.append("decode time")
-        return [f"{what} - {'slower' if lo > 1 else 'faster'} than real prefill beyond this host's noise "
-                f"({band:.2g}x)"]
-    why = (f"thin: {passes} timed passes a side, fewer than {THIN_PASSES}" if passes < THIN_PASSES else
-           f"this host resolves nothing finer than {band:.2g}x now" if band > TIME_UNMEASURABLE else
-           f"the interval reaches past the {band:.2g}x this host resolves: it admits a difference as large")
-    if passes < THIN_PASSES or band > TIME_UNMEASURABLE or hi > band or lo < 1 / band:
+        return [f"{what} - {why}"]
+    if kind == "unmeasurable":
         ev.unmeasured.append(f"decode time ({why})")
         return [f"{what} - not measurable here: {why}"]
     ev.measured.append(f"decode time ({t['passes'][0]}+{t['passes'][1]} passes, within {band:.2g}x)")
-    return [f"{what} - within {band:.2g}x: below what this host resolves"]
+    return [f"{what} - {why}"]
+
+
+def time_class(t: dict, band: float) -> tuple[str, str]:
+    """A timed ratio judged against the host's ``band``: ``("differs" |
+    "within" | "unmeasurable", why)`` - thin first (fewer than
+    ``THIN_PASSES`` passes a side: two or three draws, whatever the
+    interval), then wholly beyond the band, wholly within it, or else
+    reaching past it (or a host that resolves nothing now)."""
+    lo, hi = t["interval"]
+    passes = min(t["passes"])
+    if passes < THIN_PASSES:
+        return "unmeasurable", f"thin: {passes} timed passes a side, fewer than {THIN_PASSES}"
+    if lo > band or hi < 1 / band:
+        return "differs", f"{'slower' if lo > 1 else 'faster'} than real prefill beyond this host's noise ({band:.2g}x)"
+    if band > TIME_UNMEASURABLE:
+        return "unmeasurable", f"this host resolves nothing finer than {band:.2g}x now"
+    if hi > band or lo < 1 / band:
+        return "unmeasurable", (f"the interval reaches past the {band:.2g}x this host resolves: it admits a "
+                                f"difference as large")
+    return "within", f"within {band:.2g}x: below what this host resolves"
 
 
 def served_lines(run: str, step: dict, row: dict, ref: dict) -> list[str]:
