@@ -55,7 +55,9 @@ def env_defaults(**values: str):
 @contextlib.contextmanager
 def _private_tempdir():
     """vLLM's rendezvous file (``vllm_dist_<id>``, made by the engine's
-    process in ``tempfile.gettempdir()``) goes into a folder of the run's
+    process in ``tempfile.gettempdir()``) and the ZMQ sockets of the
+    processes it spawns (``TMPDIR``: a two-node recording's left zero-byte
+    socket files in the user's temp folder) go into a folder of the run's
     own; its name is the prefix of the shared-memory segments vLLM CPU's
     workers make.  Yields a function returning the ids seen so far; the
     folder and every segment of those ids are removed at the end."""
@@ -67,10 +69,16 @@ def _private_tempdir():
         return ids
 
     tempfile.tempdir = folder
+    env_before = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = folder  # the processes vLLM spawns too: their ZMQ sockets (VLLM_RPC_BASE_PATH) land here
     try:
         yield seen
     finally:
         tempfile.tempdir = before
+        if env_before is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = env_before
         remove_vllm_tempdir(folder, seen())
 
 

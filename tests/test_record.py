@@ -1,6 +1,7 @@
 """Recording and replaying through vLLM's CPU engine: the recorder's checks,
 vLLM CPU's real K/V layout, and replay equal to real prefill end to end."""
 import os
+import tempfile
 
 import pytest
 import torch
@@ -297,6 +298,10 @@ def test_a_recording_over_two_nodes_on_loopback_writes_the_one_node_bank_and_ref
     model, prompts = tp2_recording["model"], tp2_recording["work"] / "prompts.txt"
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     monkeypatch.setenv("VLLM_TARGET_DEVICE", "cpu")
+    temp = tmp_path / "temp"  # both nodes' temp folder: nothing of vLLM's may be left there (zero-byte sockets were)
+    temp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(temp))
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
 
     def two_nodes(name, node1_extra=()):
         port = str(_free_port())
@@ -319,6 +324,7 @@ def test_a_recording_over_two_nodes_on_loopback_writes_the_one_node_bank_and_ref
     assert (rc, rc1) == (0, 0), log1
     assert "node 1: the first node ended the recording; this node's workers stopped" in log1, log1
     assert not (tmp_path / "n1").exists()
+    assert sorted(p.name for p in temp.iterdir()) == [], "left in the nodes' temp folder"
 
     two, one = safe_open(str(tmp_path / "two-nodes.safetensors"), "pt"), safe_open(str(tp2_recording["bank"]), "pt")
     assert sorted(two.keys()) == sorted(one.keys()) and len(two.keys()) == 4
