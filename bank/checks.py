@@ -1,9 +1,9 @@
 """A bank checked against one cache: a layer's rows in the cache's element
 order (``check_rows``), a state layer's recorded states as the cache's state
-pages (``state_pages``); each refusal a BankError naming what differs."""
+pages (``state_pages``); each refusal a BankError naming what differs.
+``bank`` is a ``bank.Bank``, read through its fields only (``Bank``'s own
+methods call these, so this file does not import it)."""
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -12,11 +12,8 @@ from .format import BankError, dtype_name
 from .rows import RowFormat
 from .state import pack
 
-if TYPE_CHECKING:
-    from .bank import Bank
 
-
-def check_rows(bank: "Bank", name: str, dtype: torch.dtype, fmt: RowFormat,
+def check_rows(bank, name: str, dtype: torch.dtype, fmt: RowFormat,
                value_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, RowFormat | None]:
     """The bank's stored rows of layer ``name`` and the format that puts them
     in the element order of a cache of ``dtype`` whose row is described by
@@ -60,7 +57,7 @@ def check_rows(bank: "Bank", name: str, dtype: torch.dtype, fmt: RowFormat,
     return t, None
 
 
-def state_pages(bank: "Bank", name: str, shapes, dtypes, alignment: int = 1) -> torch.Tensor:
+def state_pages(bank, name: str, shapes, dtypes, alignment: int = 1) -> torch.Tensor:
     """A state layer's recorded states as pages ``[S, page bytes]`` (uint8)
     for a cache whose spec names ``shapes`` and ``dtypes`` (this rank's) and
     ``alignment`` (its ``state_alignment``: each state at a multiple of it),

@@ -12,7 +12,7 @@ and what goes on the device must fit there.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING, Mapping
+from typing import Mapping
 
 import torch
 
@@ -23,8 +23,6 @@ from .rotary import Rerotation, Rotary, table_nbytes
 from .host_copy import is_host
 from .staging import STAGING_BYTES, Staging, host_rows, size
 
-if TYPE_CHECKING:
-    from .registry import LayerTensor, Registry
 
 PLACEMENTS = ("device", "host")
 PAST_BANK = ("wrap", "rotate")
@@ -48,10 +46,12 @@ def check_placement(placement: str, staging_bytes: int | None, past_bank: str = 
                          f"past_bank 'rotate' only")
 
 
-def placed_rows(registry: "Registry", bank: Bank, placement: str, staging_bytes: int | None,
-                rotary: Mapping[str, Rotary] | None = None) -> tuple[list["LayerTensor"], Staging | None,
+def placed_rows(registry, bank: Bank, placement: str, staging_bytes: int | None,
+                rotary: Mapping[str, Rotary] | None = None) -> tuple[list, Staging | None,
                                                                      tuple[int, int]]:
-    """Every replaying tensor given its layer's rows as the fill reads them
+    """Every replaying tensor of ``registry`` (a ``registry.Registry``, which
+    calls this while it registers: read through its fields, not imported)
+    given its layer's rows as the fill reads them
     (on the device, or staged there), after checking the bank matches the
     caches; the staging (None: every row read in place); and the device
     bytes counted for them: ``(held, transient)`` - held, the rows uploaded,
@@ -122,11 +122,11 @@ def turn_bytes(rerotate: Mapping[str, Rerotation], rows: int) -> int:
     return max(a for a, _ in parts) + max(t for _, t in parts)
 
 
-def _dcps(registry: "Registry") -> dict:
+def _dcps(registry) -> dict:
     return {name: g.dcp for name, g in registry.groups.items()}
 
 
-def _with(tensors: list["LayerTensor"], staging: Staging | None, on_device: dict | None = None) -> list["LayerTensor"]:
+def _with(tensors: list, staging: Staging | None, on_device: dict | None = None) -> list:
     rows = dict(on_device or {})
     if staging is not None:
         rows.update(staging.rows())

@@ -19,6 +19,7 @@ from . import values as V
 from .bank_placement import placed_rows
 from .rotary import Rerotation
 from .staging import HostRows, Staging, padded
+from .value_tables import value_table
 from .layout import Layout, default_slot_dim, layout_of
 
 
@@ -142,7 +143,7 @@ class LaunchClass:
     bank_row: int = 0         # replay: elements per bank row of its layers (0 otherwise)
     sequences: np.ndarray | None = None  # replay: the bank's int64 [S, 2] (first row, length)
     tensors: list[LayerTensor] = field(default_factory=list)
-    table: torch.Tensor | None = None  # value bits on the device (values.value_table); None: replay
+    table: torch.Tensor | None = None  # value bits on the device (value_tables.value_table); None: replay
     part: V.PartValues | None = None  # a part of a packed row (its own value table; not in replay)
 
 
@@ -223,7 +224,7 @@ class Registry:
                     raise type(exc)(f"{where}: {exc}") from None
                 mode = V.ZERO if vdtype is None else (g.mode or self.default_mode)
                 if part is not None and mode in (V.CONSTANT, V.NORMAL):
-                    mode = V.NORMAL  # its table is read as the normal mode's (part_values.part_host_table)
+                    mode = V.NORMAL  # its table is read as the normal mode's (value_tables.part_host_table)
                 out.append(LayerTensor(gname, lname, sub if is_list else None, t, layout, vdtype, mode,
                                        V.layer_key(self.values.seed, lid), elem_offset,
                                        elem_dims=_logical_elem_dims(t, g.block_dim, None if state else g.slot_dim),
@@ -302,7 +303,7 @@ class Registry:
             max_row[k] = max(max_row.get(k, 1), c.layout.row_size)
         v = self.values
         tables = {
-            k: V.value_table(k[0], v.mean, v.std, k[1], k[2], self.device, max_row=row, part=k[3])
+            k: value_table(k[0], v.mean, v.std, k[1], k[2], self.device, max_row=row, part=k[3])
             for k, row in max_row.items()
         }
         for c in classes.values():

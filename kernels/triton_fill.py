@@ -208,7 +208,7 @@ def launch_fill(
     ``layer_table``: int64 ``[L, 3]`` on the device (element offset from
     ``ref``, row key or bank offset, element offset in the row); ``ref``: the
     reference tensor viewed as its bits dtype; ``layer_align``: a power of two
-    dividing every offset; ``table``: the value bits (values.value_table) or,
+    dividing every offset; ``table``: the value bits (value_tables.value_table) or,
     replaying, the reference bank rows, same dtype as ``ref``;
     ``bank_row``: elements per bank row; ``bank_align``: a power of two
     dividing every bank offset and the row; ``sequences``: replaying, the

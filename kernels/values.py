@@ -118,7 +118,7 @@ class ValueSpec:
         return NORMAL if self.std > 0.0 else CONSTANT
 
 
-PART_DTYPES = FLOAT_DTYPES + (torch.float4_e2m1fn_x2,)  # float4: e2m1 pairs (part_values.py)
+PART_DTYPES = FLOAT_DTYPES + (torch.float4_e2m1fn_x2,)  # float4: e2m1 pairs (value_tables.py)
 # A part whose rows must rarely repeat (an indexer's keys, which a top-k
 # scores): 2**22 table entries, 2**18 row starts - two of L positions share a
 # row with probability about L**2 / 2**19, not L**2 / 2**15.
@@ -280,47 +280,3 @@ def host_table(mode: str, mean: float, std: float, vdtype: torch.dtype | None, i
     if mode == NORMAL:
         return encode(mean + std * standard_normal_pool(), vdtype)
     raise ValueError(f"mode {mode!r} is not one of {MODES}")
-
-
-_DEVICE_TABLES: dict = {}
-
-
-def value_table(
-    mode: str,
-    mean: float,
-    std: float,
-    vdtype: torch.dtype | None,
-    itemsize: int,
-    device: torch.device,
-    max_row: int = 1,
-    part: PartValues | None = None,
-) -> torch.Tensor:
-    """Storage bits a fill draws from (``part``: a part of a packed row, whose
-    table is read as the normal mode's whatever the mode: ``part_values.part_host_table``).
-
-    normal: the pool followed by its first ``max_row - 1`` entries again, so a
-    row of up to ``max_row`` elements reads ``table[start : start + row]``
-    without wrapping; constant / zero: one entry.  Cached per device; the table
-    is the only device memory a fill needs besides its plan, and its size does
-    not depend on the fill.
-    """
-    if mode == ZERO or vdtype is None:
-        mode, mean, std, vdtype, part = ZERO, 0.0, 0.0, None, None
-    if mode != NORMAL and part is None:
-        max_row = 1
-    key = (mode, float(mean), float(std), vdtype, itemsize, torch.device(device), max_row, part)
-    table = _DEVICE_TABLES.get(key)
-    if table is None:
-        if part is not None:
-            from .part_values import part_host_table
-
-            table = part_host_table(mode, float(mean), float(std), part, itemsize)
-        else:
-            table = host_table(mode, float(mean), float(std), vdtype, itemsize)
-        if (mode == NORMAL or part is not None) and max_row > 1:
-            pool = 1 << pool_bits(part)
-            reps = -(-(pool + max_row - 1) // pool)
-            table = table.repeat(reps)[: pool + max_row - 1]
-        table = table.to(device)
-        _DEVICE_TABLES[key] = table
-    return table

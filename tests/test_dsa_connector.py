@@ -248,7 +248,7 @@ def test_a_synthetic_fill_writes_valid_nvfp4_latent_rows(tmp_path):
     scales - the values decode (e2m1 x scale) to the fill's spread; nothing
     is left zero, so no warning names them."""
     from kvfill.kernels.packed_rows import nvfp4_ds_mla_values
-    from kvfill.kernels.part_values import E2M1
+    from kvfill.kernels.value_tables import E2M1
     from kvfill.kernels.values import ValueSpec
 
     groups, _, _ = dsa_group("nvfp4_ds_mla")

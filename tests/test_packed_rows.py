@@ -330,10 +330,10 @@ def test_packed_row_views_refuse_a_cache_of_another_shape():
 
 
 def test_e2m1_pairs_round_to_the_nearest_fp4_value_ties_to_even_codes_the_even_value_low():
-    """The nvfp4 encoding a synthetic nvfp4_ds_mla row is made of (part_values.encode_e2m1_pairs)."""
+    """The nvfp4 encoding a synthetic nvfp4_ds_mla row is made of (value_tables.encode_e2m1_pairs)."""
     import numpy as np
 
-    from kvfill.kernels.part_values import encode_e2m1_pairs
+    from kvfill.kernels.value_tables import encode_e2m1_pairs
 
     got = encode_e2m1_pairs(np.array([0.0, 0.5, -1.0, 6.0, 7.0, -0.25, 0.75, 2.5, 5.0, -0.1]))
     # (0, 0.5) -> codes 0, 1; (-1, 6) -> 2|8, 7; (7 -> 6, -0.25 -> 0 tie to even); (0.75 -> 1.0, 2.5 -> 2.0): ties
@@ -347,10 +347,11 @@ def test_every_parts_value_table_is_whole_so_a_row_starting_at_the_last_start_re
     less one (a row reads ``table[start : start + row]`` with start up to
     ``2**pool_bits - 16``), e2m1 pairs included."""
     from kvfill.kernels.packed_rows import nvfp4_ds_mla_values
+    from kvfill.kernels.value_tables import value_table
 
     spec = V.ValueSpec(mean=0.0, std=0.1)
     for part in (*make(spec), *nvfp4_ds_mla_values(spec)):
-        table = V.value_table(V.NORMAL, spec.mean, spec.std, part.vdtype, 1, torch.device("cpu"), max_row=256,
-                              part=part)
+        table = value_table(V.NORMAL, spec.mean, spec.std, part.vdtype, 1, torch.device("cpu"), max_row=256,
+                            part=part)
         assert table.numel() == (1 << part.pool_bits) + 255, part
     assert make(spec)[0].pool_bits == (V.PARTS_POOL_BITS if make is indexer_values else V.POOL_BITS)

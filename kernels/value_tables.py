@@ -1,7 +1,9 @@
-"""The value tables of a packed row's parts (``values.PartValues``): what
-``values.value_table`` draws from for a part whose bytes encode values their
-own way - fp8 divided by a scale, a float's bytes in a uint8 tensor, e2m1
-(fp4) pairs - read as the normal mode's table.
+"""The value tables a fill draws from, on the caches' device
+(``value_table``), from the value function's host tables (``values.py``),
+and those of a packed row's parts (``values.PartValues``, ``part_host_table``):
+a part whose bytes encode values their own way - fp8 divided by a scale, a
+float's bytes in a uint8 tensor, e2m1 (fp4) pairs - read as the normal
+mode's table.
 """
 from __future__ import annotations
 
@@ -56,3 +58,45 @@ def part_host_table(mode: str, mean: float, std: float, part: V.PartValues, item
         return encode_e2m1_pairs(values / part.scale)
     bits = V.encode(values / part.scale, part.vdtype)
     return bits.view(V.BITS_DTYPE[itemsize])
+
+
+_DEVICE_TABLES: dict = {}
+
+
+def value_table(
+    mode: str,
+    mean: float,
+    std: float,
+    vdtype: torch.dtype | None,
+    itemsize: int,
+    device: torch.device,
+    max_row: int = 1,
+    part: V.PartValues | None = None,
+) -> torch.Tensor:
+    """Storage bits a fill draws from (``part``: a part of a packed row, whose
+    table is read as the normal mode's whatever the mode: ``part_host_table``).
+
+    normal: the pool followed by its first ``max_row - 1`` entries again, so a
+    row of up to ``max_row`` elements reads ``table[start : start + row]``
+    without wrapping; constant / zero: one entry.  Cached per device; the table
+    is the only device memory a fill needs besides its plan, and its size does
+    not depend on the fill.
+    """
+    if mode == V.ZERO or vdtype is None:
+        mode, mean, std, vdtype, part = V.ZERO, 0.0, 0.0, None, None
+    if mode != V.NORMAL and part is None:
+        max_row = 1
+    key = (mode, float(mean), float(std), vdtype, itemsize, torch.device(device), max_row, part)
+    table = _DEVICE_TABLES.get(key)
+    if table is None:
+        if part is not None:
+            table = part_host_table(mode, float(mean), float(std), part, itemsize)
+        else:
+            table = V.host_table(mode, float(mean), float(std), vdtype, itemsize)
+        if (mode == V.NORMAL or part is not None) and max_row > 1:
+            pool = 1 << V.pool_bits(part)
+            reps = -(-(pool + max_row - 1) // pool)
+            table = table.repeat(reps)[: pool + max_row - 1]
+        table = table.to(device)
+        _DEVICE_TABLES[key] = table
+    return table
