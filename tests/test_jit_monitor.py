@@ -22,7 +22,6 @@ from types import SimpleNamespace
 import pytest
 
 pytest.importorskip("vllm")
-pytestmark = pytest.mark.needs_vllm
 
 from kvfill.connector import vllm_connector as vc  # noqa: E402
 
