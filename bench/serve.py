@@ -32,7 +32,9 @@ from kvfill.bench.null_connector import KV_TRANSFER_CONFIG as NULL_CONFIG
 from kvfill.check.prefill_probe import prefill_probe
 from kvfill.check.serving import Server, free_port, vllm_command
 
-CONNECTORS = ("null", "kvfill", "in-tree", "none", "replay")  # replay: kvfill from --bank (not in the default sweep)
+# replay: kvfill from --bank (not in the default sweep); *-startup: the connector's startup_fill (the whole cache
+# filled once at start, nothing per request: what a user who only wants speed picks for a dense model)
+CONNECTORS = ("null", "kvfill", "kvfill-startup", "in-tree", "in-tree-startup", "none", "replay")
 METRICS = ("ttft", "tpot", "itl", "e2el")
 PROBE_IDS = [10 + (i * 37) % 200 for i in range(256)]  # --prefill-probe's prompt: 16 blocks of 16 tokens
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -41,13 +43,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def kv_transfer_config(connector: str, extra: dict) -> dict | None:
     if connector == "none":
         return None
+    startup = connector.endswith("-startup")
     base = {
         "null": NULL_CONFIG,
         "kvfill": {"kv_connector": "KVFillConnector", "kv_role": "kv_both"},
         "replay": {"kv_connector": "KVFillConnector", "kv_role": "kv_both"},
         "in-tree": {"kv_connector": "DecodeBenchConnector", "kv_role": "kv_both"},
-    }[connector]
-    return {**base, "kv_connector_extra_config": dict(extra)}
+    }[connector.removesuffix("-startup")]
+    return {**base, "kv_connector_extra_config": {**extra, **({"startup_fill": True} if startup else {})}}
 
 
 def serve_args(model: str, port: int, *, max_model_len: int, max_num_seqs: int, kt: dict | None,

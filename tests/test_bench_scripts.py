@@ -326,6 +326,23 @@ def test_serving_benchmark_drives_a_real_server_with_vllms_client(tmp_path):
 
 
 @pytest.mark.needs_vllm
+@pytest.mark.needs_vllm
+def test_the_serving_sweep_holds_each_connectors_startup_fill_beside_its_per_request_fill():
+    """The fair baseline (issue 62): kvfill and the in-tree connector each
+    with startup_fill (the whole cache filled once) beside their per-request
+    fill, in the default sweep."""
+    from kvfill.bench import serve
+
+    extra = {"fill_mean": 0.015, "fill_std": 0.1}
+    for name, connector in (("kvfill", "KVFillConnector"), ("in-tree", "DecodeBenchConnector")):
+        per_request, startup = serve.kv_transfer_config(name, extra), serve.kv_transfer_config(f"{name}-startup", extra)
+        assert per_request["kv_connector"] == startup["kv_connector"] == connector
+        assert "startup_fill" not in per_request["kv_connector_extra_config"]
+        assert startup["kv_connector_extra_config"] == {**extra, "startup_fill": True}
+    assert serve.kv_transfer_config("none", extra) is None
+    assert {"kvfill-startup", "in-tree-startup"} <= set(serve.CONNECTORS) - {"replay"}
+
+
 def test_stopping_a_server_stops_its_whole_process_group(tmp_path):
     """A server whose leader exited (startup failure) may leave children: stop()
     ends the group anyway."""
