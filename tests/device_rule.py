@@ -231,6 +231,11 @@ class DeviceRule(TorchFunctionMode):
         self._undo: list = []
 
     def __enter__(self):
+        if torch.Tensor.pin_memory is not torch._C.TensorBase.pin_memory:
+            # vLLM CPU's worker module replaces it process-wide with one that returns the tensor (no pinned
+            # allocator there): in a process that imported it, the stand-in's pinning would never be asked
+            self._undo.append((torch.Tensor, "pin_memory", torch.Tensor.pin_memory))
+            torch.Tensor.pin_memory = torch._C.TensorBase.pin_memory
         if self.ledger is not None:
             self._patch()
         return super().__enter__()

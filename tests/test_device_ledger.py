@@ -99,6 +99,20 @@ def test_device_bytes_are_counted_until_freed_and_a_strided_copy_makes_a_tempora
         assert w.temporaries == [] and w.peak == 0
 
 
+def test_the_stand_in_pins_where_vllm_cpu_replaced_pin_memory(monkeypatch):
+    """vLLM CPU's worker module replaces ``Tensor.pin_memory`` process-wide
+    with one returning the tensor itself; after an in-process engine test the
+    stand-in's pinning was never asked, and every pinned upload read as
+    pageable (CI on a fresh clone).  The rule puts torch's own back while it
+    is entered, and the replacement after."""
+    def fake(self, *args, **kwargs):
+        return self
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", fake)
+    test_a_blocking_or_pageable_upload_syncs_and_a_pinned_non_blocking_one_does_not()
+    assert torch.Tensor.pin_memory is fake
+
+
 # ------------------------------------------------------------ kvfill under it
 def _engine(kind: str, table_positions: int = TABLE_POSITIONS, layers: int = 4, staging_bytes: int = 1 << 20):
     """An engine of ``layers`` layers on the stand-in device and its plan;
