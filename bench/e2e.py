@@ -1,4 +1,5 @@
-"""The main job: vLLM's offline engine with the null reference, kvfill, the in-tree DecodeBenchConnector, and no connector.
+"""The main job: vLLM's offline engine with the null reference, kvfill, the in-tree DecodeBenchConnector (each
+of the two per request and with its startup fill: the whole cache once at start), and no connector.
 
     python bench/e2e.py                       # 16 requests x 8000 tokens, 2 output tokens (make demo)
     python bench/e2e.py --requests 4 --prompt-len 4000 --output-len 16 --fill-std 0
@@ -81,15 +82,17 @@ def run_one(args) -> dict:
     record = {"connector": args.only, "fill_s": 0.0, "fill_cpu_s": 0.0, "fill_bytes": 0}
     _instrument(record)
     kw = {}
-    if args.only != "none":
+    name, _, variant = args.only.partition(":")  # NAME:startup - the connector's startup_fill
+    if name != "none":
         kt = {
-            "kv_connector": args.only,
+            "kv_connector": name,
             "kv_role": "kv_both",
-            "kv_connector_extra_config": {"fill_mean": 0.015, "fill_std": args.fill_std},
+            "kv_connector_extra_config": {"fill_mean": 0.015, "fill_std": args.fill_std,
+                                          **({"startup_fill": True} if variant == "startup" else {})},
         }
-        if args.only == "KVFillConnector" and args.by_module_path:
+        if name == "KVFillConnector" and args.by_module_path:
             kt["kv_connector_module_path"] = "kvfill.connector"
-        if args.only == NULL_CONFIG["kv_connector"]:
+        if name == NULL_CONFIG["kv_connector"]:
             kt.update(NULL_CONFIG)
         kw["kv_transfer_config"] = kt
     if args.no_extensible_kv_cache:  # vLLM 0.34 on CUDA: the KV cache allocated whole before warmup
@@ -260,8 +263,10 @@ def main(argv=None):
     p.add_argument("--model", default=None, help="model folder (created if missing; default out/tiny-llama or out/tiny-gemma3-hybrid)")
     p.add_argument("--hybrid", action="store_true", help="sliding-window + full attention model (two KV cache groups)")
     p.add_argument("--connectors", nargs="+",
-                   default=["NullFillConnector", "KVFillConnector", "DecodeBenchConnector", "none"],
-                   help="NullFillConnector: the limit (grants kvfill's tokens, writes nothing); none: real prefill")
+                   default=["NullFillConnector", "KVFillConnector", "KVFillConnector:startup", "DecodeBenchConnector",
+                            "DecodeBenchConnector:startup", "none"],
+                   help="NullFillConnector: the limit (grants kvfill's tokens, writes nothing); none: real prefill; "
+                        "NAME:startup: that connector's startup_fill (the whole cache filled once at start)")
     p.add_argument("--by-module-path", action="store_true", help="load kvfill by module path, not by plugin name")
     p.add_argument("--prefill-requests", type=int, default=2,
                    help="requests the no-connector (real prefill) row runs; its time is scaled to --requests")

@@ -182,7 +182,8 @@ def test_main_job_runs_vllm_with_kvfill_by_plugin_name(tmp_path, capsys):
     out = tmp_path / "e2e.json"
     rc = e2e.main(["--requests", "2", "--prompt-len", "600", "--output-len", "3", "--kv-cache-gib", "1",
                    "--model", str(tmp_path / "model"), "--connectors", "NullFillConnector", "KVFillConnector",
-                   "DecodeBenchConnector", "none", "--prefill-requests", "1", "--json", str(out)])
+                   "KVFillConnector:startup", "DecodeBenchConnector", "none", "--prefill-requests", "1",
+                   "--json", str(out)])
     assert rc == 0
     rows = {r["connector"]: r for r in json.loads(out.read_text())["rows"]}
     # The real-prefill row is bounded: measured on 1 request, scaled to 2 and labelled so.
@@ -192,6 +193,8 @@ def test_main_job_runs_vllm_with_kvfill_by_plugin_name(tmp_path, capsys):
     assert rows["NullFillConnector"]["fill_MiB"] == 0 and rows["KVFillConnector"]["null / this"] > 0
     # kvfill fills the prompt minus the last token; the in-tree fills whole blocks.
     assert 0 < rows["KVFillConnector"]["fill_MiB"] <= rows["DecodeBenchConnector"]["fill_MiB"]
+    # its startup fill wrote the whole cache once at start: nothing per request (issue 62's fair baseline)
+    assert rows["KVFillConnector:startup"]["fill_MiB"] == 0 and rows["KVFillConnector:startup"]["outputs"] == "2/2 x 3"
     # CPU time beside wall time for the timed parts, and the host's load as each row started
     assert all(r["generate_cpu_s"] > 0 and r["load"] >= 0 for r in rows.values())
     assert rows["KVFillConnector"]["fill_cpu_s"] > 0 and rows["none"]["fill_cpu_s"] == 0
