@@ -33,8 +33,15 @@ endif
 # Two pytest-xdist workers: one runs the end-to-end tests (marker e2e: vLLM
 # engines, servers, recordings) one after another, the other the rest and the
 # device-image stand-in (docs/testing.md).
-test: venv
+# Then the 0.34 lane: the tests that start no engine again, with vLLM 0.34.0's own Python code laid over
+# the venv (tests/vllm034_overlay.py: its wheel's modules and metadata, no .so; docs/testing.md).
+OVERLAY034 := .vllm034-py
+test: venv $(OVERLAY034)/.installed
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -n 2 --dist loadgroup --durations=15
+	PYTHONPATH=$(CURDIR)/$(OVERLAY034) TRITON_INTERPRET=1 $(PY) -m pytest -q -n 2 -m "not e2e" -p no:cacheprovider
+
+$(OVERLAY034)/.installed: tests/vllm034_overlay.py
+	$(PY) tests/vllm034_overlay.py $(OVERLAY034)
 
 # The development loop: everything but the end-to-end tests, in a few minutes.
 test-fast: venv
@@ -146,4 +153,4 @@ bench-gpu: venv
 	$(PY) bench/report.py bench/results/gpu-bench-raw.json --out bench/results/gpu-bench
 
 clean:
-	rm -rf $(VENV) *.egg-info
+	rm -rf $(VENV) $(OVERLAY034) *.egg-info

@@ -706,6 +706,7 @@ def test_a_thin_timing_sample_is_marked_in_the_line_the_table_and_the_plot_and_n
     is not called different on it even where its interval lies beyond the
     band - a 1.5x slower fill with 3 passes is (issue 61, finding 7: a
     2-pass run printed 14.772 [0.121, 15.532] as if it meant something)."""
+    pytest.importorskip("matplotlib")  # the plot: make venv's bench extra (not make test-vllm034's venv)
     for passes, slower in ((2, False), (3, True)):
         steps = {"prefill": {**_step("prefill", [[1, 2]] * 2, [], [], {}),
                              "timing": _timing(("real", "real'"), 2.0, passes=passes)},

