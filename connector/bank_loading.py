@@ -1,25 +1,33 @@
-"""What a replaying worker loads when vLLM registers its caches: this rank's
-part of the bank - its KV heads, its stage's layers and state layers, its DCP
+"""What a replaying worker loads when vLLM registers its caches
+(``load_replay``, called by ``registration.register``): this rank's part of
+the bank - its KV heads, its stage's layers and state layers, its DCP
 positions below ``max_model_len`` - on the caches' device or, where it does
 not fit there or is asked to, in host memory (loaded, placed and checked by
-``bank_checks.py``), and the state layers whose recorded states the bank
-holds, written into each request's state block at every fill
-(``StatePages``).
+``bank_checks.py``), the state layers whose recorded states the bank holds,
+written into each request's state block at every fill (``StatePages``), the
+rotary layers ``past_bank: "rotate"`` turns, and the handshake the scheduler
+checks.
 """
 from __future__ import annotations
 
-from dataclasses import replace
+import os
+import socket
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Mapping
 
+import torch
 from vllm.logger import init_logger
 
-from kvfill.bank import Bank
+from kvfill.bank import Bank, BankError
 from kvfill.kernels import CacheGroup
-from kvfill.kernels.state_pages import StatePages
 
 from .bank_checks import load_bank, rank_part
-from .registration import cache_device
-from .states import state_alignment
+from .layer_facts import LayerFacts
+from .metadata import KVFillBankHandshake, rank_where
+from .options import FillOptions
+from .packed import check_packed_rows
+from .rotary_source import rotary_table_bytes, worker_rotary
+from .states import ReplayedStates, replay_states
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -29,21 +37,66 @@ if TYPE_CHECKING:
 logger = init_logger("vllm.kvfill.connector")
 
 
-def load_rank_bank(options, groups: dict[str, CacheGroup], state_caches: Mapping[str, Any],
-                   vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", *, tp_rank: int, tp_size: int,
-                   max_model_len: int, tables: int = 0) -> tuple[Bank, str]:
+@dataclass(frozen=True)
+class Replay:
+    """What ``load_replay`` loaded for this worker (module docstring)."""
+
+    bank: Bank
+    placement: str  # where the fill keeps the rows: "device" or "host"
+    groups: dict[str, CacheGroup]  # the groups left to the engine (a wholly state-replayed one is not)
+    states: ReplayedStates | None
+    rotary: dict | None  # past_bank "rotate": layer -> its Rotary
+    handshake: KVFillBankHandshake  # what this worker loaded, checked by the scheduler at start
+
+
+def load_replay(options: FillOptions, facts: LayerFacts, groups: dict[str, CacheGroup],
+                state_caches: Mapping[str, Any], vllm_config: "VllmConfig") -> Replay:
+    """This worker's replay (module docstring); a bank missing, of another
+    version or lying refused naming this worker and its node."""
+    node = socket.gethostname()
+    ranks = facts.ranks
+    rotate = options.past_bank == "rotate"  # its rotary tables on the device, counted by the fit
+    device = cache_device(groups)
+    try:
+        bank, placement = load_rank_bank(options, facts, groups, state_caches, vllm_config, device,
+                                         tables=rotary_table_bytes(facts.max_model_len) if rotate else 0)
+        if not options.zero_packed:
+            check_packed_rows(bank, bank.part, facts.packed)
+        rotary = worker_rotary(vllm_config, groups, facts.kv_geometry, facts.packed, bank.metadata) \
+            if rotate else None
+        states = replay_states(bank, state_caches, facts)
+    except BankError as exc:  # missing, another version, lying: say which worker of which node
+        raise BankError(f"{rank_where(node, ranks.tp, ranks.pp)}: {exc}") from None
+    if states is not None:  # a group whose every layer's recorded state is replayed is not the engine's
+        groups = {name: g for name, g in groups.items()
+                  if name not in states.groups or set(g.layers) - set(states.groups[name])}
+    handshake = KVFillBankHandshake(node, ranks.tp, ranks.pp, os.path.abspath(options.bank), bank.identity or "")
+    return Replay(bank, placement, groups, states, rotary, handshake)
+
+
+def load_rank_bank(options: FillOptions, facts: LayerFacts, groups: dict[str, CacheGroup],
+                   state_caches: Mapping[str, Any], vllm_config: "VllmConfig", device: torch.device, *,
+                   tables: int = 0) -> tuple[Bank, str]:
     """This rank's part of the bank ``options.bank`` and where the fill keeps
     its rows (``options.bank_placement``, ``staging_mib``:
-    ``bank_checks.load_bank``; ``max_model_len`` 0: every recorded position;
-    ``tables``: bytes of the rotary cos/sin tables ``past_bank: "rotate"``
-    keeps on the device, counted in every placement)."""
+    ``bank_checks.load_bank``; ``tables``: bytes of the rotary cos/sin
+    tables ``past_bank: "rotate"`` keeps on the device, counted in every
+    placement)."""
     # This rank's part only: its KV heads, its stage's layers, its DCP positions below max_model_len.
-    part = rank_part(groups, tp_rank, tp_size, max_model_len or None)
+    part = rank_part(groups, facts.ranks.tp, facts.ranks.tp_size, facts.max_model_len or None)
     part = replace(part, layers=part.layers | frozenset(state_caches))  # and its state layers' states
-    outside = caches_outside_torch(vllm_config, kv_cache_config)
-    return load_bank(options.bank, part, vllm_config, device=cache_device(groups), placement=options.bank_placement,
+    outside = caches_outside_torch(vllm_config, facts.kv_cache_config)
+    return load_bank(options.bank, part, vllm_config, device=device, placement=options.bank_placement,
                      staging_bytes=options.staging_mib << 20, rotate=options.past_bank == "rotate",
                      caches_outside_torch=outside, tables=tables)
+
+
+def cache_device(groups: dict[str, CacheGroup]) -> torch.device:
+    """The device of the registered caches."""
+    for g in groups.values():
+        for cache in g.layers.values():
+            return (cache[0] if isinstance(cache, (list, tuple)) else cache).device
+    return torch.device("cpu")
 
 
 def caches_outside_torch(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> int:
@@ -58,32 +111,3 @@ def caches_outside_torch(vllm_config: "VllmConfig", kv_cache_config: "KVCacheCon
         return 0
     return max((int(t.size) for t in kv_cache_config.kv_cache_tensors if not getattr(t, "host_resident", False)),
                default=0)
-
-
-def replay_states(bank: Bank, caches: Mapping[str, Any], groups: dict[str, CacheGroup], specs: Mapping[str, Any],
-                  planner_groups, kv_cache_groups) -> tuple[StatePages | None, dict[str, list[str]],
-                                                            dict[str, CacheGroup]]:
-    """The state layers the bank holds states of get them at every fill
-    (``StatePages``, None: no state layer's); which layers of each group
-    (group name -> its layers whose recorded state is replayed); the groups
-    left to the engine (a group whose every layer's state is replayed is not
-    registered there)."""
-    names = [n for n in caches if n in bank.states]
-    missing = sorted(set(caches) - set(names))
-    if missing:
-        logger.warning("KVFillConnector: %s holds no recorded state for %d state layers (%s...): they get the "
-                       "zero state; record the bank again with this kvfill for exact replay", bank.source,
-                       len(missing), missing[0])
-    if not names:
-        return None, {}, groups
-    state_pages = StatePages({n: caches[n] for n in names},
-                             {n: bank.state_pages(n, specs[n].shapes, specs[n].dtypes, state_alignment(specs[n]))
-                              for n in names})
-    state_groups: dict[str, list[str]] = {}
-    for geo, g in zip(planner_groups, kv_cache_groups):
-        layers = [n for n in g.layer_names if n in state_pages.states]
-        if layers:
-            state_groups[geo.name] = layers
-    logger.info("KVFillConnector: replaying the recorded state of %d state layers", len(names))
-    return state_pages, state_groups, {name: g for name, g in groups.items()
-                                       if name not in state_groups or set(g.layers) - set(state_groups[name])}

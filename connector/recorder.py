@@ -33,11 +33,12 @@ from kvfill.kernels import FillEngine
 from .metadata import KVFillConnectorMetadata
 from .options import FillOptions
 from .packed import INDEXER_SCALES_KEY, indexer_scale_encoding
-from .planner import Planner
 from .states import has_recurrent_state
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+
+    from .registration import Registration
 
 logger = init_logger("vllm.kvfill.connector")
 
@@ -73,15 +74,13 @@ class Recorder:
         self.total_heads = 1 if getattr(model, "use_mla", False) else int(model.get_total_num_kv_heads())
         replicas = max(1, self.tp_size // self.total_heads)
         self.saves_rows = tp_rank % replicas == 0  # the first rank of each head's replicas saves it
-        # A model with recurrent state: every rank saves its part of each state layer (set_states).
+        # A model with recurrent state: every rank saves its part of each state layer (Registration.recorded).
         self.records_states = has_recurrent_state(model)
         if self.records_states and getattr(vllm_config.cache_config, "mamba_cache_mode", "none") != "none":
             raise ValueError(f"KVFillConnector: recording recurrent state needs mamba_cache_mode 'none', this engine "
                              f"runs {vllm_config.cache_config.mamba_cache_mode!r}: record without prefix caching")
         self.saves = self.saves_rows or self.records_states
         self.files_per_prompt = self.pp_size * (self.tp_size if self.records_states else self.tp_size // replicas)
-        self.pages = None  # StatePages of this rank's state layers (set_states)
-        self.state_layers: dict = {}  # layer -> (group index, full layout, the page's state alignment)
         # how this worker's vLLM stores an indexer token's scale: the bank's provenance (packed.py)
         self.indexer_scales = indexer_scale_encoding()
 
@@ -107,31 +106,29 @@ class Recorder:
             out[name] = [lo, hi, total]
         return out
 
-    def set_states(self, pages, layers: dict) -> None:
-        """This rank's state layers: their caches (``StatePages``) and, per
-        layer, (group index, full ``StateTensor`` layout, the byte alignment
-        of each state in its page: ``states.state_alignment``)."""
-        self.pages, self.state_layers = pages, dict(layers)
-
-    def _states(self, item) -> dict:
+    def _states(self, reg: "Registration", item) -> dict:
         """The state tensors ``<layer>/state<i>`` ``[1, *local shape]`` of the
         request's state block (the planner's one block of each state group)
-        after its ``positions`` tokens."""
+        after its ``positions`` tokens (``reg.recorded``: this rank's state
+        layers, their pages and layouts)."""
         out = {}
-        for name, (gi, layout, alignment) in self.state_layers.items():
+        if reg.recorded is None:
+            return out
+        for name, (gi, layout, alignment) in reg.recorded.layouts.items():
             ids = item.selection.groups[gi].block_ids
             if len(ids) != 1:
                 raise RuntimeError(f"KVFillConnector: recording {item.selection.req_id!r}: state layer {name!r} has "
                                    f"{len(ids)} state blocks selected, expected 1")
-            page = self.pages.read(name, [int(ids[0])])
+            page = reg.recorded.pages.read(name, [int(ids[0])])
             shapes = [st.local_shape(self.tp_rank, self.tp_size) for st in layout]
             for i, t in enumerate(unpack(page, shapes, [st.dtype for st in layout], alignment)):
                 out[state_tensor_name(name, i)] = t
         return out
 
-    def save(self, engine: FillEngine, planner: Planner, meta: KVFillConnectorMetadata) -> None:
+    def save(self, reg: "Registration", engine: FillEngine, meta: KVFillConnectorMetadata) -> None:
         """Save positions ``[0, N)`` of each prompt the step completed, in the
-        bank's canonical row order (``kvfill.bank.rows``), this rank's part."""
+        bank's canonical row order (``kvfill.bank.rows``), this rank's part
+        (``reg``: the worker's registration, its planner and state layers)."""
         if not meta.records or not self.saves:
             return
         if not os.path.isdir(self.folder):
@@ -146,13 +143,13 @@ class Recorder:
                   for name, f in formats.items()}
         part = {"tp_rank": str(self.tp_rank), "tp_size": str(self.tp_size), "pp_rank": str(self.pp_rank),
                 "files_per_prompt": str(self.files_per_prompt), INDEXER_SCALES_KEY: self.indexer_scales,
-                "states": layouts_to_json({n: v[1] for n, v in self.state_layers.items()})}
+                "states": layouts_to_json({n: v[1] for n, v in (reg.recorded.layouts if reg.recorded else {}).items()})}
         for item in meta.records:
             n = item.positions
-            rows = self._rows(engine, planner.plan([item.selection], groups=engine.groups), formats) \
+            rows = self._rows(engine, reg.planner.plan([item.selection], groups=engine.groups), formats) \
                 if self.saves_rows else {}
             short = {name: r.shape[0] for name, r in rows.items() if r.shape[0] != n}
-            states = self._states(item)
+            states = self._states(reg, item)
             if short or not (rows or states):
                 raise RuntimeError(f"KVFillConnector: recording {item.selection.req_id!r} read {short or 'no'} rows "
                                    f"of layers where {n} positions were expected (blocks freed before the read; "

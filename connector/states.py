@@ -20,9 +20,23 @@ is refused at load by its shapes.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Mapping
+
+import numpy as np
+from vllm.logger import init_logger
 from vllm.v1.kv_cache_interface import MambaSpec
 
 from kvfill.bank.state import StateTensor
+from kvfill.kernels.state_pages import StatePages
+
+if TYPE_CHECKING:
+    from kvfill.bank import Bank
+
+    from .layer_facts import LayerFacts
+
+# Under "vllm." so that vLLM's logging configuration (handlers, level) applies.
+logger = init_logger("vllm.kvfill.connector")
 
 _CONV_FIRST_KINDS = ("MAMBA1", "MAMBA2", "SHORT_CONV", "GDN_ATTN")  # state 0 is the conv state
 
@@ -120,3 +134,36 @@ def state_layouts(caches, specs, kv_cache_config, tp_size: int) -> dict:
     their specs (this rank's shapes)."""
     index = {n: i for i, g in enumerate(kv_cache_config.kv_cache_groups) for n in g.layer_names}
     return {n: (index[n], state_layout(specs[n], tp_size), state_alignment(specs[n])) for n in caches}
+
+
+@dataclass(frozen=True)
+class ReplayedStates:
+    """The state layers whose recorded states each fill writes."""
+
+    pages: StatePages
+    groups: Mapping[str, list[str]]  # group name -> its layers whose recorded state is replayed
+    lengths: np.ndarray  # the bank's recorded length per sequence (verify: each state block's by the rule)
+
+
+def replay_states(bank: "Bank", caches: Mapping[str, Any], facts: "LayerFacts") -> ReplayedStates | None:
+    """The state layers the bank holds states of get them at every fill
+    (None: no state layer's)."""
+    names = [n for n in caches if n in bank.states]
+    missing = sorted(set(caches) - set(names))
+    if missing:
+        logger.warning("KVFillConnector: %s holds no recorded state for %d state layers (%s...): they get the "
+                       "zero state; record the bank again with this kvfill for exact replay", bank.source,
+                       len(missing), missing[0])
+    if not names:
+        return None
+    specs = facts.specs
+    state_pages = StatePages({n: caches[n] for n in names},
+                             {n: bank.state_pages(n, specs[n].shapes, specs[n].dtypes, state_alignment(specs[n]))
+                              for n in names})
+    state_groups: dict[str, list[str]] = {}
+    for geo, g in zip(facts.planner.groups, facts.kv_cache_config.kv_cache_groups):
+        layers = [n for n in g.layer_names if n in state_pages.states]
+        if layers:
+            state_groups[geo.name] = layers
+    logger.info("KVFillConnector: replaying the recorded state of %d state layers", len(names))
+    return ReplayedStates(state_pages, state_groups, np.asarray(bank.lengths))

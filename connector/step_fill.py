@@ -6,30 +6,33 @@ filled apart from the others and handed to vLLM's
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
 from vllm.logger import init_logger
 
 from kvfill.kernels import FillEngine, FillPlan
-from kvfill.kernels.state_pages import StatePages
 
 from .geometry import GroupKind
 from .metadata import KVFillStats
 from .planner import Planner
 
+if TYPE_CHECKING:
+    from .registration import Registration
+
 # Under "vllm." so that vLLM's logging configuration (handlers, level) applies.
 logger = init_logger("vllm.kvfill.connector")
 
 
-def state_blocks(planner: Planner, state_groups: dict[str, list[str]], selections) -> dict:
+def state_blocks(reg: "Registration", selections) -> dict:
     """Layer -> (state block ids, the sequences they replay) of the step's
     requests: each request's state block gets the state of the sequence
     its last filled block replays (``Planner.plan`` of the state groups)."""
-    if not state_groups:
+    if reg.replayed is None:
         return {}
-    plan = planner.plan(selections, groups=state_groups)
+    state_groups = reg.replayed.groups
+    plan = reg.planner.plan(selections, groups=state_groups)
     return {layer: (e.block_ids, e.sequence) for g, e in plan.groups.items() for layer in state_groups[g]}
 
 
@@ -111,14 +114,15 @@ def state_rule_breaks(selections, planner: Planner, lengths) -> list[str]:
     return breaks
 
 
-def verify_fill(engine: FillEngine, plan: FillPlan, state_pages: StatePages | None, states: dict | None,
-                stats: KVFillStats, verify: str, rule_breaks=()) -> None:
+def verify_fill(reg: "Registration", engine: FillEngine, selections, plan: FillPlan, states: dict | None,
+                stats: KVFillStats, verify: str) -> None:
     """Read back what the step wrote (``FillOptions.verify``): the plan's
     elements and the state pages, and each state block's sequence against
-    the rule (``rule_breaks``: ``state_rule_breaks``); mismatches counted
-    in ``stats``, then raised (``verify`` "raise") or logged."""
+    the rule (``state_rule_breaks``); mismatches counted in ``stats``, then
+    raised (``verify`` "raise") or logged."""
     report = engine.verify(plan)
-    pages, bad_pages, first_pages = state_pages.mismatches(states) if states else (0, 0, [])
+    pages, bad_pages, first_pages = reg.replayed.pages.mismatches(states) if states else (0, 0, [])
+    rule_breaks = state_rule_breaks(selections, reg.planner, reg.replayed.lengths) if states else []
     stats.record_verify(report.num_mismatched + bad_pages + len(rule_breaks))
     if report.ok and not bad_pages and not rule_breaks:
         logger.debug("KVFillConnector: verified %d elements and %d state pages", report.num_checked, pages)

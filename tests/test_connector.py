@@ -1,6 +1,7 @@
 """KVFillConnector through vLLM's real Scheduler and the worker connector over
 real CPU caches in vLLM's standard layout, in poisoned memory."""
 import contextlib
+from dataclasses import replace
 
 import pytest
 import torch
@@ -218,7 +219,7 @@ def test_fp8_caches_are_encoded_and_packed_ones_zeroed(tmp_path, dtype, kv_quant
     h = make_harness(tmp_path, [(LAYERS, spec)], extra=FILL, cache_dtype=cache_dtype)
     expected_enc = "packed" if fp8 is None else ("native" if dtype != torch.uint8 else
                                                  ("fp8_e5m2" if fp8 == torch.float8_e5m2 else "fp8_e4m3"))
-    assert all(h.worker.worker.encodings[n] == expected_enc for n in LAYERS)
+    assert all(h.worker.worker.facts.encodings[n] == expected_enc for n in LAYERS)
     h.add("a", list(range(1, 41)))
     h.step()
     table = h.block_table("a")[0]
@@ -450,7 +451,7 @@ def test_caches_with_several_tokens_per_slot_get_whole_blocks(tmp_path):
     name = "model.layers.0.self_attn.attn"
     h = make_harness(tmp_path, [([name], spec)], extra=FILL, block_size=64)
     assert h.views[name].shape[2] == 16
-    geo = h.worker.worker.planner.groups[0]
+    geo = h.worker.worker.registration.planner.groups[0]
     assert (geo.block_size, geo.slots_per_block, geo.remaps_to_whole_blocks) == (64, 16, True)
     h.add("a", list(range(1, 301)))
     _, meta = h.step()
@@ -483,7 +484,8 @@ def test_layers_without_block_views_are_skipped_not_fatal(full, monkeypatch):
     False, e.g. HiSparse) cannot be addressed by block: skipped with a warning."""
     h = full
     name0, name1 = LAYERS
-    h.worker.worker.unaddressable.add(name1)
+    facts = h.worker.worker.facts
+    h.worker.worker.facts = replace(facts, unaddressable=facts.unaddressable | {name1})
     raw_views = dict(h.views)
     raw_views[name1] = h.raw[:4096]  # a 1-D raw buffer, as such layers register
     h.worker.register_kv_caches(raw_views)
@@ -1158,7 +1160,7 @@ def test_a_hybrid_replay_writes_the_recorded_state_of_the_requests_sequence_into
 
     attn, mixer = HYBRID_ATTN, HYBRID_MIXER
     h, bank = _hybrid_harness(tmp_path, verify="raise")
-    assert h.worker.worker.state_groups == {"group1": [mixer]}
+    assert h.worker.worker.registration.replayed.groups == {"group1": [mixer]}
     h.add("a", list(range(200, 230)) + [5])
     h.step()  # verify: raise - every written row and state page read back
     full_ids, state_ids = h.block_table("a")

@@ -145,16 +145,15 @@ def test_recording_under_decode_context_parallelism_is_refused_with_the_way_out(
 def test_replay_gives_unrecorded_group_kinds_zeros_or_the_synthetic_fill(tmp_path):
     """Banks hold full and sliding-window attention only: recurrent state gets
     the empty state, chunked-local and cross attention the synthetic fill."""
+    from kvfill.connector.registration import group_mode
     from kvfill.connector.options import FillOptions
     from kvfill.connector.planner import GroupGeometry, GroupKind
-    from kvfill.connector.worker import KVFillWorker
     from kvfill.kernels import Bank
 
     bank = tmp_path / "b.safetensors"
     Bank({"l": torch.zeros(1, 4, 32, dtype=torch.bfloat16)}).save(bank)
-    worker = object.__new__(KVFillWorker)  # only the options matter here
-    worker.options = FillOptions.from_extra_config({"bank": str(bank), "fill_std": 0.2})
-    modes = {kind: worker._group_mode(GroupGeometry("g", kind, 16)) for kind in GroupKind}
+    options = FillOptions.from_extra_config({"bank": str(bank), "fill_std": 0.2})
+    modes = {kind: group_mode(GroupGeometry("g", kind, 16), options) for kind in GroupKind}
     assert modes[GroupKind.FULL_ATTENTION] is None and modes[GroupKind.SLIDING_WINDOW] is None  # replayed
     assert modes[GroupKind.MAMBA] == "zero" and modes[GroupKind.CIRCULAR_BUFFER] == "zero"
     assert modes[GroupKind.CHUNKED_LOCAL] == "normal" and modes[GroupKind.CROSS_ATTENTION] == "normal"
@@ -203,7 +202,7 @@ def test_a_worker_never_makes_the_record_folder_again_once_it_is_gone(tmp_path, 
     assert os.path.isdir(folder) and not (tmp_path / "r").exists()  # its own, at start; the recorder's untouched
     recorder.drop()
     meta = SimpleNamespace(records=[SimpleNamespace(positions=4, selection=None, key="k")])
-    recorder.save(engine=None, planner=None, meta=meta)  # nothing read: the folder check comes first
+    recorder.save(reg=None, engine=None, meta=meta)  # nothing read: the folder check comes first
     assert not os.path.exists(folder) and recorder.parts() == []
     assert "is gone (the recorder stopped); 1 prompts not saved" in caplog.text
 

@@ -102,7 +102,7 @@ def test_extend_kv_cache_creates_the_connector_after_the_pages_are_committed(tmp
         # made against the committed block count (vLLM makes it just before the commit: it writes nothing
         # then), its caches registered - the startup fill written - after the commit's fresh pages
         assert made == [([], committed)] and pages.events == [("commit", committed), ("register",)]
-        assert worker.worker.kv_cache_config.num_blocks == committed
+        assert worker.worker.facts.kv_cache_config.num_blocks == committed
         engine = worker.worker.engine
         assert engine.verify(engine.whole_plan()).ok
         assert runner.kv_connector.kv_connector is worker
