@@ -16,6 +16,7 @@ variant, ``result_name``), its paths relative to the project (``publish``).
     python bench/check_presets.py hybrid --nested --lens 80 49 48 -- --verify   # multi-turn prompts, replay verified
     python bench/check_presets.py real --serve   # also each run served: vllm serve + vllm bench serve (check-real-serve-cpu.*)
     python bench/check_presets.py moe --held-out 16 --record 8 -- --output-len 8   # smaller; after --: kvfill-check's
+    python bench/check_presets.py spec --lens 100 200 --classes d100 d200   # the figures per prompt class too
 
 ``real``: 8 chat prompts of 300-720 tokens of real English (the standard
 library's documentation, ``real_model.real_prompts``) each asked to be
@@ -65,20 +66,21 @@ RECORDED = ("hybrid", "spec", "llama", "sliding")  # --record-tp / --record-pp
 INSTRUCTION = "Summarize the text above in two sentences."
 
 
-def chat_prompts(model: str, lengths: list[int], path: str) -> str:
+def chat_prompts(model: str, lengths: list[int], path: str, classes: list[str] | None = None) -> str:
     """Real text of about ``lengths`` tokens asked to be summarised, in the
-    model's chat template, as JSONL (prompts with line breaks)."""
+    model's chat template, as JSONL (prompts with line breaks), each with
+    its ``classes`` entry as its class where given."""
     from transformers import AutoTokenizer
 
     from kvfill.bench.real_model import real_prompts
 
     tok = AutoTokenizer.from_pretrained(model)
     with open(path, "w") as f:
-        for ids in real_prompts(tok, lengths):
+        for i, ids in enumerate(real_prompts(tok, lengths)):
             user = f"{tok.decode(ids).strip()}\n\n{INSTRUCTION}"
             text = tok.apply_chat_template([{"role": "user", "content": user}], tokenize=False,
                                            add_generation_prompt=True)
-            f.write(json.dumps({"prompt": text}) + "\n")
+            f.write(json.dumps({"prompt": text, **({"class": classes[i]} if classes else {})}) + "\n")
     return path
 
 
@@ -89,7 +91,8 @@ def preset_args(a, work: str) -> list[str]:
         from kvfill.bench.real_model import REAL_MODEL_PATH, make_real_model
 
         model = make_real_model(os.path.abspath(REAL_MODEL_PATH))
-        prompts = chat_prompts(model, a.lens or list(range(300, 721, 60)), os.path.join(work, "prompts.jsonl"))
+        prompts = chat_prompts(model, a.lens or list(range(300, 721, 60)), os.path.join(work, "prompts.jsonl"),
+                               a.classes)
         spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
         drafts = ["--speculative-config", json.dumps(spec)] if a.drafter == "ngram" else []
         return ["--model", model, "--prompts", prompts, "--dtype", dtype, "--output-len", "48",
@@ -108,18 +111,18 @@ def preset_args(a, work: str) -> list[str]:
                 "--max-tokens", "0", "--max-model-len", max_len]
     if a.preset == "hybrid":
         model = make_tokenizer(make_hybrid_model(os.path.join(OUT, f"tiny-hybrid-{a.kind}"), a.kind))
-        prompts = write_lines(os.path.join(work, "prompts.txt"), words(a, [150, 230, 310]))
+        prompts = word_file(work, a, words(a, [150, 230, 310]))
         return ["--model", model, "--prompts", prompts, "--dtype", dtype, "--output-len", "10",
                 "--max-tokens", "0", "--fills", "replay", "normal", *fixed_len(a, [310])]
     if a.preset == "sliding":
         model = make_tokenizer(make_model(os.path.join(OUT, "tiny-gemma3-hybrid"), hybrid=True))
-        prompts = write_lines(os.path.join(work, "prompts.txt"), words(a, [300, 300]))
+        prompts = word_file(work, a, words(a, [300, 300]))
         return ["--model", model, "--prompts", prompts, "--dtype", dtype, "--output-len", "16",
                 "--max-tokens", "0", *fixed_len(a, [300])]
     from kvfill.bench.spec_models import make_draft, make_eagle_head, make_mtp_model
 
     llama = make_tokenizer(make_model(os.path.join(OUT, "tiny-llama-peaked"), init_std=PEAKED_STD))
-    prompts = write_lines(os.path.join(work, "prompts.txt"), words(a, [180, 260, 340]))
+    prompts = word_file(work, a, words(a, [180, 260, 340]))
     model, spec = llama, None
     if a.preset == "llama":
         pass
@@ -137,6 +140,15 @@ def preset_args(a, work: str) -> list[str]:
 def words(a, lens: list[int]) -> list[str]:
     """The tiny models' prompts: ``--lens`` (default ``lens``) random words, or with --nested the longest's first words."""
     return (nested_prompts if a.nested else word_prompts)(a.lens or lens, 1)
+
+
+def word_file(work: str, a, lines: list[str]) -> str:
+    """The word prompts' file: ``prompts.txt``, or with ``--classes`` JSONL
+    giving each prompt its class (kvfill-check's figures per class)."""
+    if not a.classes:
+        return write_lines(os.path.join(work, "prompts.txt"), lines)
+    return write_lines(os.path.join(work, "prompts.jsonl"),
+                       [json.dumps({"prompt": text, "class": c}) for text, c in zip(lines, a.classes)])
 
 
 def fixed_len(a, lens: list[int]) -> list[str]:
@@ -209,6 +221,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("preset", choices=PRESETS)
     p.add_argument("--lens", type=int, nargs="+", default=None, metavar="N", help="the prompts' lengths in tokens")
+    p.add_argument("--classes", nargs="+", default=None, metavar="NAME",
+                   help="each --lens prompt's class (kvfill-check's acceptance, EOS lengths and decode time per class)")
     p.add_argument("--held-out", type=int, default=256, help="moe: the prompts every run decodes")
     p.add_argument("--record", type=int, default=128, help="moe: the other prompts the bank is recorded over")
     p.add_argument("--prompt-len", type=int, default=256, help="moe: words (tokens) per prompt")
@@ -240,6 +254,9 @@ def main(argv=None) -> int:
     for flag, size in (("--record-tp", a.record_tp), ("--record-pp", a.record_pp)):
         if size is not None and (a.preset not in RECORDED or size < 1):
             p.error(f"{flag} {size} with preset {a.preset}: expected N >= 1 with one of {', '.join(RECORDED)}")
+    if a.classes and (a.preset == "moe" or not a.lens or len(a.classes) != len(a.lens)):
+        p.error(f"--classes {' '.join(a.classes)} with preset {a.preset} and --lens {a.lens}: expected one class per "
+                f"--lens prompt, with a preset other than moe")
     if a.nested and a.preset not in RECORDED:
         p.error(f"--nested with preset {a.preset}: expected one of {', '.join(RECORDED)} (word prompts)")
     name = result_name(a, extra)

@@ -31,6 +31,8 @@ import math
 import random
 import statistics
 
+from . import classes
+
 REFERENCE = "prefill"
 REFERENCE_FAILED = "not run: real prefill failed"  # the error of each step after a failed real prefill
 BOOTSTRAP = 2000  # resamples behind a decode-time interval
@@ -166,6 +168,9 @@ def compare_all(res: dict) -> dict:
         out[run] = row
     if split and "error" not in split:
         out["prefill_split"] = {"tokens_vs_prefill": tokens(ref["greedy"], split["greedy"])}
+    per_class = classes.by_class(res, tokens, decode_time)
+    if per_class:
+        out["by_class"] = per_class
     return out
 
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 import time
 
-from . import probes
+from . import classes, probes
 
 EOS_SEED = 1000  # prompt i samples with seed EOS_SEED + i in every run
 
@@ -81,12 +81,16 @@ def run(job: dict) -> dict:
                 notes.append(counted["note"])
                 hooked = []
         timing = time_passes(llm, prompts, job)
+        by_class = {c: time_passes(llm, [prompts[i] for i in idx], job)  # each class's prompts timed apart
+                    for c, idx in classes.groups(job.get("classes")).items()} if timing else {}
         before_eos = probes.counters(llm)
         eos_rows, eos_s, after_eos = _eos(llm, prompts, job)
     result = {"run": job["run"], "model_runner": runner, "block_size": block, "startup_s": round(startup_s, 1),
               "greedy_s": round(greedy_s, 2), "timing": timing, "greedy": rows, "eos": eos_rows,
               "eos_s": round(eos_s, 2), "counters": after_greedy,
               "eos_counters": {k: v - before_eos.get(k, 0) for k, v in after_eos.items()}}
+    if by_class:
+        result["timing_by_class"] = by_class
     if notes:  # what a probe could not read on this run's model runner
         result["probe_notes"] = notes
     if hooked:

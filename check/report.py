@@ -8,11 +8,13 @@ import math
 import os
 import re
 
+from . import classes
 from .compare import REFERENCE
 from .verdict import _pct, time_class, time_host_line
 
-# Per-token and per-prompt lists a run measured: in OUT/logs/RUN.json, summarised in report.json.
-RAW = ("greedy", "eos", "expert_counts", "texts")  # --serve: the client's own file, OUT/logs/served-RUN.json
+# Per-token and per-prompt lists a run measured (and each class's timed passes): in OUT/logs/RUN.json,
+# summarised in report.json (--serve: the client's own file, OUT/logs/served-RUN.json)
+RAW = ("greedy", "eos", "expert_counts", "texts", "timing_by_class")
 
 
 def write(out: str, cfg, res: dict, cmp: dict, lines: list[str]) -> list[str]:
@@ -126,6 +128,7 @@ def markdown(cfg, res: dict, cmp: dict, lines: list[str]) -> str:
         out.append(f"| {run} | {tok} | {e['mean'] if e else ''} | {_pct(e['eos_share']) if e else ''} "
                    f"| {_pct(s['acceptance']) if s else ''} | {tv_cell} | {_time_cells(row.get('decode_time'), band)} "
                    f"| {step.get('step_s', '')} |" + (_served_cells(step) if cfg.serve else ""))
+    out += classes.class_table(cmp, band, time_class)
     if res.get("samples"):
         out += ["", "## What each run wrote", "", "The first prompt's first greedy tokens:", "",
                 "| run | text |", "|---|---|"]

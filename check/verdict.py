@@ -13,6 +13,7 @@ whatever they are.
 """
 from __future__ import annotations
 
+from . import classes
 from .compare import REFERENCE, REFERENCE_FAILED
 from .setting_lines import coverage_lines, decoy_line, indexer_line
 
@@ -106,6 +107,7 @@ def verdicts(res: dict, cmp: dict) -> list[str]:
               for note in step.get("probe_notes", ())]
     host, band = time_host_line(ref.get("decode_time"))
     lines += [host] if host else []
+    lines += [note] if (note := classes.history_note(res.get("speculative_config"))) else []
     prompts = len(res["prompt_tokens"])
     for run, step in res["steps"].items():
         if run in ("record", REFERENCE, "prefill_split"):
@@ -129,6 +131,7 @@ def verdicts(res: dict, cmp: dict) -> list[str]:
         if step.get("served_error") or res["steps"][REFERENCE].get("served_error"):
             ev.unknown.append("EOS lengths not measured: a served run failed")
         lines += time_lines(run, row.get("decode_time"), band, ev)
+        lines += classes.class_lines(run, cmp, band, time_class, ev.differs)
         lines.append(ev.summary(run))
     if res.get("moe_note"):
         lines.append(f"expert load: {res['moe_note']}")

@@ -12,6 +12,7 @@ import io
 import json
 import math
 import os
+import re
 from typing import Sequence
 
 
@@ -177,6 +178,14 @@ def _check_text_file(path: str) -> None:
 def read_prompt_lines(path: str) -> list[tuple[int, str]]:
     """(line number in the file, prompt) of each non-blank line: errors about a
     prompt name the line a person sees in an editor, blank lines counted."""
+    prompts = _lines_of(path)
+    if path.endswith(".jsonl"):
+        return [(no, _json_prompt(path, no, line)) for no, line in prompts]
+    return prompts
+
+
+def _lines_of(path: str) -> list[tuple[int, str]]:
+    """(line number, line) of each non-blank line of the UTF-8 text file ``path``."""
     _check_text_file(path)
     try:
         with open(path, "rb") as f:
@@ -195,8 +204,6 @@ def read_prompt_lines(path: str) -> list[tuple[int, str]]:
     prompts = [(no, line.rstrip("\n")) for no, line in enumerate(lines, 1) if line.strip()]
     if not prompts:
         raise RecordError(f"--prompts {path!r} holds no prompt; expected one prompt per line")
-    if path.endswith(".jsonl"):
-        return [(no, _json_prompt(path, no, line)) for no, line in prompts]
     return prompts
 
 
@@ -219,6 +226,32 @@ def _json_prompt(path: str, no: int, line: str) -> str:
 def read_prompts(path: str) -> list[str]:
     """One prompt per non-empty line."""
     return [prompt for _, prompt in read_prompt_lines(path)]
+
+
+CLASS_CHARS = re.compile(r"[A-Za-z0-9_.+-]{1,32}")
+
+
+def read_prompt_classes(path: str) -> list[str] | None:
+    """Each prompt's class, for kvfill-check's figures per class: a JSONL
+    line's ``"class"`` (e.g. code, prose, chat: 1-32 letters, digits or
+    ``_.+-``), in the prompts' order; None where no line names one (a text
+    file, or JSONL without the key).  Where some lines name one, every line
+    must: a RecordError names the first that does not, or a bad value."""
+    if not path.endswith(".jsonl"):
+        return None
+    read_prompt_lines(path)  # every line an object with a prompt, or the RecordError naming it
+    items = [(no, json.loads(line)) for no, line in _lines_of(path)]
+    named = [no for no, item in items if "class" in item]
+    if not named:
+        return None
+    out = []
+    for no, item in items:
+        value = item.get("class")
+        if not isinstance(value, str) or not CLASS_CHARS.fullmatch(value):
+            raise RecordError(f"--prompts {path!r} line {no}: \"class\" is {value!r}; expected 1-32 letters, digits "
+                              f"or _.+- on every line once one line names a class (line {named[0]} does)")
+        out.append(value)
+    return out
 
 
 def choose_positions(token_ids: Sequence[Sequence[int]], positions: int | None) -> list[int]:

@@ -435,15 +435,26 @@ def test_check_with_a_self_drafting_model_finds_replays_drafts_and_counters_real
     --speculative-config, holds the drafter's 4 KV layers with the target's
     4; replay's greedy tokens, vLLM's counters and every draft proposed equal
     real prefill's, a normal fill's acceptance differs and its verdict says
-    to use replay.  Model Runner V2 (its speculator's proposals watched)."""
+    to use replay.  Model Runner V2 (its speculator's proposals watched).
+    The two prompts carry classes (short, long): each class's acceptance,
+    counted from its requests' drafts and tokens, sums to vLLM's own
+    counters in every run, and replay's equals real prefill's per class."""
     from safetensors import safe_open
 
     from kvfill.kernels import BankIndex
 
-    rc, data, work = check_preset(tmp_path, ["spec", "--lens", "70", "110", "--", "--output-len", "12", "--fills",
-                                        "replay", "normal", "--in-process"], runner="v2")
+    rc, data, work = check_preset(tmp_path, ["spec", "--lens", "70", "110", "--classes", "short", "long", "--",
+                                             "--output-len", "12", "--fills", "replay", "normal", "--in-process"],
+                                  runner="v2")
     assert rc == 0, data["verdicts"]
     cmp = data["comparison"]
+    per = cmp["by_class"]
+    assert list(per) == ["short", "long"] and data["prompt_classes"] == ["short", "long"]
+    for run in ("prefill", "replay", "normal"):
+        counted = {k: sum(per[c][run]["spec"][k] for c in per) for k in ("accepted", "draft_tokens", "drafts")}
+        assert counted == {k: cmp[run]["spec"][k] for k in counted}, (run, counted, cmp[run]["spec"])
+    assert all(per[c]["replay"]["spec"] == per[c]["prefill"]["spec"] for c in per)
+    assert "## By prompt class" in (tmp_path / "results" / "check-spec-cpu.md").read_text()
     assert cmp["replay"]["tokens"]["identical"] and cmp["replay"]["tokens"]["total"] == 24
     assert cmp["replay"]["spec"] == cmp["prefill"]["spec"] and cmp["prefill"]["spec"]["accepted"] > 0
     drafts = cmp["replay"]["drafts_equal"]  # every draft proposed, watched in vLLM's worker

@@ -1,0 +1,211 @@
+"""kvfill-check by prompt class: a ``.jsonl`` prompts file may give each
+prompt a ``"class"`` (code, prose, chat, a depth...;
+``record.inputs.read_prompt_classes``), and every fill's figures that a
+class moves on a GPU are then reported per class as well as in all:
+
+* acceptance and tokens per step of a drafter, per request from the drafts
+  each step proposed and the tokens the request got (greedy: a draft's
+  accepted tokens are the longest prefix of it the request's next tokens
+  equal), summed over the class; beside vLLM's own counters in all, which
+  only count the whole run;
+* greedy tokens as real prefill's, and the EOS-honoured output lengths
+  (mean, and whether each equals real prefill's);
+* decode time, where the run was timed: each class's prompts timed apart
+  (``measure.time_passes`` over that class alone, the same interleaving of
+  the fill with real prefill), judged by ``verdict.time_class``.
+
+A fill's verdict names the classes where it differs.  Some drafters propose
+from the run's history, not only from the KV: suffix decoding's tree grows
+with every output the server generated, and vLLM 0.34's ``fly``
+(lossy) and ``synthetic`` rejection samplers accept by a rule that is not
+greedy equality - replay makes the KV equal,
+not that history, so acceptance there is compared, never promised equal
+(``history_note``).
+"""
+from __future__ import annotations
+
+import statistics
+
+# Drafting methods whose proposals read the run's history (vLLM's speculative_config "method").
+HISTORY_METHODS = {"suffix": "suffix decoding proposes from a tree of the outputs the engine generated before"}
+# vLLM 0.34's rejection_sample_method values whose acceptance is not greedy equality with the target's tokens.
+REJECTION_NOTES = {
+    "fly": "rejection_sample_method 'fly' accepts by FLy's lossy, entropy-gated window, not by equality",
+    "synthetic": "rejection_sample_method 'synthetic' accepts at the configured rates, whatever the KV",
+}
+
+
+def groups(classes: list[str] | None) -> dict[str, list[int]]:
+    """Class -> the indices of its prompts, classes in order of first use ({} without classes)."""
+    out: dict[str, list[int]] = {}
+    for i, c in enumerate(classes or ()):
+        out.setdefault(c, []).append(i)
+    return out
+
+
+def accepted(tokens: list[int], drafts: list[list[int]]) -> tuple[int, int, int]:
+    """``(accepted, draft tokens, drafts)`` of one greedy request: each
+    step's draft (after the first token) checked against the tokens that
+    followed; a draft proposed once the request had all its tokens was never
+    verified and is not counted, nor an empty one."""
+    pos = 1  # tokens the request holds when its first draft is verified
+    acc = drafted = n = 0
+    for d in drafts:
+        if pos >= len(tokens):
+            break
+        if not d:
+            continue
+        m = 0
+        while m < len(d) and pos + m < len(tokens) and d[m] == tokens[pos + m]:
+            m += 1
+        acc, drafted, n = acc + m, drafted + len(d), n + 1
+        pos += m + 1
+    return acc, drafted, n
+
+
+def _spec(rows: list[dict]) -> dict | None:
+    """Acceptance and tokens per step over ``rows`` (None: no drafts watched or none made)."""
+    if not rows or any("drafts" not in r for r in rows):
+        return None
+    acc = drafted = n = 0
+    for r in rows:
+        a, d, k = accepted(r["tokens"], r["drafts"])
+        acc, drafted, n = acc + a, drafted + d, n + k
+    if not drafted:
+        return None
+    return {"accepted": acc, "draft_tokens": drafted, "drafts": n, "acceptance": round(acc / drafted, 4),
+            "tokens_per_step": round(1 + acc / n, 3)}
+
+
+def _eos(rows: list[dict]) -> dict | None:
+    if not rows:
+        return None
+    lengths = [r["length"] for r in rows]
+    return {"lengths": lengths, "mean": round(statistics.fmean(lengths), 2),
+            "eos_share": round(sum(r["eos"] for r in rows) / len(rows), 4)}
+
+
+def by_class(res: dict, tokens, decode_time) -> dict | None:
+    """Class -> run -> its figures (module docstring); None without classes.
+    ``tokens`` and ``decode_time`` are ``compare``'s own."""
+    classes = groups(res.get("prompt_classes"))
+    if not classes:
+        return None
+    steps = res["steps"]
+    ref = steps["prefill"]
+    out: dict[str, dict] = {}
+    for c, idx in classes.items():
+        per: dict[str, dict] = {}
+        for run, got in steps.items():
+            if run in ("record", "prefill_split") or "error" in got or "greedy" not in got:
+                continue
+            rows = [got["greedy"][i] for i in idx]
+            eos = [got["eos"][i] for i in idx] if got.get("eos") else []
+            row = {"prompts": len(idx), "spec": _spec(rows), "eos": _eos(eos),
+                   "decode_time": decode_time((got.get("timing_by_class") or {}).get(c))}
+            if run != "prefill":
+                row["tokens"] = tokens([ref["greedy"][i] for i in idx], rows)
+                if eos and ref.get("eos"):
+                    row["eos_lengths_identical"] = [r["length"] for r in eos] == [ref["eos"][i]["length"] for i in idx]
+            per[run] = row
+        out[c] = per
+    return out
+
+
+def spec_differs(row: dict, ref: dict) -> bool:
+    """Whether a class's acceptance under a fill is not real prefill's."""
+    s, r = row.get("spec"), ref.get("spec")
+    return bool(s and r and (s["accepted"], s["draft_tokens"]) != (r["accepted"], r["draft_tokens"]))
+
+
+def class_lines(run: str, cmp: dict, band: float, time_class, differs_out: list) -> list[str]:
+    """A fill's lines per class: its acceptance, EOS lengths and decode time
+    against real prefill's on the same class, and the classes where it differs
+    (``time_class``: the verdict's judgement of a timed ratio), each also put
+    in ``differs_out`` (the fill's summary)."""
+    per = cmp.get("by_class")
+    if not per:
+        return []
+    lines, differs = [], {}
+    for c, runs in per.items():
+        row, ref = runs.get(run), runs.get("prefill")
+        if row is None or ref is None:
+            continue
+        what, why = [], []
+        s, r = row.get("spec"), ref.get("spec")
+        if s and r:
+            what.append(f"acceptance {s['acceptance']:.0%} vs {r['acceptance']:.0%} ({s['accepted']}/"
+                        f"{s['draft_tokens']} vs {r['accepted']}/{r['draft_tokens']} draft tokens)")
+            if spec_differs(row, ref):
+                why.append("acceptance")
+        e, re_ = row.get("eos"), ref.get("eos")
+        if e and re_:
+            same = row.get("eos_lengths_identical")
+            what.append(f"EOS mean length {e['mean']:g} vs {re_['mean']:g}{' (each equal)' if same else ''}")
+            if not same:
+                why.append("EOS lengths")
+        t = row.get("decode_time")
+        if t and "ratio" in t:
+            kind, _ = time_class(t, band)
+            what.append(f"decode {t['ratio']:g}x [{t['interval'][0]:g}, {t['interval'][1]:g}] "
+                        f"({'n.m.' if kind == 'unmeasurable' else kind})")
+            if kind == "differs":
+                why.append("decode time")
+        if what:
+            lines.append(f"{run}, class {c} ({row['prompts']} prompts): {'; '.join(what)}")
+        if why:
+            differs[c] = why
+    differs_out += [f"class {c} ({', '.join(w)})" for c, w in differs.items()]
+    if differs:
+        lines.append(f"{run}: differs from real prefill in class{'es' if len(differs) > 1 else ''} "
+                     + "; ".join(f"{c} ({', '.join(w)})" for c, w in differs.items()))
+    elif lines:
+        lines.append(f"{run}: no class differs from real prefill in what was measured per class")
+    return lines
+
+
+def history_note(spec_config: dict | None) -> str | None:
+    """A line naming a drafter whose proposals depend on the run's history
+    (module docstring), with what replay can and cannot make equal."""
+    if not spec_config:
+        return None
+    method = str(spec_config.get("method") or "")
+    notes = []
+    if method in HISTORY_METHODS:
+        notes.append(HISTORY_METHODS[method])
+    rejection = str(spec_config.get("rejection_sample_method") or "standard")  # vLLM 0.34's samplers
+    if rejection in REJECTION_NOTES:
+        notes.append(REJECTION_NOTES[rejection])
+    if not notes:
+        return None
+    return ("speculative decoding: " + "; ".join(notes) + " - replay makes the prompt's KV equal, not that "
+            "history, so acceptance can differ from real prefill's for reasons no fill controls")
+
+
+def class_table(cmp: dict, band: float, time_class) -> list[str]:
+    """The report's table by prompt class (none without classes)."""
+    per = cmp.get("by_class")
+    if not per:
+        return []
+    out = ["", "## By prompt class", "",
+           "Each class's prompts on their own: greedy tokens as real prefill's, EOS-honoured mean length (= "
+           "where every length equals real prefill's), acceptance and tokens per step from each request's "
+           "drafts, decode time of the class's prompts timed apart (ratio to real prefill [95 %], and what it "
+           "shows against the host's band).", "",
+           "| class | run | prompts | tokens = real | EOS mean length | acceptance | tokens/step "
+           "| decode ratio [95 %] |",
+           "|---|---|---|---|---|---|---|---|"]
+    for c, runs in per.items():
+        for run, row in runs.items():
+            t, e, s, d = row.get("tokens"), row.get("eos"), row.get("spec"), row.get("decode_time")
+            tok = f"{t['equal']}/{t['total']}" if t else "reference"
+            eos = f"{e['mean']:g}{' =' if row.get('eos_lengths_identical') else ''}" if e else ""
+            acc = f"{s['acceptance']:.0%} ({s['accepted']}/{s['draft_tokens']})" if s else ""
+            tps = f"{s['tokens_per_step']:g}" if s else ""
+            cell = ""
+            if d and "ratio" in d:
+                kind, _ = time_class(d, band)
+                cell = (f"{d['ratio']:g} [{d['interval'][0]:g}, {d['interval'][1]:g}] "
+                        f"{ {'differs': 'differs', 'within': 'within'}.get(kind, 'n.m.') }")
+            out.append(f"| {c} | {run} | {row['prompts']} | {tok} | {eos} | {acc} | {tps} | {cell} |")
+    return out
