@@ -6,8 +6,8 @@ class moves on a GPU are then reported per class as well as in all:
 * acceptance and tokens per step of a drafter, per request from the drafts
   each step proposed and the tokens the request got (greedy: a draft's
   accepted tokens are the longest prefix of it the request's next tokens
-  equal), summed over the class; beside vLLM's own counters in all, which
-  only count the whole run;
+  equal), summed over the class - in all, these are vLLM's own counters
+  but for a draft reaching past a request's last token (``accepted``);
 * greedy tokens as real prefill's, and the EOS-honoured output lengths
   (mean, and whether each equals real prefill's);
 * decode time, where the run was timed: each class's prompts timed apart
@@ -46,14 +46,19 @@ def groups(classes: list[str] | None) -> dict[str, list[int]]:
 def accepted(tokens: list[int], drafts: list[list[int]]) -> tuple[int, int, int]:
     """``(accepted, draft tokens, drafts)`` of one greedy request: each
     step's draft (after the first token) checked against the tokens that
-    followed; a draft proposed once the request had all its tokens was never
-    verified and is not counted, nor an empty one."""
+    followed.  A step without a draft (an ngram drafter that found no match)
+    still gains its one token; a draft proposed once the request had all its
+    tokens was never verified and is not counted.  A draft reaching past
+    the request's last token counts only the tokens it can be checked on:
+    vLLM's counter may count the rest accepted, so a sum of these is at most
+    one draft per request below it (drafts and draft tokens are equal)."""
     pos = 1  # tokens the request holds when its first draft is verified
     acc = drafted = n = 0
     for d in drafts:
         if pos >= len(tokens):
             break
         if not d:
+            pos += 1
             continue
         m = 0
         while m < len(d) and pos + m < len(tokens) and d[m] == tokens[pos + m]:

@@ -438,7 +438,9 @@ def test_check_with_a_self_drafting_model_finds_replays_drafts_and_counters_real
     to use replay.  Model Runner V2 (its speculator's proposals watched).
     The two prompts carry classes (short, long): each class's acceptance,
     counted from its requests' drafts and tokens, sums to vLLM's own
-    counters in every run, and replay's equals real prefill's per class."""
+    counters in every run (accepted tokens at most one draft per request
+    below: a draft past a request's last token), and replay's equals real
+    prefill's per class."""
     from safetensors import safe_open
 
     from kvfill.kernels import BankIndex
@@ -452,7 +454,9 @@ def test_check_with_a_self_drafting_model_finds_replays_drafts_and_counters_real
     assert list(per) == ["short", "long"] and data["prompt_classes"] == ["short", "long"]
     for run in ("prefill", "replay", "normal"):
         counted = {k: sum(per[c][run]["spec"][k] for c in per) for k in ("accepted", "draft_tokens", "drafts")}
-        assert counted == {k: cmp[run]["spec"][k] for k in counted}, (run, counted, cmp[run]["spec"])
+        vllm = cmp[run]["spec"]
+        assert (counted["drafts"], counted["draft_tokens"]) == (vllm["drafts"], vllm["draft_tokens"]), (run, counted)
+        assert vllm["accepted"] - 2 * 3 <= counted["accepted"] <= vllm["accepted"], (run, counted, vllm)
     assert all(per[c]["replay"]["spec"] == per[c]["prefill"]["spec"] for c in per)
     assert "## By prompt class" in (tmp_path / "results" / "check-spec-cpu.md").read_text()
     assert cmp["replay"]["tokens"]["identical"] and cmp["replay"]["tokens"]["total"] == 24

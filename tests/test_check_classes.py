@@ -17,7 +17,9 @@ def test_a_drafts_accepted_tokens_are_the_prefix_the_requests_next_tokens_equal(
     # after token 5: draft [6, 7, 0] -> 2 accepted (6, 7), then 8 from the target; after 8: [9, 1, 1] -> 1;
     # after 10: [11, 2, 2] -> 1 (11, the last token); a draft after the last token was never verified
     assert classes.accepted(tokens, [[6, 7, 0], [9, 1, 1], [11, 2, 2], [3, 3, 3]]) == (4, 9, 3)
-    assert classes.accepted(tokens, [[0, 0], [], [7]]) == (1, 3, 2)  # an empty draft is no draft
+    # a step without a draft gains one token: after 5, [0, 0] -> 6; no draft -> 7; after 7, [8] -> 1 accepted
+    assert classes.accepted(tokens, [[0, 0], [], [8]]) == (1, 3, 2)
+    assert classes.accepted(tokens, [[0, 0], [], [7]]) == (0, 3, 2)  # the same steps, a draft one token late
     assert classes.accepted([5], [[6, 7]]) == (0, 0, 0)  # one token: its draft never verified
 
 
