@@ -116,6 +116,7 @@ def _experts(row: dict) -> str:
 
 def rows_of(name: str, family: str, data: dict) -> list[list[str]]:
     """The table's rows of one report: per depth (class, or the report's one depth) and fill."""
+    from kvfill.check.classes import class_band
     from kvfill.check.verdict import time_host_line
 
     cmp = data["comparison"]
@@ -136,7 +137,8 @@ def rows_of(name: str, family: str, data: dict) -> list[list[str]]:
             t = row.get("tokens") or {}
             acc, tps = _spec(row, ref)
             prompts = row.get("prompts") or t.get("prompts")
-            out.append([family, depth, fill, f"{t.get('equal')}/{t.get('total')}", _time(row.get("decode_time"), band),
+            out.append([family, depth, fill, f"{t.get('equal')}/{t.get('total')}",
+                        _time(row.get("decode_time"), class_band(ref, band) if "by_class" in cmp else band),
                         acc, tps, _eos(row, ref), _experts(cmp.get(fill, {})) if depth == next(iter(per)) else "",
                         f"{prompts} prompts", name])
     return out

@@ -12,7 +12,9 @@ class moves on a GPU are then reported per class as well as in all:
   (mean, and whether each equals real prefill's);
 * decode time, where the run was timed: each class's prompts timed apart
   (``measure.time_passes`` over that class alone, the same interleaving of
-  the fill with real prefill), judged by ``verdict.time_class``.
+  the fill with real prefill), judged by ``verdict.time_class`` against the
+  host's band, wider where real prefill against itself on that class was
+  noisier (``class_band``).
 
 A fill's verdict names the classes where it differs.  Some drafters propose
 from the run's history, not only from the KV: suffix decoding's tree grows
@@ -123,6 +125,17 @@ def spec_differs(row: dict, ref: dict) -> bool:
     return bool(s and r and (s["accepted"], s["draft_tokens"]) != (r["accepted"], r["draft_tokens"]))
 
 
+def class_band(ref: dict, band: float) -> float:
+    """The band a class's decode-time ratio must clear: the host's
+    (``verdict.time_host_line``), wider where real prefill timed against
+    itself on that class's prompts alone was noisier."""
+    t = ref.get("decode_time")
+    if not t or "interval" not in t:
+        return band
+    lo, hi = t["interval"]
+    return max(band, hi, 1 / lo)
+
+
 def class_lines(run: str, cmp: dict, band: float, time_class, differs_out: list) -> list[str]:
     """A fill's lines per class: its acceptance, EOS lengths and decode time
     against real prefill's on the same class, and the classes where it differs
@@ -151,7 +164,7 @@ def class_lines(run: str, cmp: dict, band: float, time_class, differs_out: list)
                 why.append("EOS lengths")
         t = row.get("decode_time")
         if t and "ratio" in t:
-            kind, _ = time_class(t, band)
+            kind, _ = time_class(t, class_band(ref, band))
             what.append(f"decode {t['ratio']:g}x [{t['interval'][0]:g}, {t['interval'][1]:g}] "
                         f"({'n.m.' if kind == 'unmeasurable' else kind})")
             if kind == "differs":
@@ -209,7 +222,7 @@ def class_table(cmp: dict, band: float, time_class) -> list[str]:
             tps = f"{s['tokens_per_step']:g}" if s else ""
             cell = ""
             if d and "ratio" in d:
-                kind, _ = time_class(d, band)
+                kind, _ = time_class(d, class_band(runs.get("prefill", {}), band))
                 cell = (f"{d['ratio']:g} [{d['interval'][0]:g}, {d['interval'][1]:g}] "
                         f"{ {'differs': 'differs', 'within': 'within'}.get(kind, 'n.m.') }")
             out.append(f"| {c} | {run} | {row['prompts']} | {tok} | {eos} | {acc} | {tps} | {cell} |")
