@@ -99,7 +99,7 @@ def by_class(res: dict, tokens, decode_time) -> dict | None:
     if not classes:
         return None
     steps = res["steps"]
-    ref = steps["prefill"]
+    ref, split = steps["prefill"], steps.get("prefill_split")
     out: dict[str, dict] = {}
     for c, idx in classes.items():
         per: dict[str, dict] = {}
@@ -112,6 +112,8 @@ def by_class(res: dict, tokens, decode_time) -> dict | None:
                    "decode_time": decode_time((got.get("timing_by_class") or {}).get(c))}
             if run != "prefill":
                 row["tokens"] = tokens([ref["greedy"][i] for i in idx], rows)
+                if split and "greedy" in split:  # a hybrid's reference: real prefill split as a fill splits it
+                    row["tokens_vs_split"] = tokens([split["greedy"][i] for i in idx], rows)
                 if eos and ref.get("eos"):
                     row["eos_lengths_identical"] = [r["length"] for r in eos] == [ref["eos"][i]["length"] for i in idx]
             per[run] = row
@@ -156,6 +158,9 @@ def class_lines(run: str, cmp: dict, band: float, time_class, differs_out: list)
                         f"{s['draft_tokens']} vs {r['accepted']}/{r['draft_tokens']} draft tokens)")
             if spec_differs(row, ref):
                 why.append("acceptance")
+        elif r:  # the fill's drafter proposed nothing on this class: one token a step
+            what.append(f"no drafts vs acceptance {r['acceptance']:.0%} ({r['accepted']}/{r['draft_tokens']})")
+            why.append("acceptance")
         e, re_ = row.get("eos"), ref.get("eos")
         if e and re_:
             same = row.get("eos_lengths_identical")

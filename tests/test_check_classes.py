@@ -107,6 +107,18 @@ def test_acceptance_eos_lengths_and_decode_time_are_reported_per_class_and_the_d
     assert "| prose | normal | 2 | 18/18 | 29 | 33% (8/24) | 2 | 2 [1.96, 2.082] differs |" in md
 
 
+def test_a_fill_whose_drafter_proposes_nothing_on_a_class_differs_there():
+    steps = {"prefill": _run("prefill", [WHOLE[0], ONE[1], WHOLE[0], ONE[1]], [10, 20, 12, 18]),
+             "zeros": _run("zeros", [[], ONE[1], [], ONE[1]], [10, 20, 12, 18])}
+    res = {"steps": steps, "prompt_tokens": [3, 4, 3, 4], "prompt_classes": ["code", "prose", "code", "prose"],
+           "bank_recorded": True, "runtime_s": 1.0, "moe_note": None}
+    cmp = compare.compare_all(res)
+    assert cmp["by_class"]["code"]["zeros"]["spec"] is None
+    text = "\n".join(verdict.verdicts(res, cmp))
+    assert "zeros, class code (2 prompts): no drafts vs acceptance 100% (12/12)" in text
+    assert "zeros: differs from real prefill in class code (acceptance)" in text
+
+
 def test_a_run_without_classes_has_no_figures_per_class():
     steps = {"prefill": _run("prefill", WHOLE * 2, [10, 20, 12, 18])}
     res = {"steps": steps, "prompt_tokens": [3, 4, 3, 4], "bank_recorded": True, "runtime_s": 1.0,
