@@ -52,10 +52,10 @@ FAMILIES = [
      ["moe", "--held-out", "32", "--record", "16", "--prompt-len", "64", "--tag", "d64"]),
     ("moe-d256", "MoE (tiny Mixtral), 256-token prompts",
      ["moe", "--held-out", "32", "--record", "16", "--prompt-len", "256", "--tag", "d256"]),
-    ("hybrid-fidelity", "hybrid: gated delta-net (tiny Qwen3-Next)", ["hybrid", *_depths(100, 250, 2), "--tag",
-                                                                       "fidelity"]),
-    ("hybrid-mamba2-fidelity", "hybrid: Mamba-2", ["hybrid", "--kind", "mamba2", *_depths(100, 250, 2), "--tag",
-                                                   "fidelity"]),
+    ("hybrid-fidelity", "hybrid: gated delta-net (tiny Qwen3-Next)",
+     ["hybrid", *_depths(100, 250, 2), "--tag", "fidelity", "--", "--fills", *FILLS]),
+    ("hybrid-mamba2-fidelity", "hybrid: Mamba-2",
+     ["hybrid", "--kind", "mamba2", *_depths(100, 250, 2), "--tag", "fidelity", "--", "--fills", *FILLS]),
     ("spec-fidelity", "spec: draft model (the tiny Llama for itself)", ["spec", *_depths(100, 250, 2), "--tag",
                                                                          "fidelity"]),
     ("spec-eagle-fidelity", "spec: EAGLE head (random)", ["spec", "--drafter", "eagle", *_depths(100, 250, 2),
@@ -70,7 +70,8 @@ def run_all(names: list[str]) -> None:
     for name, _, args in FAMILIES:
         if names and name not in names:
             continue
-        cmd = [sys.executable, os.path.join(HERE, "check_presets.py"), *args, "--results", RESULTS]
+        own, extra = (args[:args.index("--")], args[args.index("--"):]) if "--" in args else (args, [])
+        cmd = [sys.executable, os.path.join(HERE, "check_presets.py"), *own, "--results", RESULTS, *extra]
         print("$", " ".join(cmd), flush=True)
         subprocess.run(cmd, check=False)
 
@@ -93,8 +94,11 @@ def _time(t: dict | None, band: float) -> str:
 
 def _spec(row: dict, ref: dict) -> tuple[str, str]:
     s, r = row.get("spec"), ref.get("spec")
-    if not s or not r:
+    if not r:
         return "", ""
+    if not s:  # the fill's drafter proposed nothing: one token a step
+        return (f"{-100 * r['acceptance']:+.0f} pp (no drafts vs {r['accepted']}/{r['draft_tokens']})",
+                f"{1 - r['tokens_per_step']:+.2f}")
     return (f"{100 * (s['acceptance'] - r['acceptance']):+.0f} pp ({s['accepted']}/{s['draft_tokens']} vs "
             f"{r['accepted']}/{r['draft_tokens']})", f"{s['tokens_per_step'] - r['tokens_per_step']:+.2f}")
 
@@ -135,9 +139,16 @@ def rows_of(name: str, family: str, data: dict) -> list[list[str]]:
                 out.append([family, depth, fill, f"not run: {err}" if err else "not run", *[""] * 6, name])
                 continue
             t = row.get("tokens") or {}
+            tok = f"{t.get('equal')}/{t.get('total')}"
+            split = row.get("tokens_vs_split")  # a hybrid: real prefill split as the fill splits it
+            if split:
+                tok += f" (vs the split reference: {split['equal']}/{split['total']})"
+            elif cmp.get(fill, {}).get("tokens_vs_split"):  # a report from before the split per class
+                split = cmp[fill]["tokens_vs_split"]
+                tok += f" (all depths vs the split reference: {split['equal']}/{split['total']})"
             acc, tps = _spec(row, ref)
             prompts = row.get("prompts") or t.get("prompts")
-            out.append([family, depth, fill, f"{t.get('equal')}/{t.get('total')}",
+            out.append([family, depth, fill, tok,
                         _time(row.get("decode_time"), class_band(ref, band) if "by_class" in cmp else band),
                         acc, tps, _eos(row, ref), _experts(cmp.get(fill, {})) if depth == next(iter(per)) else "",
                         f"{prompts} prompts", name])
@@ -192,7 +203,8 @@ def plot(rows: list[list[str]], path: str) -> bool:
             continue
         mid = float(cell.split(" %")[0])
         lo, hi = (float(x.strip().rstrip(" %")) for x in cell[cell.index("[") + 1:cell.index("]")].split(","))
-        timed.append((f"{r[0][:28]} {r[1]} {r[2]}", mid, lo, hi, r[2]))
+        short = r[10].removeprefix("check-").removesuffix("-cpu").replace("-fidelity", "")
+        timed.append((f"{short} {r[1]} {r[2]}", mid, lo, hi, r[2]))
     if not timed:
         return False
     colors = {"constant": "tab:red", "normal": "tab:orange", "zeros": "tab:purple", "replay": "tab:green"}
