@@ -7,9 +7,11 @@ import json
 
 import pytest
 
-from kvfill.check import classes, compare, report, verdict
-from kvfill.check.cli import check_config
-from kvfill.record.inputs import RecordError, read_prompt_classes
+vllm = pytest.importorskip("vllm")  # kvfill.check's CLI and kvfill-record's inputs read vLLM's
+
+from kvfill.check import classes, compare, report, verdict  # noqa: E402
+from kvfill.check.cli import check_config  # noqa: E402
+from kvfill.record.inputs import RecordError, read_prompt_classes  # noqa: E402
 
 
 def test_a_drafts_accepted_tokens_are_the_prefix_the_requests_next_tokens_equal():
