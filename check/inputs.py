@@ -1,10 +1,9 @@
 """kvfill-check's inputs, read and checked before anything is written: the
-prompts' token ids, the runs' ``max_model_len`` against the prompts and the
-model, a given bank, the decoys.  A value the check cannot run with is a
-CheckError naming it and what was expected, raised before ``--out`` exists
-(``python -m kvfill.check`` exits 2); what fails after that is a step's
-failure, in the report.
-"""
+prompts' token ids and classes, the runs' ``max_model_len`` against the
+prompts and the model, a given bank, the decoys.  A value the check cannot
+run with is a CheckError naming it and what was expected, raised before
+``--out`` exists (``python -m kvfill.check`` exits 2); what fails after
+that is a step's failure, in the report."""
 from __future__ import annotations
 
 import collections
@@ -25,12 +24,13 @@ class Inputs:
     max_len: int
     stats: dict | None  # a given --bank's value statistics (read_bank); None without --bank
     held: int | None = None  # how many prompts a given --bank holds whole (read_bank)
+    classes: list[str] | None = None  # each prompt's class, from a JSONL prompts file (None: not given)
 
 
 def prepare(cfg: CheckConfig) -> Inputs:
     """Everything the runs need that the user's input decides; CheckError (or
     kvfill-record's RecordError about the prompts file) before any write."""
-    tok, ids = token_ids(cfg)
+    tok, ids, classes = token_ids(cfg)
     longest, output = max(map(len, ids)), max(cfg.output_len, cfg.max_tokens)
     if cfg.decoys and cfg.decoys >= min(map(len, ids)) - 1:
         raise CheckError(f"--decoys {cfg.decoys}: expected fewer than the shortest prompt's tokens less one "
@@ -59,18 +59,19 @@ def prepare(cfg: CheckConfig) -> Inputs:
             stats, held = read_bank(cfg.bank, ids)
         except (ValueError, OSError) as exc:
             raise CheckError(f"--bank: {exc}; expected a bank kvfill-record wrote") from None
-    return Inputs(tok, ids, max_len, stats, held)
+    return Inputs(tok, ids, max_len, stats, held, classes)
 
 
-def token_ids(cfg: CheckConfig) -> tuple[object, list[list[int]]]:
-    """The tokenizer, and the prompts' token ids read and tokenized as
-    kvfill-record does (so replay finds their rows)."""
+def token_ids(cfg: CheckConfig) -> tuple[object, list[list[int]], list[str] | None]:
+    """The tokenizer, the prompts' token ids read and tokenized as
+    kvfill-record does (so replay finds their rows), and their classes."""
     from transformers import AutoTokenizer
 
-    from kvfill.record.inputs import read_prompts, unresolved
+    from kvfill.record.inputs import read_prompt_classes, read_prompts, unresolved
 
     trust = bool(cfg.engine.get("trust_remote_code", False))
     prompts = read_prompts(cfg.prompts)  # RecordError (a ValueError) naming the file and line
+    classes = read_prompt_classes(cfg.prompts)  # the same, for a class that is missing or bad
     source = cfg.engine.get("tokenizer") or cfg.model
     try:
         tok = AutoTokenizer.from_pretrained(source, trust_remote_code=trust)
@@ -83,11 +84,10 @@ def token_ids(cfg: CheckConfig) -> tuple[object, list[list[int]]]:
     if empty:
         raise CheckError(f"--prompts {cfg.prompts!r}: prompt {empty[0]} tokenizes to no tokens; expected text the "
                          f"model's tokenizer makes at least one token of")
-    return tok, ids
+    return tok, ids, classes
 
 
-# Files a tokenizer is read from (transformers' fast, slow and tiktoken tokenizers): one of them in a folder says
-# the folder is meant to hold a tokenizer.
+# Files a tokenizer is read from (fast, slow, tiktoken): one of them in a folder says it is meant to hold one.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
                    "merges.txt", "spiece.model", "sentencepiece.bpe.model", "special_tokens_map.json")
 

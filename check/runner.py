@@ -15,8 +15,6 @@ from __future__ import annotations
 import os
 import time
 
-from kvfill.record.inputs import read_prompt_classes
-
 from . import probes
 from .compare import REFERENCE_FAILED
 from .cli import CheckConfig, engine_kwargs, on_cpu, record_call
@@ -46,7 +44,6 @@ def run_all(cfg: CheckConfig, inputs: Inputs | None = None, log=print) -> dict:
     t_start = time.perf_counter()
     inputs = inputs or prepare(cfg)
     tok, ids, max_len = inputs.tok, inputs.ids, inputs.max_len
-    classes = read_prompt_classes(cfg.prompts)  # checked by prepare: every line's or none
     kv = kv_space(cfg, len(ids), max_len)  # CheckError when the host cannot hold it: before anything is written
     os.makedirs(os.path.join(cfg.out, "logs"), exist_ok=True)
     if kv:
@@ -86,7 +83,7 @@ def run_all(cfg: CheckConfig, inputs: Inputs | None = None, log=print) -> dict:
             "max_tokens": 0 if cfg.serve else cfg.max_tokens, "temperature": cfg.temperature, "moe": moe,
             "spec": bool(spec),
             "spec_tokens": _spec_tokens(spec), "decoys": decoys(ids, cfg.decoys) if cfg.decoys else None,
-            "time_passes": cfg.time_passes, "classes": classes}
+            "time_passes": cfg.time_passes, "classes": inputs.classes}
     runs = ["prefill", *(["prefill_split"] if split else []), *cfg.fills]
     fills, i = {}, made
     dataset = _served_dataset(cfg) if cfg.serve else None
@@ -125,7 +122,7 @@ def run_all(cfg: CheckConfig, inputs: Inputs | None = None, log=print) -> dict:
     block = next((steps[r]["block_size"] for r in ("replay", "prefill") if steps.get(r, {}).get("block_size")),
                  None) or int(cfg.engine.get("block_size") or (CPU_BLOCK_SIZE if on_cpu() else 16))
     coverage = bank_coverage(bank, ids, block) if bank else None
-    return {"prompt_tokens": [len(t) for t in ids], "prompt_classes": classes, "max_model_len": max_len,
+    return {"prompt_tokens": [len(t) for t in ids], "prompt_classes": inputs.classes, "max_model_len": max_len,
             "kv_space": kv, "bank": bank, "bank_recorded": made,
             "bank_stats": stats, "bank_prompts_held": held, "bank_coverage": coverage, "moe": moe,
             "moe_note": _moe_note(config, moe),

@@ -180,7 +180,7 @@ def read_prompt_lines(path: str) -> list[tuple[int, str]]:
     prompt name the line a person sees in an editor, blank lines counted."""
     prompts = _lines_of(path)
     if path.endswith(".jsonl"):
-        return [(no, _json_prompt(path, no, line)) for no, line in prompts]
+        return [(no, _json_item(path, no, line)["prompt"]) for no, line in prompts]
     return prompts
 
 
@@ -207,10 +207,11 @@ def _lines_of(path: str) -> list[tuple[int, str]]:
     return prompts
 
 
-def _json_prompt(path: str, no: int, line: str) -> str:
-    """The ``prompt`` of one JSONL line (vLLM's custom benchmark dataset
-    format: ``{"prompt": "..."}``, other keys ignored): a prompt with line
-    breaks, e.g. a chat template's, the way a text file cannot hold one."""
+def _json_item(path: str, no: int, line: str) -> dict:
+    """One JSONL line's object, holding a non-empty string ``prompt``
+    (vLLM's custom benchmark dataset format: ``{"prompt": "..."}``, other
+    keys ignored but ``class``): a prompt with line breaks, e.g. a chat
+    template's, the way a text file cannot hold one."""
     try:
         item = json.loads(line)
     except ValueError as exc:
@@ -220,7 +221,7 @@ def _json_prompt(path: str, no: int, line: str) -> str:
     if not isinstance(prompt, str) or not prompt:
         raise RecordError(f"--prompts {path!r} line {no}: expected an object with a non-empty string \"prompt\", "
                           f"got {line[:80]!r}")
-    return prompt
+    return item
 
 
 def read_prompts(path: str) -> list[str]:
@@ -239,8 +240,7 @@ def read_prompt_classes(path: str) -> list[str] | None:
     must: a RecordError names the first that does not, or a bad value."""
     if not path.endswith(".jsonl"):
         return None
-    read_prompt_lines(path)  # every line an object with a prompt, or the RecordError naming it
-    items = [(no, json.loads(line)) for no, line in _lines_of(path)]
+    items = [(no, _json_item(path, no, line)) for no, line in _lines_of(path)]  # each an object with a prompt
     named = [no for no, item in items if "class" in item]
     if not named:
         return None

@@ -326,6 +326,22 @@ def test_a_path_that_is_no_file_or_folder_of_its_kind_exits_2_with_one_line(tiny
     assert not out.exists() and not os.path.exists(value if flag == "--out" else out)
 
 
+def test_a_prompt_class_missing_on_one_line_exits_2_with_one_line_before_anything_is_written(tiny, tmp_path, capsys):
+    """A JSONL prompts file whose first line names a class and whose second
+    does not: refused with the prompts file's other errors, before --out."""
+    from kvfill.check.__main__ import main
+
+    model, _ = tiny
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps(item) + "\n" for item in ({"prompt": "one two", "class": "code"},
+                                                                   {"prompt": "three"})))
+    out = tmp_path / "report"
+    assert main(["--model", model, "--prompts", str(prompts), "--out", str(out)]) == 2
+    assert 'line 2: "class" is None; expected 1-32 letters, digits or _.+- on every line once one line names a ' \
+           "class (line 1 does)" in _error_line(capsys)
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("given", ["--model", "--tokenizer"])
 def test_a_folder_without_tokenizer_files_exits_2_saying_so(tiny, tmp_path, capsys, given):
     from kvfill.check.__main__ import main
