@@ -1,7 +1,8 @@
 """kvfill-check by prompt class: a ``.jsonl`` prompts file may give each
 prompt a ``"class"`` (code, prose, chat, a depth...;
 ``record.inputs.read_prompt_classes``), and every fill's figures that a
-class moves on a GPU are then reported per class as well as in all:
+class moves on a GPU are then reported per class as well as in all
+(``compare.by_class``; the lines and the report's table here):
 
 * acceptance and tokens per step of a drafter, per request from the drafts
   each step proposed and the tokens the request got (greedy: a draft's
@@ -20,13 +21,10 @@ A fill's verdict names the classes where it differs.  Some drafters propose
 from the run's history, not only from the KV: suffix decoding's tree grows
 with every output the server generated, and vLLM 0.34's ``fly``
 (lossy) and ``synthetic`` rejection samplers accept by a rule that is not
-greedy equality - replay makes the KV equal,
-not that history, so acceptance there is compared, never promised equal
-(``history_note``).
+greedy equality - replay makes the KV equal, not that history, so
+acceptance there is compared, never promised equal (``history_note``).
 """
 from __future__ import annotations
-
-import statistics
 
 # Drafting methods whose proposals read the run's history (vLLM's speculative_config "method").
 HISTORY_METHODS = {"suffix": "suffix decoding proposes from a tree of the outputs the engine generated before"}
@@ -70,55 +68,14 @@ def accepted(tokens: list[int], drafts: list[list[int]]) -> tuple[int, int, int]
     return acc, drafted, n
 
 
-def _spec(rows: list[dict]) -> dict | None:
-    """Acceptance and tokens per step over ``rows`` (None: no drafts watched or none made)."""
+def counted(rows: list[dict]) -> dict:
+    """vLLM's speculative-decoding counters as ``rows``' drafts and tokens
+    give them (``accepted`` per request; {} where drafts were not watched):
+    what ``compare.spec`` reads."""
     if not rows or any("drafts" not in r for r in rows):
-        return None
-    acc = drafted = n = 0
-    for r in rows:
-        a, d, k = accepted(r["tokens"], r["drafts"])
-        acc, drafted, n = acc + a, drafted + d, n + k
-    if not drafted:
-        return None
-    return {"accepted": acc, "draft_tokens": drafted, "drafts": n, "acceptance": round(acc / drafted, 4),
-            "tokens_per_step": round(1 + acc / n, 3)}
-
-
-def _eos(rows: list[dict]) -> dict | None:
-    if not rows:
-        return None
-    lengths = [r["length"] for r in rows]
-    return {"lengths": lengths, "mean": round(statistics.fmean(lengths), 2),
-            "eos_share": round(sum(r["eos"] for r in rows) / len(rows), 4)}
-
-
-def by_class(res: dict, tokens, decode_time) -> dict | None:
-    """Class -> run -> its figures (module docstring); None without classes.
-    ``tokens`` and ``decode_time`` are ``compare``'s own."""
-    classes = groups(res.get("prompt_classes"))
-    if not classes:
-        return None
-    steps = res["steps"]
-    ref, split = steps["prefill"], steps.get("prefill_split")
-    out: dict[str, dict] = {}
-    for c, idx in classes.items():
-        per: dict[str, dict] = {}
-        for run, got in steps.items():
-            if run in ("record", "prefill_split") or "error" in got or "greedy" not in got:
-                continue
-            rows = [got["greedy"][i] for i in idx]
-            eos = [got["eos"][i] for i in idx] if got.get("eos") else []
-            row = {"prompts": len(idx), "spec": _spec(rows), "eos": _eos(eos),
-                   "decode_time": decode_time((got.get("timing_by_class") or {}).get(c))}
-            if run != "prefill":
-                row["tokens"] = tokens([ref["greedy"][i] for i in idx], rows)
-                if split and "greedy" in split:  # a hybrid's reference: real prefill split as a fill splits it
-                    row["tokens_vs_split"] = tokens([split["greedy"][i] for i in idx], rows)
-                if eos and ref.get("eos"):
-                    row["eos_lengths_identical"] = [r["length"] for r in eos] == [ref["eos"][i]["length"] for i in idx]
-            per[run] = row
-        out[c] = per
-    return out
+        return {}
+    acc, drafted, n = (sum(x) for x in zip(*(accepted(r["tokens"], r["drafts"]) for r in rows)))
+    return {"num_drafts": n, "num_draft_tokens": drafted, "num_accepted_tokens": acc}
 
 
 def spec_differs(row: dict, ref: dict) -> bool:

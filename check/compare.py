@@ -168,9 +168,38 @@ def compare_all(res: dict) -> dict:
         out[run] = row
     if split and "error" not in split:
         out["prefill_split"] = {"tokens_vs_prefill": tokens(ref["greedy"], split["greedy"])}
-    per_class = classes.by_class(res, tokens, decode_time)
+    per_class = by_class(res)
     if per_class:
         out["by_class"] = per_class
+    return out
+
+
+def by_class(res: dict) -> dict | None:
+    """Class -> run -> its figures on that class's prompts alone
+    (``classes.py``); None without classes."""
+    per = classes.groups(res.get("prompt_classes"))
+    if not per:
+        return None
+    steps = res["steps"]
+    ref, split = steps[REFERENCE], steps.get("prefill_split")
+    out: dict[str, dict] = {}
+    for c, idx in per.items():
+        runs: dict[str, dict] = {}
+        for run, got in steps.items():
+            if run in ("record", "prefill_split") or "error" in got or "greedy" not in got:
+                continue
+            rows = [got["greedy"][i] for i in idx]
+            eos = [got["eos"][i] for i in idx] if got.get("eos") else []
+            row = {"prompts": len(idx), "spec": spec(classes.counted(rows)), "eos": lengths(eos) if eos else None,
+                   "decode_time": decode_time((got.get("timing_by_class") or {}).get(c))}
+            if run != REFERENCE:
+                row["tokens"] = tokens([ref["greedy"][i] for i in idx], rows)
+                if split and "greedy" in split:  # a hybrid's reference: real prefill split as a fill splits it
+                    row["tokens_vs_split"] = tokens([split["greedy"][i] for i in idx], rows)
+                if eos and ref.get("eos"):
+                    row["eos_lengths_identical"] = [r["length"] for r in eos] == [ref["eos"][i]["length"] for i in idx]
+            runs[run] = row
+        out[c] = runs
     return out
 
 
