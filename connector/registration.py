@@ -93,13 +93,12 @@ def register(facts: LayerFacts, kv_caches: dict[str, Any], options: FillOptions,
     _log_unfilled(facts)
     replay = load_replay(options, facts, groups, state_caches, vllm_config) \
         if options.replay and not options.recording else None
+    bank, placement = (replay.bank, replay.placement) if replay else (None, "device")
     # the caches as the engine takes them (a group whose every layer's recorded state is replayed is not its)
-    groups = with_views(replay.groups if replay is not None else groups, facts.packed, facts.specs, facts.cache_dtype)
-    engine = FillEngine(groups, values=options.values, backend=options.backend, layer_ids=ids,
-                        bank=replay.bank if replay else None,
-                        bank_placement=replay.placement if replay else "device",
-                        staging_bytes=options.staging_mib << 20, past_bank=options.past_bank,
-                        rotary=replay.rotary if replay else None,
+    groups = with_views(replay.groups if replay else groups, facts.packed, facts.specs, facts.cache_dtype)
+    engine = FillEngine(groups, values=options.values, backend=options.backend, layer_ids=ids, bank=bank,
+                        bank_placement=placement, staging_bytes=options.staging_mib << 20,
+                        past_bank=options.past_bank, rotary=replay.rotary if replay else None,
                         page_image_bytes=0 if options.recording else options.page_image_mib << 20)
     planner = with_cache_slots(facts.planner, engine)
     recorded = None
@@ -108,8 +107,7 @@ def register(facts: LayerFacts, kv_caches: dict[str, Any], options: FillOptions,
                                                                           facts.kv_cache_config, facts.ranks.tp_size))
     reg = Registration(
         facts=facts, planner=planner, groups=groups, layer_ids=ids,
-        bank=replay.bank if replay else None, placement=replay.placement if replay else "device",
-        replayed=replay.states if replay else None, recorded=recorded,
+        bank=bank, placement=placement, replayed=replay.states if replay else None, recorded=recorded,
         handshake=replay.handshake if replay else _record_handshake(facts, options),
         startup_groups=tuple(g.name for i, g in enumerate(planner.groups)
                              if i in facts.startup_groups and g.name in engine.groups),
