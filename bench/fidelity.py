@@ -118,14 +118,14 @@ def _experts(row: dict) -> str:
     return f"{x['layers_above_floor']}/{x['layers']} layers above floor (TV {x['tv_mean']:g})"
 
 
-def rows_of(name: str, family: str, data: dict) -> list[list[str]]:
+def rows_of(name: str, family: str, data: dict) -> list[list]:
     """The table's rows of one report: per depth (class, or the report's one depth) and fill."""
     from kvfill.check.classes import class_band
     from kvfill.check.verdict import time_host_line
 
     cmp = data["comparison"]
     if "reference_failed" in cmp:
-        return [[family, "", "", f"real prefill failed: {cmp['reference_failed']}", *[""] * 6, name]]
+        return [[family, "", "", f"real prefill failed: {cmp['reference_failed']}", *[""] * 6, name, None]]
     _, band = time_host_line(cmp["prefill"].get("decode_time"))
     per = cmp.get("by_class") or {f"d{max(data['prompt_tokens'])}": {run: cmp[run] for run in cmp if run in
                                                                    ("prefill", *FILLS)}}
@@ -136,7 +136,7 @@ def rows_of(name: str, family: str, data: dict) -> list[list[str]]:
             row = runs.get(fill)
             if row is None:
                 err = data["steps"].get(fill, {}).get("error")
-                out.append([family, depth, fill, f"not run: {err}" if err else "not run", *[""] * 6, name])
+                out.append([family, depth, fill, f"not run: {err}" if err else "not run", *[""] * 6, name, None])
                 continue
             t = row.get("tokens") or {}
             tok = f"{t.get('equal')}/{t.get('total')}"
@@ -151,25 +151,26 @@ def rows_of(name: str, family: str, data: dict) -> list[list[str]]:
             out.append([family, depth, fill, tok,
                         _time(row.get("decode_time"), class_band(ref, band) if "by_class" in cmp else band),
                         acc, tps, _eos(row, ref), _experts(cmp.get(fill, {})) if depth == next(iter(per)) else "",
-                        f"{prompts} prompts", name])
+                        f"{prompts} prompts", name, row.get("decode_time")])
     return out
 
 
-def indexer_rows() -> list[list[str]]:
+def indexer_rows() -> list[list]:
     """Top-k overlap of the sparse-attention indexer, through vLLM's own readers (indexer_scores.py)."""
     if not os.path.exists(INDEXER):
         return []
     data = json.load(open(INDEXER))
     return [["DSA indexer (vLLM's CPU reader, no engine)", f"d{r['positions']}", r["fill"],
              "", "", "", "", "", f"top-k overlap {_pct(r['topk_overlap_writer'] - 1)} ({r['topk_overlap_writer']:g})",
-             "one layer's logits", os.path.basename(INDEXER)] for r in data["rows"] if r["fill"] in FILLS]
+             "one layer's logits", os.path.basename(INDEXER), None] for r in data["rows"] if r["fill"] in FILLS]
 
 
 HEADER = ["family", "depth", "fill", "tokens = real", "decode time vs real [95 %]", "acceptance vs real",
           "tokens/step vs real", "EOS length vs real", "expert load / top-k", "sample", "report"]
 
 
-def table() -> tuple[list[list[str]], list[str]]:
+def table() -> tuple[list[list], list[str]]:
+    """Every report's rows (the table's cells, then the row's decode time for the plot) and the families not run."""
     rows, missing = [], []
     for name, family, _ in FAMILIES:
         path = os.path.join(RESULTS, f"check-{name}-cpu.json")
@@ -180,15 +181,15 @@ def table() -> tuple[list[list[str]], list[str]]:
     return rows + indexer_rows(), missing
 
 
-def markdown(rows: list[list[str]], missing: list[str]) -> str:
+def markdown(rows: list[list], missing: list[str]) -> str:
     out = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
-    out += ["| " + " | ".join(str(c).replace("|", "¦") for c in r) + " |" for r in rows]
+    out += ["| " + " | ".join(str(c).replace("|", "¦") for c in r[:len(HEADER)]) + " |" for r in rows]
     if missing:
         out += ["", f"Not run yet: {', '.join(missing)} (`python bench/fidelity.py --run`)."]
     return "\n".join(out)
 
 
-def plot(rows: list[list[str]], path: str) -> bool:
+def plot(rows: list[list], path: str) -> bool:
     """Decode-time error per family, depth and fill, with its interval."""
     try:
         import matplotlib
@@ -198,11 +199,10 @@ def plot(rows: list[list[str]], path: str) -> bool:
         return False
     timed = []
     for r in rows:
-        cell = r[4]
-        if "[" not in cell:
+        t = r[-1]  # the row's decode time, as compare.decode_time gave it
+        if not t or "ratio" not in t:
             continue
-        mid = float(cell.split(" %")[0])
-        lo, hi = (float(x.strip().rstrip(" %")) for x in cell[cell.index("[") + 1:cell.index("]")].split(","))
+        mid, lo, hi = (100 * (x - 1) for x in (t["ratio"], *t["interval"]))
         short = r[10].removeprefix("check-").removesuffix("-cpu").replace("-fidelity", "")
         timed.append((f"{short} {r[1]} {r[2]}", mid, lo, hi, r[2]))
     if not timed:
