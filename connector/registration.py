@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Any, Mapping
 import torch
 from vllm.logger import init_logger
 
-from kvfill.bank import Bank
 from kvfill.kernels import CacheGroup, FillEngine
 from kvfill.kernels.state_pages import StatePages
 
@@ -63,7 +62,9 @@ class Registration:
     planner: Planner  # this rank's, told the caches' slots per block
     groups: Mapping[str, CacheGroup]  # as the engine holds them
     layer_ids: Mapping[str, int]  # the value function's layer ids
-    bank: Bank | None  # replaying: this rank's part
+    # Not the bank itself: the engine holds what its fills read (placement "device": the rows on the
+    # caches' device), and a host copy kept here as well would hold each rank's part twice for the
+    # worker's life (a 40 GiB part per GPU: 320 GiB of host RAM on an 8-GPU node).
     placement: str  # where the bank's rows are kept: "device" or "host"
     replayed: ReplayedStates | None  # replaying: the state layers given their recorded states
     recorded: RecordedStates | None  # recording: the state layers read after each prompt
@@ -107,7 +108,7 @@ def register(facts: LayerFacts, kv_caches: dict[str, Any], options: FillOptions,
                                                                           facts.kv_cache_config, facts.ranks.tp_size))
     reg = Registration(
         facts=facts, planner=planner, groups=groups, layer_ids=ids,
-        bank=bank, placement=placement, replayed=replay.states if replay else None, recorded=recorded,
+        placement=placement, replayed=replay.states if replay else None, recorded=recorded,
         handshake=replay.handshake if replay else _record_handshake(facts, options),
         startup_groups=tuple(g.name for i, g in enumerate(planner.groups)
                              if i in facts.startup_groups and g.name in engine.groups),
