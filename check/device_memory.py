@@ -15,10 +15,14 @@ sized after warmup from the memory then free, and the connector that loads
 the bank is created only afterwards (``connector/bank_fit.py``), so at the
 default utilization (1.0) no bank has room and an engine started so warms up
 to be refused.  The budget's slack ``init_free - ceil(total x u)`` is what
-the cache leaves free beyond its transient peak; a bank needs it to hold its
-bytes and vLLM's margin.  Before the engine runs, the peak is not known: a
-peak measured by an earlier engine of the same flags (vLLM's "Memory after
-warmup" line, ``measured_peak``) or else ``PEAK_ALLOWANCE`` stands for it.
+the cache leaves free beyond what it keeps for transient activations; a bank
+needs it to hold its bytes and vLLM's margin, by the connector's own fit
+(``bank_fit.registration_room``).  Before the engine runs, what vLLM will
+keep is not known: what an earlier engine of the same flags kept (vLLM's
+"Memory after warmup" lines, ``measured_peak``) or else ``PEAK_ALLOWANCE``
+stands for it, and ``NON_TORCH_ALLOWANCE`` for what vLLM allocates outside
+torch after its start-up snapshot, which the connector counts against the
+bank as if vLLM kept it.
 """
 from __future__ import annotations
 
@@ -92,6 +96,11 @@ def release_before_serving(utilization: float | None) -> str | None:
 # margin (0.75 x 8 GiB) covers the peaks of single-GPU models at vLLM's default batch; a larger peak is
 # refused at registration, naming the utilization that fits.
 PEAK_ALLOWANCE = 8 * GiB
+# What a plan allows for vLLM 0.34's allocations outside torch between its start-up snapshot and its measure
+# (kernel scratch, communicators' buffers, lazily loaded modules) and for its cache's rounding down to whole
+# blocks: the connector sees both as vLLM's and keeps their margin too.  As much as vLLM's torch cap leaves free
+# for such allocations after the measure (KV_CACHE_NON_TORCH_RESERVE_BYTES on CUDA, bank_fit.NON_TORCH_RESERVE).
+NON_TORCH_ALLOWANCE = GiB // 2
 # Rotary cos/sin tables re-rotation keeps on the GPU, per position below max_model_len: up to two distinct
 # float32 tables of 128 columns (a model's and a sparse indexer's: 64 MiB each at 128k positions).
 TABLE_BYTES_PER_POSITION = 2 * 128 * 4
@@ -152,26 +161,33 @@ _WARMUP_LINE = re.compile(r"Memory after warmup: .*?([0-9.]+) GiB kept for trans
 
 
 def measured_peak(log_text: str) -> int | None:
-    """The transient peak vLLM 0.34's extensible KV cache measured and kept
-    free, from its log ("Memory after warmup: ... GiB kept for transient
-    activations (... GiB allocated at peak, ...)",
-    ``extensible_kv_cache.py:693-707``), the last such line; rounded up past
-    the log's 0.01 GiB.  None where there is none."""
+    """What vLLM 0.34's extensible KV cache kept free for transient
+    activations, from its log ("Memory after warmup: ... GiB kept for
+    transient activations (... GiB allocated at peak, ... GiB of torch
+    reservation growth)", ``extensible_kv_cache.py:693-707``): the first
+    figure, ``max(peak, growth)``, which ``measure_kv_cache_bytes`` keeps
+    free (the peak alone is short wherever torch's reservation grew more).
+    The largest over the lines: a TP server's workers log one each, in any
+    order, and the engine commits the smallest cache of its ranks, sized by
+    the largest.  Rounded up past the log's 0.01 GiB; None where there is
+    no such line."""
     found = _WARMUP_LINE.findall(log_text or "")
     if not found:
         return None
-    peak = float(found[-1][1])
-    return math.ceil((peak + 0.01) * GiB)
+    kept = max(float(line[0]) for line in found)
+    return math.ceil((kept + 0.01) * GiB)
 
 
 def plan_room(placement: str, *, rows: int, states: int, staging: int, tables: int, rotate: bool, free: int,
               total: int, asked: float | None, peak: int | None) -> RoomPlan:
     """The utilization a replay engine under the extensible KV cache starts
-    with so that its bank has room (``bank_fit.utilization_for``), from
-    the GPU's ``free`` memory now less the server's CUDA context
-    (``SERVER_CONTEXT_BYTES``), the bank part's bytes on the GPU where it is
-    kept (``bank_fit.device_bytes``) and the ``peak`` vLLM will keep
-    (None: ``PEAK_ALLOWANCE``).  ``asked``: the user's
+    with so that its bank has room (``bank_fit.utilization_for``: the room
+    the connector's fit will find at registration), from the GPU's ``free``
+    memory now less the server's CUDA context (``SERVER_CONTEXT_BYTES``),
+    the bank part's bytes on the GPU where it is kept
+    (``bank_fit.device_bytes``), the ``peak`` vLLM will keep for transient
+    activations (``measured_peak``; None: ``PEAK_ALLOWANCE``) and
+    ``NON_TORCH_ALLOWANCE``.  ``asked``: the user's
     ``--gpu-memory-utilization``, kept where it leaves the room, else
     refused naming the one that does; ``placement``: the bank's
     ``bank_placement`` (auto: the device where that costs no more than
@@ -181,8 +197,8 @@ def plan_room(placement: str, *, rows: int, states: int, staging: int, tables: i
     init_free = free - SERVER_CONTEXT_BYTES
     peak_for = PEAK_ALLOWANCE if peak is None else peak
     sizes = dict(rows=rows, states=states, staging=staging, rotate=rotate, tables=tables)
-    fits = {where: utilization_for(device_bytes(where, **sizes), init_free=init_free, total=total, peak=peak_for)
-            for where in ("device", "host")}
+    fits = {where: utilization_for(device_bytes(where, **sizes), init_free=init_free, total=total, peak=peak_for,
+                                   non_torch=NON_TORCH_ALLOWANCE) for where in ("device", "host")}
     where = placement
     if placement == "auto":  # the connector keeps the rows on the device where they fit, else on the host
         best = max(("device", "host"), key=lambda w: fits[w] or 0.0)
@@ -194,9 +210,11 @@ def plan_room(placement: str, *, rows: int, states: int, staging: int, tables: i
     u = fits[where]
     need = device_bytes(where, **sizes)
     what = (f"the bank part's {need / GiB:.2f} GiB on the GPU (bank_placement {placement!r}: kept on the {where}) "
-            f"beside vLLM 0.34's extensible KV cache, its margin of {extensible_margin(peak_for) / GiB:.2f} GiB "
-            f"for a transient peak of {peak_for / GiB:.2f} GiB ({'measured' if peak is not None else 'assumed'}) "
-            f"and {free / GiB:.2f} GiB free less {SERVER_CONTEXT_BYTES / GiB:.0f} GiB for the server's context")
+            f"beside vLLM 0.34's extensible KV cache, a transient peak of {peak_for / GiB:.2f} GiB "
+            f"({'measured' if peak is not None else 'assumed'}) kept free (the larger of the allocated peak and "
+            f"torch's reservation growth), {NON_TORCH_ALLOWANCE / GiB:.2f} GiB allowed for allocations outside torch, "
+            f"the margin of both ({extensible_margin(peak_for + NON_TORCH_ALLOWANCE) / GiB:.2f} GiB) and "
+            f"{free / GiB:.2f} GiB free less {SERVER_CONTEXT_BYTES / GiB:.0f} GiB for the server's context")
     if u is None:
         return RoomPlan(None, f"no --gpu-memory-utilization leaves room for {what}; keep the bank in host memory "
                               f"(bank_placement 'host'), record fewer sequences or positions, or split the bank over "

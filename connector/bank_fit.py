@@ -54,11 +54,14 @@ whole blocks).  The connector does not see the peak vLLM measured; it takes
 an upper bound (``extensible_peak``): the peak whose ``kept_free`` is all
 that is free, and no more than vLLM's budget less what it holds - each of
 them exact in one regime, and either counting against the bank whatever
-vLLM allocated outside torch since its snapshot.  The utilization that makes
-room (``utilization_for``) is the largest on a 0.001 grid with
-``ceil(total x u) <= init_free - margin - bytes``: then the budget is the
-bound, the cache leaves its slack free, and the bank fits beside the peak
-and its margin (tests/test_bank_room_034.py checks it against the measure).
+vLLM allocated outside torch since its snapshot.  The fit is one rule,
+``extensible_room``, and a utilization is planned by it: the largest on a
+0.001 grid whose registration, as ``registration_room`` predicts what the
+connector will see there, leaves the bank room (``utilization_for``).  Then
+the budget is the bound, the cache leaves its slack free, and the bank fits
+beside what vLLM keeps - the larger of its peak and torch's growth - and
+its margin (tests/test_bank_room_034.py and tests/test_plan_peak_034.py
+check it against vLLM's own measure).
 Where the device bound the cache, the refusal takes ``init_free`` no more
 than ``free + held`` and the margin of the largest peak consistent with
 what is free (``free`` less the margin's floor: torch's growth may exceed
@@ -123,17 +126,56 @@ def extensible_peak(free: int, still: int) -> int:
     return max(0, min(peak, still))
 
 
-def utilization_for(nbytes: int, *, init_free: int, total: int, peak: int) -> float | None:
+def extensible_room(free: int, still: int, torch_free: int | None = None) -> tuple[int, int, int]:
+    """``(room, peak, margin)`` beside vLLM 0.34's extensible KV cache at
+    ``register_kv_caches``: what is ``free`` less the peak it keeps
+    (``extensible_peak``; ``still``: its budget less what it holds) and that
+    peak's margin, and no more than ``torch_free`` (``allocatable``, where
+    vLLM caps torch) less the peak, by which torch grows in every step.  The
+    one rule both the connector's fit (``bank_room``) and the plan before
+    the engine starts (``registration_room``) apply."""
+    peak = extensible_peak(free, still)
+    margin = extensible_margin(peak)
+    room = free - peak - margin
+    if torch_free is not None:
+        room = min(room, torch_free - peak)
+    return room, peak, margin
+
+
+def registration_room(requested: int, *, init_free: int, kept: int, non_torch: int = 0) -> int:
+    """The room ``extensible_room`` will find at registration in a vLLM 0.34
+    engine whose budget is ``requested`` bytes, from its start-up snapshot's
+    ``init_free``, the ``kept`` bytes ``measure_kv_cache_bytes`` keeps free
+    (the larger of the allocated peak and torch's reservation growth) and
+    ``non_torch`` bytes taken outside torch after the snapshot.  Wherever
+    this leaves any room the budget bounds the cache (the slack ``init_free
+    - requested`` exceeds the margin), which then takes the budget less all
+    that vLLM holds and ``kept``: the connector finds ``kept`` free beyond the
+    slack, sees ``kept + non_torch`` as vLLM's budget left (it cannot tell
+    the two apart), and torch capped ``NON_TORCH_RESERVE`` below what is
+    free.  The cache's rounding down to whole blocks adds to both what is
+    free and what the budget leaves, like ``non_torch``."""
+    free = init_free - requested + kept
+    return extensible_room(free, kept + non_torch, free - NON_TORCH_RESERVE)[0]
+
+
+def utilization_for(nbytes: int, *, init_free: int, total: int, peak: int, non_torch: int = 0) -> float | None:
     """The largest ``--gpu-memory-utilization`` (on the 0.001 grid) under
-    which vLLM 0.34's extensible KV cache leaves ``nbytes`` free beside its
-    transient ``peak`` and margin: ``ceil(total x u) <= init_free -
-    margin - nbytes`` (``init_free``: the free memory at vLLM's start-up
-    snapshot).  None where no utilization above 0 does."""
-    limit = init_free - extensible_margin(peak) - nbytes
-    steps = math.floor(limit / total / UTILIZATION_STEP) + 1
-    while steps > 0 and math.ceil(total * steps * UTILIZATION_STEP) > limit:
-        steps -= 1
-    return round(min(steps, round(1 / UTILIZATION_STEP)) * UTILIZATION_STEP, 3) if steps > 0 else None
+    which vLLM 0.34's extensible KV cache leaves ``nbytes`` room by the
+    connector's own fit (``registration_room``; ``init_free``: the free
+    memory at vLLM's start-up snapshot, ``peak``: what it keeps for
+    transient activations, ``non_torch``: what is allowed for allocations
+    outside torch).  None where no utilization above 0 does."""
+    def fits(steps: int) -> bool:
+        requested = math.ceil(total * steps * UTILIZATION_STEP)
+        return registration_room(requested, init_free=init_free, kept=peak, non_torch=non_torch) >= nbytes
+
+    # the room falls as the budget grows (below 2 bytes once the device bounds the cache): a prefix of the grid fits
+    lo, hi = 0, round(1 / UTILIZATION_STEP)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return round(lo * UTILIZATION_STEP, 3) if lo > 0 else None
 
 
 def allocatable(free: int, total: int, reserved: int, fraction: float) -> int:
@@ -170,12 +212,7 @@ def bank_room(*, free: int, total: int, utilization: float, held: int, extensibl
     still = vllm_still_needs(total=total, utilization=utilization, held=held)
     if not extensible:
         return free - still - MARGIN_BYTES, still, MARGIN_BYTES
-    peak = extensible_peak(free, still)
-    kept = extensible_margin(peak)
-    room = free - peak - kept
-    if torch_free is not None:
-        room = min(room, torch_free - peak)
-    return room, peak, kept
+    return extensible_room(free, still, torch_free)
 
 
 def fit_error(nbytes: int, *, free: int, total: int, utilization: float, held: int,

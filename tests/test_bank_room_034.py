@@ -253,5 +253,5 @@ def test_the_peak_is_read_from_vllms_memory_after_warmup_line():
             "to the KV cache, 4.2 GiB kept for transient activations (3.9 GiB allocated at peak, 4.2 GiB of torch "
             "reservation growth); 1000 KV cache blocks (100.0 GiB) fit within the requested 140.4 GiB. Torch may "
             "reserve up to 30.0 GiB.")
-    assert measured_peak("noise\n" + line) == math.ceil(3.91 * GIB)
+    assert measured_peak("noise\n" + line) == math.ceil(4.21 * GIB)  # the figure kept: torch's growth, here
     assert measured_peak("no such line") is None
