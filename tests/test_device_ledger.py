@@ -14,6 +14,8 @@ layer of a table nor a temporary as large as a chunk.
 
 Each test runs the Triton backend (what a GPU runs) under Triton's
 interpreter; the caches are stand-in device tensors, the banks host ones.
+The whole file is CPU-only: its stand-in is host memory, over which the GPU
+run (no interpreter) refuses Triton; on a GPU the counts are CUDA's own.
 """
 import numpy as np
 import pytest
@@ -38,6 +40,11 @@ BOOKKEEPING = 16 << 10
 ENTRIES = [(1, 0, 8, 0, 0), (2, 0, 8, 8, 0), (5, 0, 8, 32, 0), (3, 0, 8, 0, 1), (6, 0, 8, 16, 1),
            (7, 0, 8, 24, 1)]
 TABLE_POSITIONS = 4096  # a table much larger than the bookkeeping: a copy per layer cannot hide in it
+
+# The GPU run (gpu/device_check.sh, no TRITON_INTERPRET) refuses Triton over this file's stand-in, which is
+# host memory there: test_device_image.py runs the GPU run's own selection in its stand-in and fails on any
+# test here left unmarked.
+pytestmark = pytest.mark.cpu_only
 
 
 def stand_in():
@@ -74,10 +81,80 @@ def test_reading_a_device_value_on_the_host_syncs():
             with ledger.window() as w:
                 read()
             assert len(w.syncs) == 1, w.syncs
+        index = torch.arange(1, 3)
         with ledger.window() as w:
-            (t * 2 + 1).index_select(0, torch.tensor([1, 2]))  # stays on the device
+            (t * 2 + 1).index_select(0, index)  # stays on the device
             torch.repeat_interleave(t, t, output_size=15)
+            torch.where(mask, t, 0)
+            torch.nn.functional.one_hot(t, num_classes=6)
         assert w.syncs == []
+
+
+def test_a_device_tensor_made_from_host_data_is_a_blocking_copy():
+    """CUDA builds ``torch.tensor(data)`` and ``torch.as_tensor(array,
+    device=...)`` in pageable host memory, then copies it blocking."""
+    ledger, rule = stand_in()
+    with rule:
+        with ledger.window() as w:
+            on = torch.tensor([1, 2])
+            torch.as_tensor(np.arange(4), device="cpu:0")
+            torch.tensor(np.arange(4, dtype=np.int64), device="cpu:0")
+        assert on_device(on) and [why.split(" ")[0] for why, _ in w.syncs] == ["blocking"] * 3, w.syncs
+        with ledger.window() as w:
+            torch.tensor([1, 2], device="cpu")  # host data to host memory
+            torch.as_tensor(np.arange(4), device="cpu")
+        assert w.syncs == []
+
+
+def test_a_non_blocking_copy_of_a_strided_view_of_pinned_memory_stages_through_pageable_memory():
+    """CUDA copies a non-contiguous host side through a contiguous pageable
+    temporary, so the host waits although the buffer is pinned (vLLM 0.34's
+    gpu_sync_debug says so too); the device makes no temporary unless its own
+    side is non-contiguous."""
+    ledger, rule = stand_in()
+    with rule:
+        pinned = torch.empty(4, 16, dtype=torch.int32, device="cpu").pin_memory()
+        dst = torch.empty(4, 8, dtype=torch.int32)
+        with ledger.window() as w:
+            dst.copy_(pinned[:, :8], non_blocking=True)
+            pinned[:, :8].to("cpu:0", non_blocking=True)
+        assert [why.split(" ")[:2] for why, _ in w.syncs] == [["strided", "pinned"]] * 2, w.syncs
+        assert w.temporaries == [], w.temporaries
+        with ledger.window() as w:
+            torch.empty(4, 16, dtype=torch.int32)[:, :8].copy_(pinned[:, 8:].contiguous().pin_memory(),
+                                                                non_blocking=True)
+        assert w.syncs == [] and [n for n, _ in w.temporaries] == [4 * 8 * 4]
+
+
+def test_a_triton_launch_with_a_host_tensor_is_refused_as_on_cuda():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def copy_kernel(src, dst, N: tl.constexpr):
+        i = tl.arange(0, N)
+        tl.store(dst + i, tl.load(src + i))
+
+    _, rule = stand_in()
+    with rule:
+        out = torch.zeros(8, dtype=torch.int32)
+        copy_kernel[(1,)](torch.arange(8, dtype=torch.int32), out, N=8)  # both on the device: runs
+        assert out.tolist() == list(range(8))
+        with pytest.raises(ValueError, match="cannot be accessed from Triton"):
+            copy_kernel[(1,)](torch.arange(8, dtype=torch.int32, device="cpu"), out, N=8)
+
+
+def test_ops_whose_result_size_or_shape_depends_on_the_values_sync():
+    """One-argument ``where`` (nonzero), ``bincount`` (CUDA reads the max on
+    the host) and ``one_hot`` without ``num_classes``."""
+    ledger, rule = stand_in()
+    with rule:
+        t = torch.arange(6)
+        for read in (lambda: torch.where(t > 2), lambda: torch.bincount(t), lambda: t.bincount(),
+                     lambda: torch.nn.functional.one_hot(t)):
+            with ledger.window() as w:
+                read()
+            assert len(w.syncs) == 1, w.syncs
 
 
 def test_device_bytes_are_counted_until_freed_and_a_strided_copy_makes_a_temporary():
