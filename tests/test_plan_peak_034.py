@@ -21,8 +21,10 @@ import numpy as np
 import pytest
 import torch
 
-from kvfill.check.device_memory import SERVER_CONTEXT_BYTES, measured_peak, plan_room
-from kvfill.connector.bank_fit import allocatable, bank_room, choose_placement
+pytest.importorskip("vllm")  # kvfill.check reads vLLM's log format and imports it (the device image has none)
+
+from kvfill.check.device_memory import SERVER_CONTEXT_BYTES, measured_peak, plan_room  # noqa: E402
+from kvfill.connector.bank_fit import allocatable, bank_room, choose_placement  # noqa: E402
 
 GIB, MIB = 2**30, 2**20
 H200 = 143_771 * MIB  # what torch reports for an H200's memory
