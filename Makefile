@@ -145,7 +145,7 @@ bench: venv
 
 # On a machine with an NVIDIA GPU: the one-shot check, then the full sweeps.
 gpu-check: venv
-	$(PY) bench/gpu_check.py --out bench/results
+	$(PY) gpu/gpu_check.py --out bench/results
 
 bench-gpu: venv
 	KVFILL_BENCH_DEVICE=cuda $(PY) -m pytest -q -p no:cacheprovider bench/test_bench_fill.py \

@@ -1,6 +1,6 @@
 """Test support: cache layouts the engine must address, built without vLLM.
 
-Used by kvfill's tests, ``bench/gpu_check_sections.py`` and ``bench/ptx_check.py``
+Used by kvfill's tests, ``gpu/gpu_check_sections.py`` and ``gpu/ptx_check.py``
 (on machines with torch and triton only); public, so they need no private names.
 
 * ``standard_views``: vLLM's per-layer ``[B, H, N, C]`` views over one raw

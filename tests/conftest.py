@@ -63,7 +63,7 @@ def _vllm_installed() -> bool:
         return False
 
 
-# The device image (bench/device_check.sh) has no vLLM: tests marked
+# The device image (gpu/device_check.sh) has no vLLM: tests marked
 # needs_vllm skip there; a test that needs it unmarked fails there, and
 # tests/test_device_image.py runs the suite in a stand-in for that image.
 HAS_VLLM = _vllm_installed()
@@ -74,7 +74,7 @@ def backend(request):
     return request.param
 
 
-# KVFILL_TEST_BUDGET_S (bench/device_check.sh on a lent GPU): tests that would
+# KVFILL_TEST_BUDGET_S (gpu/device_check.sh on a lent GPU): tests that would
 # start past this many seconds of the test run are skipped, each named with this
 # reason, so the run still ends with a complete report.
 BUDGET_S = float(os.environ.get("KVFILL_TEST_BUDGET_S", "0")) or None

@@ -3,7 +3,7 @@
 The lent GPU has torch, triton, pytest, hypothesis, safetensors, numpy,
 transformers, pytest-benchmark and psutil (the device tool's README), no vLLM
 and no pytest-xdist, and kvfill is not installed there:
-``bench/device_check.sh`` puts it on the path through ``bench/device_env.sh``.
+``gpu/device_check.sh`` puts it on the path through ``gpu/device_env.sh``.
 ``build(folder)`` makes a virtual environment (no pip) whose site-packages
 holds exactly those distributions and what they require - every file their
 RECORD lists, linked from this environment's site-packages - so vLLM,

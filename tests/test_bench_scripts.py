@@ -2,8 +2,9 @@
 import pytest
 
 from kvfill.bench import engine_demo as demo
-from kvfill.bench import fill_bench, gpu_check
-from kvfill.bench import gpu_check_sections as sections
+from kvfill.bench import fill_bench
+from kvfill.gpu import gpu_check
+from kvfill.gpu import gpu_check_sections as sections
 
 pytestmark = pytest.mark.cpu_only  # dry runs of the scripts on the CPU
 
@@ -84,7 +85,7 @@ def test_gpu_check_names_what_its_budget_skipped(tmp_path, capsys):
 
     skipped = json.loads((tmp_path / "gpu_check.json").read_text())["skipped_for_budget"]
     # 4: both CUDA graphs, the packed rows, the device guard; 3: the packed-row, state-page and host-bank timings;
-    # 1: the bandwidth figures (bench/gpu_check_bandwidth.py)
+    # 1: the bandwidth figures (gpu/gpu_check_bandwidth.py)
     assert len(skipped) == 13 * 3 + 4 + len(gpu_check.SECTIONS) + 3 + 3 + 2 + 1 + 13 * 3
     # the order a short lease meets them: one dtype of every layout, the GPU-only sections, the other dtypes
     assert skipped.index("CUDA graph capture of fill_blocks") == 13 * 3
@@ -140,7 +141,7 @@ def ptx_check_rows(call: str) -> list[dict]:
 
     pytest.importorskip("triton.backends.nvidia")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    code = f"import json; from kvfill.bench import ptx_check; print(json.dumps(ptx_check.{call}))"
+    code = f"import json; from kvfill.gpu import ptx_check; print(json.dumps(ptx_check.{call}))"
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     out = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
                          timeout=600)

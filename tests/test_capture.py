@@ -4,7 +4,7 @@ A CPU machine cannot capture a graph, so these tests patch torch's public
 capture query (``torch.cuda.is_current_stream_capturing``, with
 ``torch.cuda.is_available``) and drive the very path a captured fill takes:
 the plan is built on the device with fixed-size torch ops and filled by the
-Triton kernel (interpreter) without host checks.  ``bench/gpu_check.py``
+Triton kernel (interpreter) without host checks.  ``gpu/gpu_check.py``
 captures and replays a real graph on a GPU.
 """
 import gc

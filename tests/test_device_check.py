@@ -1,8 +1,8 @@
-"""bench/device_check.sh, the one-shot GPU run, driven on the CPU with a
+"""gpu/device_check.sh, the one-shot GPU run, driven on the CPU with a
 stand-in python: the suite runs to its end under a budget, gpu_check runs
 whatever the suite did, the exit status says whether either failed, and the
 summary comes last (failures by test id, then the check's table).  Then the
-check's bandwidth figures (bench/gpu_check_bandwidth.py): the datasheet peak
+check's bandwidth figures (gpu/gpu_check_bandwidth.py): the datasheet peak
 by GPU name, the goal's verdicts, and the figures measured on the tests'
 device (on a GPU run: CUDA events, streams, the device's L2)."""
 import os
@@ -26,7 +26,7 @@ case "$1 $2" in
     echo "BUDGET-SKIPPED tests/test_fuzz.py: 4 tests, from test_random_plans"
     echo "1 failed, 41 passed, 4 skipped in 12.0s"
     exit "$PYTEST_RC";;
-  "bench/gpu_check.py "*)
+  "gpu/gpu_check.py "*)
     printf 'correctness: constant 130/130, normal 130/130, replay 130/130 cases byte-exact\n  case  mode  impl\n' \
       > "$OUT/gpu-check-summary.txt"
     echo "[   1.0s] wrote gpu_check.json"
@@ -41,9 +41,9 @@ def run_device_check(tmp_path, pytest_rc, check_rc, fake_py=FAKE_PY):
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     out = tmp_path / "out"
     env = {**os.environ, "PY": str(fake), "OUT": str(out), "CALLS": str(tmp_path / "calls"),
-           "PYTEST_RC": str(pytest_rc), "CHECK_RC": str(check_rc), "KVFILL_TEST_BUDGET_S": "30",
+           "PYTEST_RC": str(pytest_rc), "CHECK_RC": str(check_rc), "KVFILL_TEST_BUDGET_S": "30", "KVFILL_TEST_DEVICE": "",
            "PATH": os.environ["PATH"]}
-    proc = subprocess.run(["bash", str(ROOT / "bench" / "device_check.sh")], env=env, capture_output=True,
+    proc = subprocess.run(["bash", str(ROOT / "gpu" / "device_check.sh")], env=env, capture_output=True,
                           text=True, timeout=60)
     return proc, (tmp_path / "calls").read_text().splitlines(), out
 
@@ -54,7 +54,7 @@ def test_failing_tests_make_the_run_fail_and_gpu_check_still_runs(tmp_path):
     pytest_call = next(c for c in calls if c.startswith("-m pytest"))
     assert " -x" not in pytest_call.split("|")[0], "the suite must not stop at its first failure"
     assert "budget=30 device=cuda" in pytest_call
-    assert any(c.startswith("bench/gpu_check.py") and "--budget-s" in c for c in calls), calls
+    assert any(c.startswith("gpu/gpu_check.py") and "--budget-s" in c for c in calls), calls
     summary = proc.stdout[proc.stdout.index("device check summary"):]
     assert "suite FAILED (pytest exit 1)" in summary
     assert "FAILED tests/test_engine.py::test_fill_blocks_compiles" in summary
@@ -107,7 +107,7 @@ def test_the_suite_budget_skips_and_names_what_it_could_not_run(tmp_path):
     assert "2 skipped" in proc.stdout and "passed" not in proc.stdout
 
 
-from kvfill.bench import gpu_check_bandwidth as BW  # noqa: E402
+from kvfill.gpu import gpu_check_bandwidth as BW  # noqa: E402
 
 
 @pytest.mark.parametrize("name, peak", [

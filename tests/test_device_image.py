@@ -2,12 +2,15 @@
 device image (``tests/device_image.py``: torch, triton, pytest, hypothesis,
 safetensors, numpy, transformers, pytest-benchmark, psutil; no vLLM; kvfill
 not installed) with kvfill put on the path by the same code as
-``bench/device_check.sh`` (``bench/device_env.sh``).
+``gpu/device_check.sh`` (``gpu/device_env.sh``).
 
-There, the whole suite must collect, every test that needs vLLM must skip,
-and nothing else may fail with the tests' device a device of its own
-(``KVFILL_TEST_DEVICE=cpu:0``: ``tests/device_rule.py``, torch's default
-device apart from host memory, mixing the two an error as on CUDA); banks
+There, the GPU run's own selection (``gpu/device_check.sh --suite-only``:
+its files in its order, its environment - no ``TRITON_INTERPRET``, no
+budget here - but for the device, stood in by ``KVFILL_TEST_DEVICE=cpu:0``)
+must collect whole, every test that needs vLLM must skip, and nothing else
+may fail with the tests' device a device of its own (``tests/device_rule.py``:
+torch's default device apart from host memory, mixing the two an error and a
+Triton launch over host memory refused, as on CUDA); banks
 must load into host memory while torch's default device is not the CPU
 (``meta`` stands in for ``cuda``).  The inner runs set
 ``KVFILL_IN_DEVICE_IMAGE``, so this file does not run itself.
@@ -42,12 +45,12 @@ def image(tmp_path_factory):
 
 def in_image(image, *args, env=None, timeout=1200):
     """``args`` run in the device image, with kvfill on the path as
-    device_check.sh puts it there (bench/device_env.sh)."""
+    device_check.sh puts it there (gpu/device_env.sh)."""
     python, base = image
     site = base / f"site-{len(list(base.iterdir()))}"
     environ = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     environ.update(TRITON_INTERPRET="1", KVFILL_IN_DEVICE_IMAGE="1", **(env or {}))
-    script = 'source bench/device_env.sh && kvfill_device_env "$1" && shift && exec "$@"'
+    script = 'source gpu/device_env.sh && kvfill_device_env "$1" && shift && exec "$@"'
     return subprocess.run(["bash", "-c", script, "device-image", str(site), python, *args], cwd=ROOT, env=environ,
                           capture_output=True, text=True, timeout=timeout)
 
@@ -101,16 +104,31 @@ def outer(tmp_path_factory):
     return out.stdout, {line for line in listing.read_text().splitlines() if line}
 
 
-@pytest.fixture(scope="module")
-def inner(image, tmp_path_factory):
-    """The whole suite run once in the image (device_check.sh's fuzz count)
-    on the accelerator stand-in (``tests/device_rule.py``): the run, and its
-    JUnit test cases by ``classname::name``."""
-    report = tmp_path_factory.mktemp("inner") / "junit.xml"
-    run = in_image(image, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEs", f"--junitxml={report}", "tests",
-                   env={"KVFILL_FUZZ_EXAMPLES": "20", "KVFILL_TEST_DEVICE": "cpu:0"})
+def gpu_run_suite(image, out, timeout=1500):
+    """``gpu/device_check.sh --suite-only`` with the image's python, as the
+    GPU run runs it but for the device (the stand-in, ``cpu:0``), the time
+    budget (none) and the fuzz count: the run, its JUnit test cases and its
+    log."""
+    python, _ = image
+    environ = {k: v for k, v in os.environ.items()
+               if k not in ("PYTHONPATH", "VIRTUAL_ENV", "TRITON_INTERPRET", "KVFILL_TEST_DEFAULT_DEVICE")}
+    environ.update(PY=python, OUT=str(out), KVFILL_IN_DEVICE_IMAGE="1", KVFILL_TEST_DEVICE="cpu:0",
+                   KVFILL_TEST_BUDGET_S="0", KVFILL_FUZZ_EXAMPLES="20")
+    run = subprocess.run(["bash", "gpu/device_check.sh", "--suite-only"], cwd=ROOT, env=environ,
+                         capture_output=True, text=True, timeout=timeout)
+    report = pathlib.Path(out) / "gpu-tests.xml"
     cases = {f"{c.get('classname')}::{c.get('name')}": c for c in ET.parse(report).iter("testcase")} \
         if report.exists() else {}
+    return run, cases, (pathlib.Path(out) / "gpu-tests.log").read_text() if report.exists() else ""
+
+
+@pytest.fixture(scope="module")
+def inner(image, tmp_path_factory):
+    """The GPU run's selection run once in the image on the accelerator
+    stand-in (``gpu_run_suite``): the run (its log as stdout), and its JUnit
+    test cases by ``classname::name``."""
+    run, cases, log = gpu_run_suite(image, tmp_path_factory.mktemp("inner"))
+    run.stdout = log + run.stdout
     return run, cases
 
 
@@ -174,7 +192,7 @@ def test_a_host_kept_bank_writes_a_device_banks_bytes_on_the_stand_in_with_a_non
 
 
 def test_gpu_check_runs_every_section_byte_exact_in_the_image_on_the_device_stand_in(image, tmp_path):
-    """``bench/gpu_check.py --smoke`` as device_check.sh runs it on CUDA, in
+    """``gpu/gpu_check.py --smoke`` as device_check.sh runs it on CUDA, in
     the image, on the accelerator stand-in (device ``cpu:0``,
     ``tests/device_rule.py``: a host tensor mixed with the device's raises):
     every layout x mode in four dtypes (float, bf16, fp8 in bytes, zero-
@@ -183,10 +201,10 @@ def test_gpu_check_runs_every_section_byte_exact_in_the_image_on_the_device_stan
     the summary and JSON say so."""
     import json
 
-    from kvfill.bench import gpu_check
+    from kvfill.gpu import gpu_check
 
     out = tmp_path / "out"
-    run = in_image(image, "tests/device_rule.py", "bench/gpu_check.py", "--smoke", "--device", "cpu:0",
+    run = in_image(image, "tests/device_rule.py", "gpu/gpu_check.py", "--smoke", "--device", "cpu:0",
                    "--dtypes", "fp32", "bf16", "u8-fp8e4m3", "u8-packed", "--out", str(out), timeout=900)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-3000:]
     assert "'device': 'cpu:0'" in run.stdout
@@ -204,3 +222,30 @@ def test_gpu_check_runs_every_section_byte_exact_in_the_image_on_the_device_stan
     summary = (out / "gpu-check-summary.txt").read_text()
     assert "replay 52/52 cases byte-exact" in summary and "launch-bound R4 L3" in summary
     assert {r["dtype"] for r in report["correctness"]["rows"]} == {"fp32", "bf16", "u8-fp8e4m3", "u8-packed"}
+
+
+def test_a_test_that_builds_triton_over_its_own_stand_in_fails_the_gpu_runs_selection(image, tmp_path):
+    """The check above can fail: test_device_ledger.py's engine tests build
+    Triton engines over a stand-in of their own, which is host memory on the
+    GPU run.  Unmarked (a copy of tests/ without its ``cpu_only`` mark), they
+    fail in the image as they would on the lent GPU, refused at launch."""
+    import shutil
+
+    tests = tmp_path / "tests"
+    shutil.copytree(ROOT / "tests", tests, ignore=shutil.ignore_patterns("__pycache__"))
+    ledger = tests / "test_device_ledger.py"
+    text = ledger.read_text()
+    assert "\npytestmark = pytest.mark.cpu_only\n" in text
+    ledger.write_text(text.replace("\npytestmark = pytest.mark.cpu_only\n", "\n"))
+    python, base = image
+    site = base / "site-unmarked"
+    environ = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "TRITON_INTERPRET")}
+    environ.update(KVFILL_IN_DEVICE_IMAGE="1", KVFILL_TEST_DEVICE="cpu:0")
+    script = 'source gpu/device_env.sh && kvfill_device_env "$1" && shift && exec "$@"'
+    run = subprocess.run(["bash", "-c", script, "device-image", str(site), python, "-m", "pytest", "-q",
+                          "-p", "no:cacheprovider", "--rootdir", str(tmp_path), str(ledger), "-k",
+                          "fill_step_makes_no_host_sync"], cwd=ROOT, env=environ, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 1, run.stdout[-3000:]
+    assert "5 failed" in run.stdout and "cannot be accessed from Triton (cpu tensor?)" in run.stdout, \
+        run.stdout[-3000:]

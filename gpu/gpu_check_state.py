@@ -1,4 +1,4 @@
-"""The GPU check's state-page section (bench/gpu_check.py): recurrent state
+"""The GPU check's state-page section (gpu/gpu_check.py): recurrent state
 replayed into state blocks (``kvfill/kernels/state_pages.py``) on the
 device - several layers in one step, pages of different sizes, two layers
 sharing their block ids (one upload) - compared byte for byte with the same

@@ -1,4 +1,4 @@
-"""The GPU check's large-offset section (bench/gpu_check.py): a fill whose
+"""The GPU check's large-offset section (gpu/gpu_check.py): a fill whose
 addresses do not fit 32 bits, as on a GPU where vLLM puts the whole KV cache
 (~125 GB on an H200) in one buffer and a long recording makes a bank of
 billions of elements.

@@ -1,6 +1,6 @@
 """Compile the fill kernel for a GPU on a machine without one and read its PTX.
 
-    python bench/ptx_check.py [--arch 90]
+    python gpu/ptx_check.py [--arch 90]
 
 Triton's NVIDIA backend (with its bundled ptxas) compiles without a driver, so
 this shows, for representative cache geometries, whether the kernel's global

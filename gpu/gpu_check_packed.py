@@ -1,4 +1,4 @@
-"""The GPU check's packed-row sections (bench/gpu_check.py): DeepSeek's
+"""The GPU check's packed-row sections (gpu/gpu_check.py): DeepSeek's
 indexer K pages, ``fp8_ds_mla`` and ``nvfp4_ds_mla`` rows (``kvfill/kernels/packed_rows.py``)
 filled by the Triton kernels on the device, compared byte for byte with the
 torch backend's fill of a host copy of the same poisoned buffer.  Torch +

@@ -1,4 +1,4 @@
-"""The GPU check's sections, which bench/gpu_check.py runs and reports:
+"""The GPU check's sections, which gpu/gpu_check.py runs and reports:
 byte-exact correctness of every layout x dtype x mode against the torch
 backend, CUDA-graph capture of ``fill_blocks`` and of a replay fill, and the
 device guard; ``isolated`` makes a case that raises that case's own result.

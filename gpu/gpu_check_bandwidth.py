@@ -1,4 +1,4 @@
-"""The GPU check's bandwidth figures (bench/gpu_check.py), shaped by issue 59's
+"""The GPU check's bandwidth figures (gpu/gpu_check.py), shaped by issue 59's
 anchors: the normal (in-kernel random) fill's bytes written per second as a
 fraction of a memset of as many bytes, timed in the same run, and of the
 GPU's datasheet peak (``PEAKS``); best and median of ``repeat`` calls; at

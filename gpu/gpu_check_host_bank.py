@@ -1,4 +1,4 @@
-"""The GPU check's host-bank section (bench/gpu_check.py): a bank kept in
+"""The GPU check's host-bank section (gpu/gpu_check.py): a bank kept in
 host memory (``bank_placement="host"``, ``kvfill/kernels/staging.py``), each
 fill's rows staged on the device through pinned host buffers, against the
 same bank resident on the device - several layers, a ragged bank whose

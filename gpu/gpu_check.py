@@ -2,8 +2,8 @@
 vs the in-tree fill at several sizes.  Needs torch + triton + kvfill only (no
 vLLM, no network); prints a compact table last and writes JSON.
 
-    python bench/gpu_check.py --out bench/results          # on a GPU machine
-    TRITON_INTERPRET=1 python bench/gpu_check.py --smoke   # CPU dry run (tests do this)
+    python gpu/gpu_check.py --out bench/results          # on a GPU machine
+    TRITON_INTERPRET=1 python gpu/gpu_check.py --smoke   # CPU dry run (tests do this)
 
 Every case runs on its own: one that raises (a compile error, out of memory,
 a CUDA error) is reported as that case's error and the check goes on; the
@@ -55,15 +55,15 @@ import torch
 
 from kvfill.bench import common as C  # noqa: E402
 from kvfill.bench import fill_bench  # noqa: E402
-from kvfill.bench import gpu_check_bandwidth as BW
-from kvfill.bench.gpu_check_host_bank import check_host_bank, time_host_bank
-from kvfill.bench.gpu_check_large import check_large_offsets
-from kvfill.bench.gpu_check_packed import check_packed_capture, check_packed_rows, time_packed
-from kvfill.bench.gpu_check_sections import (
+from kvfill.gpu import gpu_check_bandwidth as BW
+from kvfill.gpu.gpu_check_host_bank import check_host_bank, time_host_bank
+from kvfill.gpu.gpu_check_large import check_large_offsets
+from kvfill.gpu.gpu_check_packed import check_packed_capture, check_packed_rows, time_packed
+from kvfill.gpu.gpu_check_sections import (
     MODES, check_attention_dcp, check_compiled_capture, check_device_guard, check_graph_capture,
     check_replay_capture, correctness, isolated,
 )
-from kvfill.bench.gpu_check_state import check_state_pages, time_state_pages
+from kvfill.gpu.gpu_check_state import check_state_pages, time_state_pages
 from kvfill.kernels import testing as LZ
 
 MiB = 1 << 20
@@ -216,7 +216,7 @@ def main(argv=None):
     path = os.path.join(a.out, "gpu_check.json")
     C.write_json(path, {
         "machine": C.machine_info(device),
-        "command": "python bench/gpu_check.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python gpu/gpu_check.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "seconds": round(time.time() - t0, 1),
         "skipped_for_budget": budget.skipped,
         "errors": errors,

@@ -1,4 +1,4 @@
-# Sourced by bench/device_check.sh, and by tests/test_device_image.py to stand
+# Sourced by gpu/device_check.sh, and by tests/test_device_image.py to stand
 # in for the device image: how kvfill goes on the path of a machine where it is
 # not installed (torch and triton only, no vLLM, nothing installed by us).
 #
