@@ -1,7 +1,8 @@
 """Scheduler side of KVFillConnector: which requests to fill, and their blocks.
 
 Every new request's prompt minus its last token (its last two with
-speculative decoding: ``computed_tail``) is reported as external; once
+speculative decoding, its last ``lookahead - 1`` with vLLM's
+multi-module MTP when that is more: ``computed_tail``) is reported as external; once
 vLLM has allocated its blocks, the planner selects the external blocks of
 every group (again after a preemption, unless ``refill_on_preemption`` is
 off, so a preempted request is not prefilled for real).  Replaying, each
@@ -53,6 +54,17 @@ def _spec_method(vllm_config: "VllmConfig") -> str | None:
     return None if spec is None else str(getattr(spec, "method", None))
 
 
+def prefill_lookahead(vllm_config: "VllmConfig") -> int:
+    """vLLM's ``VllmConfig.num_prefill_lookahead_tokens`` (0.32 and 0.34):
+    how many prompt tokens past a computed range its drafter reads
+    (multi-module MTP: one per module); 0 where a vLLM has no such property."""
+    value = getattr(vllm_config, "num_prefill_lookahead_tokens", 0)
+    if not isinstance(value, int) or value < 0:
+        raise ValueError(f"KVFillConnector: vLLM's num_prefill_lookahead_tokens is {value!r}, "
+                         f"expected an int >= 0")
+    return value
+
+
 def computed_tail(vllm_config: "VllmConfig") -> int:
     """How many of a prompt's last tokens vLLM computes itself: 1 (the
     token whose logits it samples), 2 with speculative decoding.  vLLM's
@@ -61,8 +73,17 @@ def computed_tail(vllm_config: "VllmConfig") -> int:
     step per request than real prefill; measured with vLLM's own prefix
     cache too, so a vLLM behaviour, not the fill's); from two computed
     tokens on its drafts are real prefill's (docs/replay.md, speculative
-    decoding)."""
-    return 2 if _spec_method(vllm_config) is not None else 1
+    decoding).
+
+    With vLLM's multi-module MTP (lookahead L) at least the last L - 1:
+    module k's KV at the prompt's last k positions is built from drafts, and
+    the drafter rebuilds those slots after a rejection only from the inputs
+    it cached in the step that computed them - the last L - 1 positions of
+    that step's query.  A filled position there would keep its fill (or
+    take an input this request never cached); vLLM's NIXL connector backs
+    off by the same L - 1 (docs/vllm-internals.md, the prefill lookahead)."""
+    base = 2 if _spec_method(vllm_config) is not None else 1
+    return max(base, prefill_lookahead(vllm_config) - 1)
 
 
 # vLLM's mamba_cache_mode values whose state block kvfill knows (planner._state_block): a request's only
@@ -114,8 +135,8 @@ class KVFillScheduler:
         self.routed_experts = bool(getattr(aux, "enable_return_routed_experts", False))
         self.granted: dict[str, int] = {}  # request id -> tokens granted, until vLLM allocates
         self.dropped_grant_logged = False
-        # The prompt tokens vLLM computes itself: its last one; with speculative decoding its last two
-        # (``computed_tail``).
+        # The prompt tokens vLLM computes itself: its last one; with speculative decoding its last two, or
+        # a multi-module MTP drafter's lookahead less one (``computed_tail``).
         self.computed_tail = computed_tail(vllm_config)
         # Replaying recorded state (hybrid models): a request's state block gets the state after its
         # filled positions, which a preempted request's generated tokens have moved past.
@@ -130,9 +151,9 @@ class KVFillScheduler:
             if line:
                 logger.warning("KVFillConnector: %s", line)
         if self.computed_tail > 1:
-            logger.info("KVFillConnector: speculative decoding (method %r): the last %d prompt tokens of each "
-                        "request are computed by vLLM, the rest filled", _spec_method(vllm_config),
-                        self.computed_tail)
+            logger.info("KVFillConnector: speculative decoding (method %r, prefill lookahead %d): the last %d "
+                        "prompt tokens of each request are computed by vLLM, the rest filled",
+                        _spec_method(vllm_config), prefill_lookahead(vllm_config), self.computed_tail)
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
         if self.recorder is not None:
