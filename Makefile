@@ -35,13 +35,18 @@ endif
 # device-image stand-in (docs/testing.md).
 # Then the 0.34 lane: the tests that start no engine again, with vLLM 0.34.0's own Python code laid over
 # the venv (tests/vllm034_overlay.py: its wheel's modules and metadata, no .so; docs/testing.md).
+# The overlay is made after the CPU suite (an offline machine still runs that), rebuilt where it is not whole;
+# where its wheel cannot be had (exit 3) the lane is skipped, saying why.  KVFILL_VLLM_EXPECT makes the
+# lane's conftest refuse to run on any vLLM but 0.34.0 imported from the overlay.
 OVERLAY034 := .vllm034-py
-test: venv $(OVERLAY034)/.installed
+test: venv
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -n 2 --dist loadgroup --durations=15
-	PYTHONPATH=$(CURDIR)/$(OVERLAY034) TRITON_INTERPRET=1 $(PY) -m pytest -q -n 2 -m "not e2e" -p no:cacheprovider
-
-$(OVERLAY034)/.installed: tests/vllm034_overlay.py
-	$(PY) tests/vllm034_overlay.py $(OVERLAY034)
+	@$(PY) tests/vllm034_overlay.py $(OVERLAY034); rc=$$?; \
+	if [ $$rc -eq 3 ]; then echo "make test: the vLLM 0.34 lane was SKIPPED: its wheel cannot be had (above)"; \
+	elif [ $$rc -ne 0 ]; then exit $$rc; \
+	else echo "== the vLLM 0.34 lane: PYTHONPATH=$(OVERLAY034) pytest -m 'not e2e'" && \
+	  KVFILL_VLLM_EXPECT=0.34.0@$(CURDIR)/$(OVERLAY034) PYTHONPATH=$(CURDIR)/$(OVERLAY034) TRITON_INTERPRET=1 \
+	  $(PY) -m pytest -q -n 2 -m "not e2e" -p no:cacheprovider; fi
 
 # The development loop: everything but the end-to-end tests, in a few minutes.
 test-fast: venv

