@@ -13,15 +13,22 @@ does not cut that short.
 A check killed outright (SIGKILL, the OOM killer) cannot stop its step:
 the step asks Linux for SIGTERM when its parent dies (``PR_SET_PDEATHSIG``,
 ``die_with_parent``), ends as above, and removes the temp folder its
-parent made for it (``KVFILL_STEP_TMP``), which no one else is left to.
+parent made for it (``KVFILL_STEP_TMP``), which no one else is left to -
+with the standard library alone (``remove_temp_folder``): the signal may
+land while the step still imports torch or vLLM, and importing anything
+of theirs again on the way out re-enters that half-done import.
 """
 from __future__ import annotations
 
+import contextlib
+import glob
 import os
+import shutil
 import signal
 import sys
 
 PARENT_ENV, TMP_ENV = "KVFILL_CHECK_PID", "KVFILL_STEP_TMP"  # set by steps.py for each step it starts
+SHM = "/dev/shm"  # vLLM CPU's shared-memory segments, named after the rendezvous file's id
 
 
 def execute(job: dict) -> dict:
@@ -73,9 +80,21 @@ def main(argv=None) -> int:
     finally:
         tmp = os.environ.get(TMP_ENV)
         if tmp and _orphaned():  # the check was killed: its step's temp folder is this process's to remove
-            from kvfill.record.engine import remove_vllm_tempdir
+            remove_temp_folder(tmp)
 
-            remove_vllm_tempdir(tmp)
+
+def remove_temp_folder(folder: str) -> None:
+    """A step's or server's temp folder (its ``TMPDIR``), with the
+    shared-memory segments of each vLLM rendezvous file in it, at any depth
+    (an engine's own temp folder is inside).  Imports nothing: the way out
+    of a step stopped mid-import calls it (module docstring)."""
+    ids = {os.path.basename(p) for p in glob.glob(os.path.join(glob.escape(folder), "**", "vllm_dist_*"),
+                                                  recursive=True)}
+    for ident in ids:
+        for path in glob.glob(os.path.join(SHM, glob.escape(ident) + "-*")):
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def _run(argv) -> int:

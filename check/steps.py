@@ -19,7 +19,7 @@ import tempfile
 import threading
 import time
 
-from .child import PARENT_ENV, TMP_ENV
+from .child import PARENT_ENV, TMP_ENV, remove_temp_folder
 from .cli import CheckConfig, on_cpu
 
 HEARTBEAT_S = 30
@@ -141,7 +141,7 @@ def step(name: str, job: dict, cfg: CheckConfig, i: int, n: int, log, env: dict 
             finally:
                 _stop(proc)  # what of its group is left, also after the child's own exit
     finally:
-        _remove_tempdir(tmp)
+        remove_temp_folder(tmp)
         if work and (rc is None or rc < 0):  # stopped or killed: the recorder could not remove it
             for folder in set(glob.glob(work)) - before:
                 shutil.rmtree(folder, ignore_errors=True)
@@ -164,17 +164,6 @@ def _record_work(job: dict) -> str | None:
     if job.get("kind") != "record":
         return None
     return os.path.join(glob.escape(os.path.dirname(os.path.abspath(job["call"]["out"]))), "kvfill-record-*")
-
-
-def _remove_tempdir(folder: str) -> None:
-    """A step's temp folder, with the shared-memory segments of each vLLM
-    rendezvous file in it (at any depth: the engine's own temp folder is
-    inside)."""
-    from kvfill.record.engine import remove_vllm_tempdir
-
-    ids = {os.path.basename(p) for p in glob.glob(os.path.join(glob.escape(folder), "**", "vllm_dist_*"),
-                                                  recursive=True)}
-    remove_vllm_tempdir(folder, ids)
 
 
 def _in_process(name: str, job: dict, cfg: CheckConfig, i: int, n: int, log, env: dict | None = None) -> dict:

@@ -273,3 +273,58 @@ def test_a_bad_kv_space_is_refused_before_vllm_is_imported(tmp_path):
                          env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "lots"})
     assert out.stdout.split() == ["2", "False", "False"], out.stdout + out.stderr
     assert "VLLM_CPU_KVCACHE_SPACE='lots': expected a whole number of GiB >= 1" in out.stderr
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_step_killed_while_importing_torch_removes_its_temp_folder_without_a_traceback(tmp_path):
+    """Issue 67: a step whose check was killed while the step still imported torch left its temp folder and a
+    traceback - its way out imported kvfill.record, which re-entered torch's half-done import.  A stand-in
+    check starts a step as steps.py does; the step's work imports torch, held half-way (in torch.nn, after
+    torch._C) until the check is SIGKILLed: the step ends on Linux's SIGTERM and removes its temp folder (and
+    the shared memory its rendezvous file names), saying only that it stopped."""
+    import pickle
+
+    step_tmp = tmp_path / "kvfill-step-x"
+    (step_tmp / "kvfill-record-vllm-y").mkdir(parents=True)
+    ident = f"vllm_dist_{uuid.uuid4().hex}"
+    (step_tmp / "kvfill-record-vllm-y" / ident).write_text("")  # an engine's rendezvous file, a folder down
+    segment = f"/dev/shm/{ident}-0"
+    open(segment, "w").close()
+    job, log = tmp_path / "x.job", tmp_path / "step.log"
+    job.write_bytes(pickle.dumps({"kind": "import"}))
+    step = ("import sys, time\n"
+            "class HalfWay:\n"  # holds torch's import once, inside torch.nn (torch._C loaded, torch unfinished)
+            "    def find_spec(self, name, path, target=None):\n"
+            "        if name == 'torch.nn.modules.transformer' and not hasattr(self, 'held'):\n"
+            "            self.held = True\n"
+            "            print('half-way', flush=True)\n"
+            "            time.sleep(120)\n"
+            "sys.meta_path.insert(0, HalfWay())\n"
+            "import kvfill.check.child as c\n"
+            "c.execute = lambda job: __import__('torch')\n"
+            f"sys.exit(c.main([{str(job)!r}, {str(tmp_path / 'x.json')!r}]))\n")
+    check = ("import os, subprocess, sys; "
+             f"env = {{**os.environ, 'KVFILL_CHECK_PID': str(os.getpid()), 'KVFILL_STEP_TMP': {str(step_tmp)!r}}}; "
+             f"p = subprocess.Popen([sys.executable, '-c', {step!r}], env=env, start_new_session=True, "
+             f"stdout=open({str(log)!r}, 'w'), stderr=subprocess.STDOUT); "
+             "print(p.pid, flush=True); p.wait()")
+    parent = subprocess.Popen([sys.executable, "-c", check], stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+    try:
+        deadline = time.monotonic() + 60
+        while "half-way" not in log.read_text():
+            assert time.monotonic() < deadline and parent.poll() is None, log.read_text()
+            time.sleep(0.1)
+        parent.kill()
+        parent.wait(30)
+        deadline = time.monotonic() + 60
+        while os.path.exists(f"/proc/{child}") and time.monotonic() < deadline:
+            time.sleep(0.2)
+        said = log.read_text()
+        assert not step_tmp.exists() and not os.path.exists(segment), said
+        assert "Traceback" not in said and "kvfill.check.child: SIGTERM: stopping the step" in said, said
+    finally:
+        if os.path.exists(f"/proc/{child}"):
+            os.kill(child, signal.SIGKILL)
+        if os.path.exists(segment):
+            os.unlink(segment)
