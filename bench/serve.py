@@ -29,6 +29,7 @@ import time
 from kvfill.bench import common as C
 from kvfill.bench.models import make_model, make_tokenizer
 from kvfill.bench.null_connector import KV_TRANSFER_CONFIG as NULL_CONFIG
+from kvfill.check.child import dying_with_this_process
 from kvfill.check.prefill_probe import prefill_probe
 from kvfill.check.serving import Server, free_port, vllm_command
 
@@ -116,7 +117,9 @@ def run_client(server: Server, a, connector: str, concurrency: int, result_dir: 
     )
     rec = {"num_prompts": n}
     try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=a.run_timeout, env=os.environ.copy())
+        # dying with this script: a bench killed outright leaves no client running (its server has a Guard)
+        out = subprocess.run(dying_with_this_process(cmd), capture_output=True, text=True, timeout=a.run_timeout,
+                             env=os.environ.copy())
         ok = out.returncode == 0 and os.path.exists(os.path.join(result_dir, name))
     except subprocess.TimeoutExpired:
         ok, out = False, None

@@ -50,10 +50,11 @@ def _exit_on(signum, frame):
     raise SystemExit(128 + signum)
 
 
-def die_with_parent() -> bool:
-    """SIGTERM to this process when the check that started it dies (Linux's
-    ``PR_SET_PDEATHSIG``), and at once if it died already; True when set."""
-    parent = int(os.environ.get(PARENT_ENV) or 0)
+def die_with_parent(parent: int | None = None) -> bool:
+    """SIGTERM to this process when the check that started it (``parent``,
+    else ``KVFILL_CHECK_PID``) dies (Linux's ``PR_SET_PDEATHSIG``), and at
+    once if it died already; True when set."""
+    parent = parent or int(os.environ.get(PARENT_ENV) or 0)
     if not parent or not sys.platform.startswith("linux"):
         return False
     import ctypes
@@ -63,6 +64,59 @@ def die_with_parent() -> bool:
         return False
     if os.getppid() != parent:  # the check died before the request took effect
         os.kill(os.getpid(), signal.SIGTERM)
+    return True
+
+
+def dying_with_this_process(cmd: list[str]) -> list[str]:
+    """``cmd`` run so that it gets SIGTERM when this process dies: a
+    Python that asks Linux for it, then becomes ``cmd`` (``exec``; the
+    request survives it).  For the commands the check starts other than
+    its steps (``vllm serve``, ``vllm bench serve``); a Popen
+    ``preexec_fn`` would do the same, but is unsafe in a process with
+    threads (vLLM's, with ``--in-process``)."""
+    code = ("import os, sys; from kvfill.check.child import die_with_parent; "
+            "die_with_parent(int(sys.argv[1])); os.execv(sys.argv[2], sys.argv[2:])")
+    return [sys.executable, "-c", code, str(os.getpid()), *cmd]
+
+
+def guard(grace_s: float = 30.0) -> None:
+    """What ``serving.Guard`` starts beside a server: a process of its own
+    session that outlives the check, told on its stdin, one line each,
+    ``group PID`` / ``folder PATH`` to watch and ``ungroup PID`` /
+    ``unfolder PATH`` to let go.  Its stdin's end is the check's end: if
+    the check did not say ``done`` first (it was killed outright, and its
+    own ``finally`` never ran), each watched process group gets SIGTERM,
+    SIGKILL ``grace_s`` later, and each watched folder is removed with its
+    shared memory (``remove_temp_folder``)."""
+    import time
+
+    groups, folders = set(), set()
+    for line in sys.stdin:
+        verb, _, what = line.rstrip("\n").partition(" ")
+        if verb == "done":
+            return
+        watched = groups if verb.endswith("group") else folders
+        item = int(what) if watched is groups else what
+        (watched.discard if verb.startswith("un") else watched.add)(item)
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        for group in list(groups):
+            try:
+                os.killpg(group, sig)
+            except ProcessLookupError:
+                groups.discard(group)
+        deadline = time.monotonic() + wait
+        while groups and time.monotonic() < deadline:
+            time.sleep(0.2)
+            groups = {g for g in groups if _group_alive(g)}
+    for folder in folders:
+        remove_temp_folder(folder)
+
+
+def _group_alive(group: int) -> bool:
+    try:
+        os.killpg(group, 0)
+    except ProcessLookupError:
+        return False
     return True
 
 

@@ -13,6 +13,13 @@ counters and kvfill's own.  With ``--decoys`` each server first completes
 the decoys, one token each, and the run counts the client's prefix-cache
 hits after them.  Also the server and client the bench scripts
 start (``Server``, ``vllm_command``, ``free_port``).
+
+A check killed outright (SIGKILL, the OOM killer) leaves nothing running:
+the server and the client get SIGTERM from Linux when it dies
+(``child.dying_with_this_process``), and a ``Guard`` beside each server
+then stops what is left of their process groups (vLLM's engine core) and
+removes the server's temp folder with its shared memory, which the check
+can no longer do.
 """
 from __future__ import annotations
 
@@ -27,6 +34,7 @@ import tempfile
 import time
 import urllib.request
 
+from .child import dying_with_this_process, remove_temp_folder
 from .cli import CheckConfig, serve_argv
 
 FIGURES = ("completed", "failed", "duration", "request_throughput", "output_throughput", "mean_ttft_ms",
@@ -45,16 +53,46 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class Guard:
+    """The process that cleans up after a server and its client if this
+    process is killed outright (``child.guard``): told each process group
+    and folder to watch, and ``done`` once this process cleaned up itself."""
+
+    def __init__(self):
+        self.proc = subprocess.Popen([sys.executable, "-c", "from kvfill.check.child import guard; guard()"],
+                                     stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     text=True, start_new_session=True)  # no terminal signal reaches it
+
+    def tell(self, verb: str, what) -> None:
+        try:
+            self.proc.stdin.write(f"{verb} {what}\n")
+            self.proc.stdin.flush()
+        except (BrokenPipeError, ValueError):  # it is gone (killed by hand): nothing to tell
+            pass
+
+    def close(self) -> None:
+        self.tell("done", "")
+        try:
+            self.proc.stdin.close()
+        except BrokenPipeError:
+            pass
+        self.proc.wait(timeout=30)
+
+
 class Server:
-    """One vLLM server on loopback; stopped (its whole process group) on exit."""
+    """One vLLM server on loopback; stopped (its whole process group) on
+    exit, and by its ``guard`` if this process is killed (module docstring)."""
 
     def __init__(self, cmd: list[str], env: dict, log_path: str, port: int):
         self.cmd, self.port, self.log_path = cmd, port, log_path
         self.log = open(log_path, "w")
         # vLLM's rendezvous files go to a temp folder of the server's own, removed with it
         self.tmp = tempfile.mkdtemp(prefix="kvfill-serve-")
-        self.proc = subprocess.Popen(cmd, env={**env, "TMPDIR": self.tmp}, stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        self.guard = Guard()
+        self.guard.tell("folder", self.tmp)
+        self.proc = subprocess.Popen(dying_with_this_process(cmd), env={**env, "TMPDIR": self.tmp}, stdout=self.log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self.guard.tell("group", self.proc.pid)
 
     def url(self, path: str = "") -> str:
         return f"http://127.0.0.1:{self.port}{path}"
@@ -105,9 +143,22 @@ class Server:
             if sig == signal.SIGTERM:
                 time.sleep(2)  # children get a moment after the leader
         self.log.close()
-        from kvfill.record.engine import remove_vllm_tempdir
+        remove_temp_folder(self.tmp)
+        self.guard.close()
 
-        remove_vllm_tempdir(self.tmp)
+
+def _stop_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """SIGTERM to what is left of ``proc``'s process group, SIGKILL after ``grace_s``."""
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            proc.wait(timeout=wait)
+        except subprocess.TimeoutExpired:
+            continue
+    proc.poll()
 
 
 def served_prompts(prompts: list[str], path: str) -> str:
@@ -159,15 +210,25 @@ def client_flags(cfg: CheckConfig, url: str, dataset: str, prompts: int, result_
     return args
 
 
-def run_client(args: list[str], log_path: str, timeout: float, in_process: bool) -> int:
-    """``vllm bench serve`` with ``args``; its exit status.  With
-    ``--in-process``, vLLM's client runs here (its own parser and ``main``,
-    vLLM already imported): a process of its own spends about 15 s importing
-    vLLM again; the timeout is then not enforced."""
+def run_client(args: list[str], log_path: str, timeout: float, in_process: bool, guard: Guard | None = None) -> int:
+    """``vllm bench serve`` with ``args``; its exit status (TimeoutExpired
+    past ``timeout``).  Its process group is stopped however this ends, and
+    watched by ``guard`` (the server's) meanwhile.  With ``--in-process``,
+    vLLM's client runs here (its own parser and ``main``, vLLM already
+    imported): a process of its own spends about 15 s importing vLLM again;
+    the timeout is then not enforced."""
     if not in_process:
         with open(log_path, "w") as out:
-            return subprocess.run(vllm_command(*args), stdout=out, stderr=subprocess.STDOUT,
-                                  timeout=timeout).returncode
+            proc = subprocess.Popen(dying_with_this_process(vllm_command(*args)), stdout=out,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+        if guard is not None:
+            guard.tell("group", proc.pid)
+        try:
+            return proc.wait(timeout=timeout)
+        finally:
+            _stop_group(proc)
+            if guard is not None:
+                guard.tell("ungroup", proc.pid)
     import contextlib
     import traceback
 
@@ -220,7 +281,7 @@ def served(run: str, cfg: CheckConfig, engine: dict, connector: dict | None, dat
         log(f"      {run}: server ready; vllm bench serve, {prompts} prompts, concurrency {cfg.concurrency or prompts}")
         client_log = os.path.join(logs, f"served-{run}-client.log")
         rc = run_client(client_flags(cfg, server.url(), dataset, prompts, logs, name), client_log,
-                        max(1.0, deadline - time.monotonic()), cfg.in_process)
+                        max(1.0, deadline - time.monotonic()), cfg.in_process, server.guard)
         if rc != 0 or not os.path.exists(os.path.join(logs, name)):
             return {"error": f"vllm bench serve exit {rc} (log {client_log})"}
         metrics = server.metrics()

@@ -328,3 +328,83 @@ def test_a_step_killed_while_importing_torch_removes_its_temp_folder_without_a_t
             os.kill(child, signal.SIGKILL)
         if os.path.exists(segment):
             os.unlink(segment)
+
+
+# A stand-in for `vllm serve` and `vllm bench serve` (serving.vllm_command's, by its first argument): the server
+# answers /health and /metrics on its --port, leaves a rendezvous file in its TMPDIR and a shared-memory segment
+# named after it, and starts an "engine core" in its process group; the client waits.  Each writes its pids.
+_STAND_IN_VLLM = """
+import http.server, os, subprocess, sys, time
+pids, ident = os.environ["KVFILL_TEST_PIDS"], os.environ["KVFILL_TEST_IDENT"]
+if sys.argv[1] == "serve":
+    open(os.path.join(os.environ["TMPDIR"], ident), "w").close()
+    open(f"/dev/shm/{ident}-0", "w").close()
+    core = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    class Answer(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b"")
+        def log_message(self, *args):
+            pass
+    port = int(sys.argv[sys.argv.index("--port") + 1])
+    server = http.server.HTTPServer(("127.0.0.1", port), Answer)
+    with open(pids, "a") as f:
+        f.write(f"server {os.getpid()}\\ncore {core.pid}\\n")
+    server.serve_forever()
+else:
+    with open(pids, "a") as f:
+        f.write(f"client {os.getpid()}\\n")
+    time.sleep(300)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_served_run_dies_with_a_killed_check_and_leaves_no_temp_folder_or_shared_memory(tmp_path):
+    """Issue 67: SIGKILL to `kvfill-check --serve` left `vllm serve` (its port, its memory), `vllm bench serve`,
+    /dev/shm files and kvfill-serve-* folders: neither had a parent-death signal, and the server's temp folder
+    was the check's to remove.  A stand-in check runs serving.served as the runner does, with a stand-in for
+    vLLM's CLI; once the client runs, the check is SIGKILLed: server, its engine core and the client end, and
+    the server's temp folder and shared memory are gone."""
+    pids, ident = tmp_path / "pids", f"vllm_dist_{uuid.uuid4().hex}"
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "w5 w6"}\n')
+    (tmp_path / "logs").mkdir()
+    check = (
+        "import os, sys\n"
+        "import kvfill.check.serving as s\n"
+        "from kvfill.check.cli import CheckConfig\n"
+        f"s.vllm_command = lambda *args: [sys.executable, '-c', {_STAND_IN_VLLM!r}, *args]\n"
+        f"cfg = CheckConfig(model='m', prompts={str(prompts)!r}, out={str(tmp_path)!r}, bank=None, fills=[], "
+        "output_len=1, max_tokens=4, temperature=0.0, normal=None, constant=0.0, split='off', run_timeout=300, "
+        "engine={}, argv=['--model', 'm'], serve=True)\n"
+        "engine = {'max_model_len': 64, 'max_num_seqs': 1, 'seed': 0, 'enable_prefix_caching': False}\n"
+        f"s.served('prefill', cfg, engine, None, {str(prompts)!r}, 1, dict(os.environ), print)\n")
+    env = {**os.environ, "KVFILL_TEST_PIDS": str(pids), "KVFILL_TEST_IDENT": ident,
+           "TMPDIR": str(tmp_path)}  # the server's temp folder is made here, where the test can look
+    parent = subprocess.Popen([sys.executable, "-c", check], env=env, stdout=subprocess.DEVNULL)
+    started: dict[str, int] = {}
+    try:
+        deadline = time.monotonic() + 120
+        while "client" not in started:
+            assert time.monotonic() < deadline and parent.poll() is None, "the stand-in client never started"
+            time.sleep(0.2)
+            started = {k: int(v) for k, v in (ln.split() for ln in pids.read_text().splitlines())} \
+                if pids.exists() else {}
+        folders = glob.glob(str(tmp_path / "kvfill-serve-*"))
+        assert len(folders) == 1 and os.path.exists(os.path.join(folders[0], ident)), folders
+        parent.kill()
+        parent.wait(30)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and (any(os.path.exists(f"/proc/{p}") for p in started.values())
+                                               or os.path.exists(folders[0])):
+            time.sleep(0.2)
+        left = {name: p for name, p in started.items() if os.path.exists(f"/proc/{p}")}
+        assert not left, f"left running: {left}"
+        assert not os.path.exists(folders[0]) and not os.path.exists(f"/dev/shm/{ident}-0")
+    finally:
+        for p in started.values():
+            if os.path.exists(f"/proc/{p}"):
+                os.kill(p, signal.SIGKILL)
+        if os.path.exists(f"/dev/shm/{ident}-0"):
+            os.unlink(f"/dev/shm/{ident}-0")
