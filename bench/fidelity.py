@@ -3,6 +3,7 @@ kvfill-check runs, each model family at two prompt depths.
 
     python bench/fidelity.py --run     # every family's check (bench/check_presets.py), then the table
     python bench/fidelity.py           # the table and plot again from the reports already in bench/results/fidelity
+    python bench/fidelity.py --rejudge REPORT.json ...   # stored reports judged again by today's code
 
 Each family is one ``bench/check_presets.py`` run whose prompts carry their
 depth as their class (``--classes``; the MoE preset's topic prompts have
@@ -26,8 +27,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
+from types import SimpleNamespace
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -84,6 +87,11 @@ def _time(t: dict | None, band: float) -> str:
     """A decode-time ratio as a signed error with its interval and what it shows."""
     from kvfill.check.verdict import time_class
 
+    if t and "stored" in t:  # not recomputable (rejudge): the stored figure, named with the code that judged it
+        old = t["stored"]
+        return (f"not recomputed: {_pct(old['ratio'] - 1)} [{_pct(old['interval'][0] - 1)}, "
+                f"{_pct(old['interval'][1] - 1)}] as {t['judged_by']}'s code judged it over tokens per drafted step "
+                f"(its passes are not stored)")
     if not t or "ratio" not in t:
         return "not timed"
     kind, _ = time_class(t, band)
@@ -103,12 +111,15 @@ def _spec(row: dict, ref: dict) -> tuple[str, str]:
             f"{r['accepted']}/{r['draft_tokens']})", f"{s['tokens_per_step'] - r['tokens_per_step']:+.2f}")
 
 
-def _eos(row: dict, ref: dict) -> str:
+def _eos(row: dict, ref: dict, cap: int) -> str:
+    """The EOS mean length's error and the lengths stopped at --max-tokens (a mean over those is a floor)."""
     e, r = row.get("eos"), ref.get("eos")
     if not e or not r:
         return "no EOS run"
     same = " (each =)" if row.get("eos_lengths_identical") else ""
-    return f"{e['mean'] - r['mean']:+.1f} tokens ({e['mean']:g} vs {r['mean']:g}){same}"
+    at = [sum(n >= cap for n in x["lengths"]) for x in (e, r)]
+    capped = f"; at the {cap} cap: {at[0]}/{len(e['lengths'])} vs {at[1]}/{len(r['lengths'])} real" if any(at) else ""
+    return f"{e['mean'] - r['mean']:+.1f} tokens ({e['mean']:g} vs {r['mean']:g}{capped}){same}"
 
 
 def _experts(row: dict) -> str:
@@ -121,14 +132,17 @@ def _experts(row: dict) -> str:
 def rows_of(name: str, family: str, data: dict) -> list[list]:
     """The table's rows of one report: per depth (class, or the report's one depth) and fill."""
     from kvfill.check.classes import class_band
-    from kvfill.check.verdict import time_host_line
+    from kvfill.check.verdict import THIN, time_host_line
 
     cmp = data["comparison"]
     if "reference_failed" in cmp:
         return [[family, "", "", f"real prefill failed: {cmp['reference_failed']}", *[""] * 6, name, None]]
     _, band = time_host_line(cmp["prefill"].get("decode_time"))
-    per = cmp.get("by_class") or {f"d{max(data['prompt_tokens'])}": {run: cmp[run] for run in cmp if run in
-                                                                   ("prefill", *FILLS)}}
+    whole = {run: cmp[run] for run in cmp if run in ("prefill", *FILLS)}
+    per = cmp.get("by_class") or {f"d{max(data['prompt_tokens'])}": whole}
+    if any("stored" in (r.get("decode_time") or {}) for runs in per.values() for r in runs.values()):
+        per = {**per, "all depths": whole}  # the whole run's passes are stored: its figures are recomputed
+    cap = _args(data).max_tokens
     out = []
     for depth, runs in per.items():
         ref = runs.get("prefill", {})
@@ -148,10 +162,11 @@ def rows_of(name: str, family: str, data: dict) -> list[list]:
                 tok += f" (all depths vs the split reference: {split['equal']}/{split['total']})"
             acc, tps = _spec(row, ref)
             prompts = row.get("prompts") or t.get("prompts")
+            thin = f" (thin: under {THIN})" if prompts < THIN else ""
             out.append([family, depth, fill, tok,
-                        _time(row.get("decode_time"), class_band(ref, band) if "by_class" in cmp else band),
-                        acc, tps, _eos(row, ref), _experts(cmp.get(fill, {})) if depth == next(iter(per)) else "",
-                        f"{prompts} prompts", name, row.get("decode_time")])
+                        _time(row.get("decode_time"), band if runs is whole else class_band(ref, band)),
+                        acc, tps, _eos(row, ref, cap), _experts(cmp.get(fill, {})) if depth == next(iter(per)) else "",
+                        f"{prompts} prompts{thin}", name, row.get("decode_time")])
     return out
 
 
@@ -163,6 +178,86 @@ def indexer_rows() -> list[list]:
     return [["DSA indexer (vLLM's CPU reader, no engine)", f"d{r['positions']}", r["fill"],
              "", "", "", "", "", f"top-k overlap {_pct(r['topk_overlap_writer'] - 1)} ({r['topk_overlap_writer']:g})",
              "one layer's logits", os.path.basename(INDEXER), None] for r in data["rows"] if r["fill"] in FILLS]
+
+
+def _args(data: dict):
+    """The check's own options as the report's command gave them (kvfill-check's parser)."""
+    from kvfill.check.cli import build_parser
+    from kvfill.record.cli import parse
+    return parse(build_parser(), data["command"][1:])[0]
+
+
+def _git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+
+def _pass(p: dict, tokens: int, counters: dict) -> bool:
+    """A stored timed pass with its tokens, request-steps and vLLM's counts,
+    its tokens per step over every step.  A pass stored with 1 + accepted /
+    drafts alone: its accepted tokens are the run's greedy counters' where
+    they give that figure (the same prompts, greedy), none where it is 1;
+    else False."""
+    from kvfill.check.compare import tokens_per_step
+
+    if "tokens" not in p:
+        acc, drafts, old = counters.get("num_accepted_tokens", 0), counters.get("num_drafts", 0), p["tokens_per_step"]
+        if not (drafts and round(1 + acc / drafts, 4) == old):
+            if old != 1:
+                return False
+            acc = drafts = 0  # nothing accepted; its drafts only bound its steps from below, as 0 does
+        p.update(tokens=tokens, request_steps=sum(p["batch"]), accepted=acc, drafts=drafts,
+                 tokens_per_drafted_step=old)
+    p["tokens_per_step"] = round(tokens_per_step(p["tokens"], p["accepted"], p["request_steps"], p["drafts"]), 4)
+    return True
+
+
+def rejudge(path: str) -> list[str]:
+    """A stored kvfill-check report's figures, verdicts, report.md and .png
+    again by today's code from what it stores (not its per-token logs):
+    each timed pass (``_pass``), decode times, acceptance, the per-class
+    figures (``classes.rejudge``).  What cannot be recomputed is marked
+    with the commit that stored it; returns what."""
+    from kvfill.check import classes, compare, report, verdict
+
+    data = json.load(open(path))
+    cmp, steps, lost = data["comparison"], data["steps"], []
+    mark = data.setdefault("rejudged", {"stored_by": _git("log", "-1", "--format=%h", "--", path)})
+    args, n = _args(data), len(data["prompt_tokens"])
+    gained = n * (args.output_len - 1)  # EOS ignored: every request's output_len tokens, the first from its prefill
+    for run, step in steps.items():
+        row, passes = cmp.get(run), (step.get("timing") or {}).get("passes", [])
+        if row is None or "error" in step:
+            continue
+        if not all([_pass(p, gained, (step if p["kind"] == "fill" else steps["prefill"]).get("counters", {}))
+                    for p in passes]):  # said, never judged again
+            row["decode_time"] = {"error": f"not recomputed: {mark['stored_by']}'s passes hold no accepted tokens"}
+            lost.append(f"{run}'s decode time")
+        elif passes:
+            row["decode_time"] = compare.decode_time(step["timing"])
+        row["spec"] = compare.spec(step.get("counters", {}), gained)
+        lengths = (row.get("eos") or {}).get("lengths", [])
+        row["eos_spec"] = compare.spec(step.get("eos_counters", {}), sum(x - 1 for x in lengths))
+        if row.get("drafts_equal") and "neither" not in row["drafts_equal"]:
+            row["drafts_equal"] = None  # counted steps where neither drafted; the drafts are in the logs
+            lost.append(f"{run}'s drafts step by step")
+    lost += classes.rejudge(cmp, args.output_len, mark["stored_by"])
+    lines, mark["by"] = verdict.verdicts(data, cmp), _git("rev-parse", "--short", "HEAD")
+    lines.insert(0, f"re-judged from this report's stored figures by bench/fidelity.py --rejudge at {mark['by']} "
+                    f"(tokens per step over every decode step, not per drafted step); stored by {mark['stored_by']}"
+                    + (f"; not recomputable from what is stored: {', '.join(lost)}" if lost else ""))
+    data["verdicts"], text = lines, json.dumps(data, indent=1, allow_nan=False)
+    with open(path, "w") as f:  # as report.write lays it out: a list of numbers on one line
+        f.write(re.sub(r"\[\s*([-+0-9.e,\s]+?)\s*\]", lambda m: "[" + " ".join(m.group(1).split()) + "]", text) + "\n")
+    with open(path[:-len(".json")] + ".md", "w") as f:
+        f.write(report.markdown(SimpleNamespace(**vars(args), argv=data["command"][1:]), data, cmp, lines))
+    report.plot(path[:-len(".json")] + ".png", data, cmp, os.path.basename(os.path.normpath(args.model)))
+    return lost
+
+
+def run_seconds() -> float:
+    """The stored reports' runtimes together: what ``--run`` took."""
+    paths = [os.path.join(RESULTS, f"check-{name}-cpu.json") for name, _, _ in FAMILIES]
+    return sum(json.load(open(p))["runtime_s"] for p in paths if os.path.exists(p))
 
 
 HEADER = ["family", "depth", "fill", "tokens = real", "decode time vs real [95 %]", "acceptance vs real",
@@ -224,13 +319,19 @@ def plot(rows: list[list], path: str) -> bool:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--run", action="store_true", help="run every family's check first (about an hour on 2 cores)")
+    p.add_argument("--run", action="store_true", help=f"run every family's check first (about "
+                   f"{run_seconds() / 60:.0f} minutes on 2 cores: the stored reports' runtimes add up so)")
+    p.add_argument("--rejudge", nargs="+", default=[], metavar="REPORT", help="stored kvfill-check reports (.json) "
+                   "judged again by today's code from their stored figures (rejudge), before the table")
     p.add_argument("--only", nargs="+", default=[], metavar="NAME", help="--run: only these families "
                    f"({', '.join(n for n, _, _ in FAMILIES)})")
     a = p.parse_args(argv)
     os.makedirs(RESULTS, exist_ok=True)
     if a.run:
         run_all(a.only)
+    for path in a.rejudge:
+        lost = rejudge(path)
+        print(f"{path}: re-judged" + (f"; not recomputable: {', '.join(lost)}" if lost else ""))
     rows, missing = table()
     text = open(DOC).read()
     if BEGIN not in text or END not in text:

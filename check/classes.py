@@ -96,19 +96,27 @@ def class_band(ref: dict, band: float) -> float:
 
 
 def class_lines(run: str, cmp: dict, band: float, time_class, differs_out: list) -> list[str]:
-    """A fill's lines per class: its acceptance, EOS lengths and decode time
-    against real prefill's on the same class, and the classes where it differs
-    (``time_class``: the verdict's judgement of a timed ratio), each also put
-    in ``differs_out`` (the fill's summary)."""
+    """A fill's lines per class: its greedy tokens, acceptance, EOS lengths
+    and decode time against real prefill's on the same class, and the
+    classes where it differs (``time_class``: the verdict's judgement of a
+    timed ratio), each also put in ``differs_out`` (the fill's summary).
+    Tokens that differ are named apart, as the whole run's are: other text
+    sets decode time only through the observables judged beside it."""
     per = cmp.get("by_class")
     if not per:
         return []
-    lines, differs = [], {}
+    lines, differs, other = [], {}, {}
     for c, runs in per.items():
         row, ref = runs.get(run), runs.get("prefill")
         if row is None or ref is None:
             continue
         what, why = [], []
+        t = _class_tokens(row)
+        if t:
+            split = " split as the fill splits it" if t is row.get("tokens_vs_split") else ""
+            what.append(f"greedy tokens {t['equal']}/{t['total']} as real prefill's{split}")
+            if not t["identical"]:
+                other[c] = f"{t['equal']}/{t['total']}"
         s, r = row.get("spec"), ref.get("spec")
         if s and r:
             what.append(f"acceptance {s['acceptance']:.0%} vs {r['acceptance']:.0%} ({s['accepted']}/"
@@ -120,10 +128,9 @@ def class_lines(run: str, cmp: dict, band: float, time_class, differs_out: list)
             why.append("acceptance")
         e, re_ = row.get("eos"), ref.get("eos")
         if e and re_:
-            same = row.get("eos_lengths_identical")
-            what.append(f"EOS mean length {e['mean']:g} vs {re_['mean']:g}{' (each equal)' if same else ''}")
-            if not same:
-                why.append("EOS lengths")
+            eos, differ = _class_eos(e, re_, row.get("eos_lengths_identical"), ref.get("eos_floor"))
+            what.append(eos)
+            why += ["EOS lengths"] if differ else []
         t = row.get("decode_time")
         if t and "ratio" in t:
             kind, _ = time_class(t, class_band(ref, band))
@@ -131,6 +138,8 @@ def class_lines(run: str, cmp: dict, band: float, time_class, differs_out: list)
                         f"({'n.m.' if kind == 'unmeasurable' else kind})")
             if kind == "differs":
                 why.append("decode time")
+        elif t:  # no ratio: said, never judged
+            what.append(f"decode time not judged ({t['error']})")
         if what:
             lines.append(f"{run}, class {c} ({row['prompts']} prompts): {'; '.join(what)}")
         if why:
@@ -139,9 +148,61 @@ def class_lines(run: str, cmp: dict, band: float, time_class, differs_out: list)
     if differs:
         lines.append(f"{run}: differs from real prefill in class{'es' if len(differs) > 1 else ''} "
                      + "; ".join(f"{c} ({', '.join(w)})" for c, w in differs.items()))
-    elif lines:
+    if other:
+        lines.append(f"{run}: greedy tokens differ from real prefill's in class{'es' if len(other) > 1 else ''} "
+                     + ", ".join(f"{c} ({x})" for c, x in other.items()) + " - the model writes other text there"
+                     + ("" if differs else "; in every class the other figures measured are real prefill's or "
+                                           "within its floor"))
+    elif lines and not differs:
         lines.append(f"{run}: no class differs from real prefill in what was measured per class")
     return lines
+
+
+def _class_tokens(row: dict) -> dict | None:
+    """A class's greedy tokens against the reference the whole run's line
+    uses: the split reference's where they equal it, else unsplit prefill's."""
+    split = row.get("tokens_vs_split")
+    return split if split and split["identical"] else row.get("tokens")
+
+
+def _class_eos(e: dict, r: dict, same: bool | None, floor: float | None) -> tuple[str, bool]:
+    """A class's EOS mean length against real prefill's, judged as the whole
+    run's is: every length equal, else within real prefill's floor there
+    (``compare.class_eos_floor``), else differing."""
+    what = f"EOS mean length {e['mean']:g} vs {r['mean']:g}"
+    if same:
+        return what + " (each equal)", False
+    if floor is not None and abs(e["mean"] - r["mean"]) <= floor:
+        return what + f", within real prefill's floor ({floor:g})", False
+    return what + f" (floor {floor if floor is not None else 'n/a: one prompt'})", True
+
+
+def rejudge(cmp: dict, output_len: int, stored_by: str) -> list[str]:
+    """A stored report's per-class figures by today's rules, from what it
+    stores (``bench/fidelity.py --rejudge``): tokens per step over every
+    step (its counts are the drafts': exact), real prefill's EOS floor per
+    class.  A decode time whose passes gained more than one token a step
+    is not recomputable (its passes are in the run's logs, not the
+    report): kept as ``stored`` with the commit that judged it, never
+    judged again.  What could not be recomputed."""
+    from .compare import class_eos_floor, spec
+
+    lost = []
+    for c, runs in (cmp.get("by_class") or {}).items():
+        for run, row in runs.items():
+            s, d = row.get("spec"), row.get("decode_time") or {}
+            if s:
+                row["spec"] = spec({"num_drafts": s["drafts"], "num_draft_tokens": s["draft_tokens"],
+                                    "num_accepted_tokens": s["accepted"]}, row["prompts"] * (output_len - 1))
+            if "ratio" in d and set(d["tokens_per_step"]) != {1.0}:  # divided by more than one token a step
+                row["decode_time"] = {"kinds": d["kinds"], "stored": d, "judged_by": stored_by,
+                                      "error": f"its passes are not stored; {stored_by}'s code judged {d['ratio']:g}x "
+                                               f"over tokens per drafted step"}
+                lost.append(f"class {c}'s {run} decode time")
+            if run == "prefill":
+                row["eos_floor"] = class_eos_floor(cmp["prefill"].get("eos_floor"), row["eos"]["lengths"]) \
+                    if row.get("eos") else None
+    return lost
 
 
 def history_note(spec_config: dict | None) -> str | None:
@@ -187,5 +248,7 @@ def class_table(cmp: dict, band: float, time_class) -> list[str]:
                 kind, _ = time_class(d, class_band(runs.get("prefill", {}), band))
                 cell = (f"{d['ratio']:g} [{d['interval'][0]:g}, {d['interval'][1]:g}] "
                         f"{ {'differs': 'differs', 'within': 'within'}.get(kind, 'n.m.') }")
+            elif d:  # no ratio: why, never a judgement
+                cell = f"not judged: {d['error']}"
             out.append(f"| {c} | {run} | {row['prompts']} | {tok} | {eos} | {acc} | {tps} | {cell} |")
     return out

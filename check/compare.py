@@ -9,7 +9,9 @@ observable, with real prefill's own floor where a sample has one.
     EOS); floor: the difference of real prefill's mean length over the even
     and over the odd prompts.
   * spec: vLLM's speculative-decoding counters of the greedy run; acceptance
-    (accepted / draft tokens) and tokens per step (1 + accepted / drafts).
+    (accepted / draft tokens) and tokens per step over every decode step a
+    request ran, drafted or not (``tokens_per_step``: an ngram drafter that
+    finds no match proposes nothing, and that step still gains its token).
   * expert load: per MoE layer, the normalised histogram of the experts
     decode-step tokens were routed to, and its total variation distance
     ``TV(p, q) = 1/2 sum |p_e - q_e|`` to real prefill's; floor: the TV
@@ -27,6 +29,7 @@ observable, with real prefill's own floor where a sample has one.
 """
 from __future__ import annotations
 
+import itertools
 import math
 import random
 import statistics
@@ -72,25 +75,55 @@ def halves_floor(values: list[float]) -> float | None:
     return round(abs(statistics.fmean(values[0::2]) - statistics.fmean(values[1::2])), 3)
 
 
-def spec(counters: dict) -> dict | None:
+def tokens_per_step(gained: int, accepted: int, steps: int | None = None, drafts: int = 0) -> float:
+    """Tokens a request gains per decode step it ran, drafted or not:
+    ``gained`` (the tokens the requests gained after their first step) over
+    their request-steps.  ``steps``: those counted (a timer's pure decode
+    steps; None: not counted).  vLLM's counters bound them from below, and
+    the largest bound is taken: every draft (``drafts``) was a request-step,
+    and a request-step gains one token plus the draft tokens it accepted,
+    so at least gained - ``accepted`` ran (a step mixing in another prompt's
+    prefill chunk is not timed, but counted so).  Where every step is
+    counted that is 1 + accepted / request-steps by vLLM's counters, but for
+    a last draft's tokens past max_tokens, which vLLM counts accepted and no
+    request gains.  Never 1 + accepted / drafts: that is per *drafted* step,
+    and with an ngram drafter most steps draft nothing.  At least 1: each
+    step gains a token (below 1 the counters are not these tokens')."""
+    ran = max(steps or 0, drafts, gained - accepted)
+    return max(1.0, gained / ran) if ran > 0 else 1.0
+
+
+def spec(counters: dict, gained: int, steps: int | None = None) -> dict | None:
+    """Acceptance and tokens per step of vLLM's ``counters`` over requests
+    that gained ``gained`` tokens after their first (``tokens_per_step``)."""
     drafts, draft_tokens = counters.get("num_drafts", 0), counters.get("num_draft_tokens", 0)
     if not draft_tokens:
         return None
     accepted = counters.get("num_accepted_tokens", 0)
     return {"drafts": drafts, "draft_tokens": draft_tokens, "accepted": accepted,
-            "acceptance": round(accepted / draft_tokens, 4), "tokens_per_step": round(1 + accepted / drafts, 3)}
+            "acceptance": round(accepted / draft_tokens, 4),
+            "tokens_per_step": round(tokens_per_step(gained, accepted, steps, drafts), 3)}
 
 
 def drafts_equal(ref: list[dict], rows: list[dict]) -> dict | None:
-    """Steps whose drafts equal real prefill's (None: drafts not watched)."""
+    """Steps where real prefill or the fill drafted, and of those the ones
+    whose drafts are equal (None: drafts not watched).  A step where neither
+    drafted (``neither``) is no agreement: an ngram drafter finding nothing
+    on both sides says nothing of the KV.  A request whose steps do not pair
+    up (its tokens differ) has no step equal."""
     if "drafts" not in ref[0] or "drafts" not in rows[0]:
         return None
-    same = total = 0
+    same = total = neither = 0
     for r, o in zip(ref, rows):
-        total += len(r["drafts"])
-        if len(r["drafts"]) == len(o.get("drafts", [])):
-            same += sum(x == y for x, y in zip(r["drafts"], o.get("drafts", [])))
-    return {"equal": same, "total": total}
+        mine = o.get("drafts", [])
+        paired = len(r["drafts"]) == len(mine)
+        for x, y in itertools.zip_longest(r["drafts"], mine, fillvalue=[]):
+            if not (x or y):
+                neither += 1
+                continue
+            total += 1
+            same += paired and x == y
+    return {"equal": same, "total": total, "neither": neither}
 
 
 def load(counts: list, prompts) -> list[list[float]]:
@@ -182,6 +215,7 @@ def by_class(res: dict) -> dict | None:
         return None
     steps = res["steps"]
     ref, split = steps[REFERENCE], steps.get("prefill_split")
+    whole = halves_floor([r["length"] for r in ref["eos"]]) if ref.get("eos") else None
     out: dict[str, dict] = {}
     for c, idx in per.items():
         runs: dict[str, dict] = {}
@@ -190,9 +224,12 @@ def by_class(res: dict) -> dict | None:
                 continue
             rows = [got["greedy"][i] for i in idx]
             eos = [got["eos"][i] for i in idx] if got.get("eos") else []
-            row = {"prompts": len(idx), "spec": spec(classes.counted(rows)), "eos": lengths(eos) if eos else None,
+            row = {"prompts": len(idx), "spec": spec(classes.counted(rows), _gained(rows)),
+                   "eos": lengths(eos) if eos else None,
                    "decode_time": decode_time((got.get("timing_by_class") or {}).get(c))}
-            if run != REFERENCE:
+            if run == REFERENCE:
+                row["eos_floor"] = class_eos_floor(whole, [r["length"] for r in eos]) if eos else None
+            else:
                 row["tokens"] = tokens([ref["greedy"][i] for i in idx], rows)
                 if split and "greedy" in split:  # a hybrid's reference: real prefill split as a fill splits it
                     row["tokens_vs_split"] = tokens([split["greedy"][i] for i in idx], rows)
@@ -201,6 +238,20 @@ def by_class(res: dict) -> dict | None:
             runs[run] = row
         out[c] = runs
     return out
+
+
+def class_eos_floor(whole: float | None, lengths: list[int]) -> float | None:
+    """The floor a class's EOS mean length is judged by: the whole run's
+    (real prefill's halves), or the class's own halves where wider - a
+    class's mean is over fewer prompts than the run's, so its noise is no
+    smaller.  None where neither has two prompts."""
+    floors = [f for f in (whole, halves_floor(lengths)) if f is not None]
+    return max(floors) if floors else None
+
+
+def _gained(rows: list[dict]) -> int:
+    """Tokens the greedy requests gained after their first step (their decode steps')."""
+    return sum(len(r["tokens"]) - 1 for r in rows)
 
 
 def decode_time(timing: dict | None) -> dict | None:
@@ -271,8 +322,11 @@ def served(ref: dict, got: dict) -> dict:
 
 def _own(got: dict) -> dict:
     """A run's own figures."""
-    row = {"decode_time": decode_time(got.get("timing")), "spec": spec(got.get("counters", {})),
-           "eos_spec": spec(got.get("eos_counters", {}))}
+    greedy = got.get("greedy") or []
+    watched = classes.counted(greedy)  # from the drafts: each request-step gains 1 + the tokens it accepted
+    steps = _gained(greedy) - watched["num_accepted_tokens"] if watched else None
+    row = {"decode_time": decode_time(got.get("timing")), "spec": spec(got.get("counters", {}), _gained(greedy), steps),
+           "eos_spec": spec(got.get("eos_counters", {}), sum(r["length"] - 1 for r in got.get("eos") or []))}
     if got.get("eos"):
         row["eos"] = lengths(got["eos"])
     if got.get("served"):

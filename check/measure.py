@@ -13,7 +13,10 @@ Per run, on the same prompts (token ids, tokenized as kvfill-record does):
     minutes; real prefill's run times twice as many passes of its own, the
     check's measure of its own noise.  Per pass: each step's seconds and
     batch, wall, process and thread CPU seconds, tokens per step, the
-    host's load before and after;
+    host's load before and after; the tokens the requests gained after
+    their first step, the request-steps timed and vLLM's accepted tokens
+    and drafts, whose tokens per step count every step a request ran
+    (``compare.tokens_per_step``), drafted or not;
   * eos: up to ``max_tokens`` per prompt with EOS honoured (as ``vllm bench
     serve`` on a real data set), at ``temperature`` with one seed per prompt,
     the same in every run: each output's length and whether it ended at EOS.
@@ -27,6 +30,7 @@ import os
 import time
 
 from . import classes, probes
+from .compare import tokens_per_step
 
 EOS_SEED = 1000  # prompt i samples with seed EOS_SEED + i in every run
 
@@ -147,26 +151,26 @@ def time_passes(llm, prompts, job) -> dict:
         timer.steps = []
         load0, cpu0, thread0, t0 = os.getloadavg()[0], time.process_time(), time.thread_time(), time.perf_counter()
         timer.on = True
-        llm.generate(prompts, params, use_tqdm=False)
+        outs = llm.generate(prompts, params, use_tqdm=False)
         timer.on = False
         wall, cpu, thread = time.perf_counter() - t0, time.process_time() - cpu0, time.thread_time() - thread0
         after = probes.counters(llm)
         if i < 0:
             continue
+        spec = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+        # a request's first token comes with its prefill (or fill) step; every later one in a decode step
+        gained = sum(len(o.outputs[0].token_ids) - 1 for o in outs)
+        timed = sum(b for _, b in timer.steps)
+        accepted = spec.get("num_accepted_tokens", 0)
         passes.append({"kind": kind, "ms": [round(1e3 * t, 4) for t, _ in timer.steps],
-                       "batch": [b for _, b in timer.steps], "tokens_per_step": round(_tokens_per_step(
-                           {k: after.get(k, 0) - before.get(k, 0) for k in after}), 4),
+                       "batch": [b for _, b in timer.steps], "tokens": gained, "request_steps": timed,
+                       "accepted": accepted, "drafts": spec.get("num_drafts", 0),
+                       "tokens_per_step": round(tokens_per_step(gained, accepted, timed, spec.get("num_drafts", 0)), 4),
                        "wall_s": round(wall, 4), "cpu_s": round(cpu, 4), "thread_cpu_s": round(thread, 4),
                        "load": [round(load0, 2), round(os.getloadavg()[0], 2)]})
     import torch
 
     return {"passes": passes, "torch_threads": torch.get_num_threads(), "cores": len(os.sched_getaffinity(0))}
-
-
-def _tokens_per_step(counters: dict) -> float:
-    """Tokens a request gains per decode step: 1 + accepted / drafts (1 without drafts)."""
-    drafts = counters.get("num_drafts", 0)
-    return 1 + counters.get("num_accepted_tokens", 0) / drafts if drafts else 1.0
 
 
 def _split(job: dict) -> dict:

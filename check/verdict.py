@@ -179,7 +179,9 @@ def spec_lines(run: str, row: dict, ref: dict, ev: Evidence) -> list[str]:
     s, rs, d = row.get("spec"), ref.get("spec"), row.get("drafts_equal")
     if not rs:
         return []
-    drafts = f"; drafts of {d['equal']}/{d['total']} steps as real prefill's" if d and d["total"] else ""
+    # steps where neither side drafted are left out: nothing proposed on both sides is no agreement of drafts
+    drafts = (f"; drafts as real prefill's on {d['equal']}/{d['total']} steps where either drafted ({d['neither']} "
+              f"steps where neither drafted not counted)" if d and d.get("total") else "")
     if s is None:
         ev.differs.append("acceptance")
         return [f"{run}: no drafts counted vs acceptance {_pct(rs['acceptance'])} real ({rs['drafts']} drafts)"]

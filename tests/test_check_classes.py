@@ -97,7 +97,8 @@ def test_acceptance_eos_lengths_and_decode_time_are_reported_per_class_and_the_d
     lines = verdict.verdicts(res, cmp)
     text = "\n".join(lines)
     assert "replay: no class differs from real prefill in what was measured per class" in text
-    assert "normal, class code (2 prompts): acceptance 33% vs 100% (8/24 vs 12/12 draft tokens)" in text
+    assert ("normal, class code (2 prompts): greedy tokens 18/18 as real prefill's; acceptance 33% vs 100% (8/24 vs "
+            "12/12 draft tokens)") in text
     assert "normal: differs from real prefill in classes code (acceptance); prose (EOS lengths, decode time)" in text
     summary = next(ln for ln in lines if ln.startswith("=> normal:"))
     assert "class code (acceptance)" in summary and "class prose (EOS lengths, decode time)" in summary
@@ -117,7 +118,8 @@ def test_a_fill_whose_drafter_proposes_nothing_on_a_class_differs_there():
     cmp = compare.compare_all(res)
     assert cmp["by_class"]["code"]["zeros"]["spec"] is None
     text = "\n".join(verdict.verdicts(res, cmp))
-    assert "zeros, class code (2 prompts): no drafts vs acceptance 100% (12/12)" in text
+    assert "zeros, class code (2 prompts): greedy tokens 18/18 as real prefill's; no drafts vs acceptance 100% (12/12)" \
+        in text
     assert "zeros: differs from real prefill in class code (acceptance)" in text
 
 
@@ -135,3 +137,54 @@ def test_drafters_that_propose_from_the_runs_history_are_named_with_what_replay_
     assert "FLy's lossy" in classes.history_note({"method": "eagle", "rejection_sample_method": "fly"})
     assert "configured rates" in classes.history_note({"method": "mtp", "rejection_sample_method": "synthetic"})
     assert classes.history_note({"method": "mtp", "rejection_sample_method": "block"}) is None
+
+
+def _undrafted(run, tokens, lengths):
+    """A run without a drafter: its greedy tokens and EOS lengths, timed alike in every class."""
+    kinds = ("real", "real'") if run == "prefill" else ("fill", "real")
+    return {"run": run, "greedy": [{"tokens": t, "logprobs": [-1.0] * len(t)} for t in tokens],
+            "eos": [{"length": x, "eos": True} for x in lengths], "counters": {}, "eos_counters": {},
+            "timing": _timing(kinds, 2.0), "step_s": 5.0,
+            "timing_by_class": {c: _timing(kinds, 2.0) for c in ("code", "prose")}}
+
+
+def _classed(steps):
+    return {"steps": steps, "prompt_tokens": [3, 4, 3, 4], "prompt_classes": ["code", "prose", "code", "prose"],
+            "bank_recorded": True, "runtime_s": 1.0, "moe_note": None}
+
+
+def test_a_class_whose_eos_lengths_are_within_the_runs_floor_does_not_differ():
+    """Real prefill's lengths 10, 20, 12, 18 give the run a floor of 8 (its
+    even prompts' mean 11, its odd ones' 19); a fill one prompt of which ends
+    2 tokens later (code: 12 against 11) is within that floor in all and in
+    its class alike - one length unlike real prefill's is not a difference."""
+    steps = {"prefill": _undrafted("prefill", TOKENS, [10, 20, 12, 18]),
+             "zeros": _undrafted("zeros", TOKENS, [10, 20, 14, 18])}
+    res = _classed(steps)
+    cmp = compare.compare_all(res)
+    lines = verdict.verdicts(res, cmp)
+    text = "\n".join(lines)
+    assert "zeros: EOS-honoured output length 15.5 vs 15 real tokens" in text and "within real prefill's floor" in text
+    code = next(ln for ln in lines if ln.startswith("zeros, class code"))
+    assert "EOS mean length 12 vs 11, within real prefill's floor (8)" in code, code
+    assert next(ln for ln in lines if ln.startswith("=> zeros:")).startswith("=> zeros: valid for this benchmark")
+    assert not any(ln.startswith("zeros: differs from real prefill in class") for ln in lines), lines
+
+
+def test_a_classs_greedy_tokens_are_judged_and_no_class_is_said_to_differ_in_nothing_when_they_do():
+    """A fill that writes other text in every class (its tokens 0/18 in
+    each), every length and time as real prefill's: each class line gives
+    its tokens, and the closing line names the classes whose tokens differ
+    instead of saying no class differs in what was measured."""
+    other = [[t + 50 for t in row] for row in TOKENS]
+    steps = {"prefill": _undrafted("prefill", TOKENS, [10, 20, 12, 18]),
+             "replay": _undrafted("replay", TOKENS, [10, 20, 12, 18]),
+             "zeros": _undrafted("zeros", other, [10, 20, 12, 18])}
+    res = _classed(steps)
+    lines = verdict.verdicts(res, compare.compare_all(res))
+    text = "\n".join(lines)
+    assert "zeros, class code (2 prompts): greedy tokens 0/18 as real prefill's" in text, text
+    assert "replay, class prose (2 prompts): greedy tokens 18/18 as real prefill's" in text, text
+    assert "zeros: no class differs" not in text
+    assert "zeros: greedy tokens differ from real prefill's in classes code (0/18), prose (0/18)" in text, text
+    assert "replay: no class differs from real prefill in what was measured per class" in text
