@@ -192,11 +192,9 @@ def _git(*args: str) -> str:
 
 
 def _pass(p: dict, tokens: int, counters: dict) -> bool:
-    """A stored timed pass with its tokens, request-steps and vLLM's counts,
-    its tokens per step over every step.  A pass stored with 1 + accepted /
-    drafts alone: its accepted tokens are the run's greedy counters' where
-    they give that figure (the same prompts, greedy), none where it is 1;
-    else False."""
+    """A stored timed pass with its tokens, request-steps and vLLM's counts, its tokens per step over every
+    step.  One stored with 1 + accepted / drafts alone: its accepted tokens are the run's greedy counters'
+    where they give that figure (the same prompts, greedy), none where it is 1; else False."""
     from kvfill.check.compare import tokens_per_step
 
     if "tokens" not in p:
@@ -241,11 +239,13 @@ def rejudge(path: str) -> list[str]:
             row["drafts_equal"] = None  # counted steps where neither drafted; the drafts are in the logs
             lost.append(f"{run}'s drafts step by step")
     lost += classes.rejudge(cmp, args.output_len, mark["stored_by"])
-    lines, mark["by"] = verdict.verdicts(data, cmp), _git("rev-parse", "--short", "HEAD")
-    lines.insert(0, f"re-judged from this report's stored figures by bench/fidelity.py --rejudge at {mark['by']} "
-                    f"(tokens per step over every decode step, not per drafted step); stored by {mark['stored_by']}"
-                    + (f"; not recomputable from what is stored: {', '.join(lost)}" if lost else ""))
-    data["verdicts"], text = lines, json.dumps(data, indent=1, allow_nan=False)
+    lost = mark["not_recomputed"] = list(dict.fromkeys(mark.get("not_recomputed", []) + lost))  # and a rerun's
+    mark["by"] = _git("rev-parse", "--short", "HEAD")
+    data["verdicts"] = lines = [
+        f"re-judged from this report's stored figures by bench/fidelity.py --rejudge at {mark['by']} (tokens per step "
+        f"over every decode step, not per drafted step); stored by {mark['stored_by']}"
+        + (f"; not recomputable from what is stored: {', '.join(lost)}" if lost else "")] + verdict.verdicts(data, cmp)
+    text = json.dumps(data, indent=1, allow_nan=False)
     with open(path, "w") as f:  # as report.write lays it out: a list of numbers on one line
         f.write(re.sub(r"\[\s*([-+0-9.e,\s]+?)\s*\]", lambda m: "[" + " ".join(m.group(1).split()) + "]", text) + "\n")
     with open(path[:-len(".json")] + ".md", "w") as f:
