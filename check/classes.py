@@ -167,8 +167,8 @@ def _class_tokens(row: dict) -> dict | None:
 
 def _class_eos(e: dict, r: dict, same: bool | None, floor: float | None) -> tuple[str, bool]:
     """A class's EOS mean length against real prefill's, judged as the whole
-    run's is: every length equal, else within real prefill's floor there
-    (``compare.class_eos_floor``), else differing."""
+    run's is: every length equal, else within the whole run's floor (real
+    prefill's halves over every prompt), else differing."""
     what = f"EOS mean length {e['mean']:g} vs {r['mean']:g}"
     if same:
         return what + " (each equal)", False
@@ -180,12 +180,11 @@ def _class_eos(e: dict, r: dict, same: bool | None, floor: float | None) -> tupl
 def rejudge(cmp: dict, output_len: int, stored_by: str) -> list[str]:
     """A stored report's per-class figures by today's rules, from what it
     stores (``bench/fidelity.py --rejudge``): tokens per step over every
-    step (its counts are the drafts': exact), real prefill's EOS floor per
-    class.  A decode time whose passes gained more than one token a step
+    step (its counts are the drafts': exact), the EOS floor per class.  A decode time whose passes gained more than one token a step
     is not recomputable (its passes are in the run's logs, not the
     report): kept as ``stored`` with the commit that judged it, never
     judged again.  What could not be recomputed."""
-    from .compare import class_eos_floor, spec
+    from .compare import spec
 
     lost = []
     for c, runs in (cmp.get("by_class") or {}).items():
@@ -199,9 +198,8 @@ def rejudge(cmp: dict, output_len: int, stored_by: str) -> list[str]:
                                       "error": f"its passes are not stored; {stored_by}'s code judged {d['ratio']:g}x "
                                                f"over tokens per drafted step"}
                 lost.append(f"class {c}'s {run} decode time")
-            if run == "prefill":
-                row["eos_floor"] = class_eos_floor(cmp["prefill"].get("eos_floor"), row["eos"]["lengths"]) \
-                    if row.get("eos") else None
+            if run == "prefill":  # the whole run's floor, as compare.by_class gives it
+                row["eos_floor"] = cmp["prefill"].get("eos_floor") if row.get("eos") else None
     return lost
 
 

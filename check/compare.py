@@ -227,8 +227,8 @@ def by_class(res: dict) -> dict | None:
             row = {"prompts": len(idx), "spec": spec(classes.counted(rows), _gained(rows)),
                    "eos": lengths(eos) if eos else None,
                    "decode_time": decode_time((got.get("timing_by_class") or {}).get(c))}
-            if run == REFERENCE:
-                row["eos_floor"] = class_eos_floor(whole, [r["length"] for r in eos]) if eos else None
+            if run == REFERENCE:  # a class's EOS lengths are judged by the whole run's floor, as the run's are
+                row["eos_floor"] = whole if eos else None
             else:
                 row["tokens"] = tokens([ref["greedy"][i] for i in idx], rows)
                 if split and "greedy" in split:  # a hybrid's reference: real prefill split as a fill splits it
@@ -238,15 +238,6 @@ def by_class(res: dict) -> dict | None:
             runs[run] = row
         out[c] = runs
     return out
-
-
-def class_eos_floor(whole: float | None, lengths: list[int]) -> float | None:
-    """The floor a class's EOS mean length is judged by: the whole run's
-    (real prefill's halves), or the class's own halves where wider - a
-    class's mean is over fewer prompts than the run's, so its noise is no
-    smaller.  None where neither has two prompts."""
-    floors = [f for f in (whole, halves_floor(lengths)) if f is not None]
-    return max(floors) if floors else None
 
 
 def _gained(rows: list[dict]) -> int:
