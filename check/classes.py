@@ -151,8 +151,8 @@ def class_lines(run: str, cmp: dict, band: float, time_class, differs_out: list)
     if other:
         lines.append(f"{run}: greedy tokens differ from real prefill's in class{'es' if len(other) > 1 else ''} "
                      + ", ".join(f"{c} ({x})" for c, x in other.items()) + " - the model writes other text there"
-                     + ("" if differs else "; in every class the other figures measured are real prefill's or "
-                                           "within its floor"))
+                     + ("" if differs else "; in no class do the other figures measured differ from real "
+                                           "prefill's"))
     elif lines and not differs:
         lines.append(f"{run}: no class differs from real prefill in what was measured per class")
     return lines
