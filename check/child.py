@@ -75,7 +75,7 @@ def dying_with_this_process(cmd: list[str]) -> list[str]:
     ``preexec_fn`` would do the same, but is unsafe in a process with
     threads (vLLM's, with ``--in-process``)."""
     code = ("import os, sys; from kvfill.check.child import die_with_parent; "
-            "die_with_parent(int(sys.argv[1])); os.execv(sys.argv[2], sys.argv[2:])")
+            "die_with_parent(int(sys.argv[1])); os.execvp(sys.argv[2], sys.argv[2:])")
     return [sys.executable, "-c", code, str(os.getpid()), *cmd]
 
 
