@@ -75,6 +75,7 @@ class CheckConfig:
     decoys: int = 0
     verify: bool = False
     time_passes: int = 3
+    time_by_class: str = "on"
     bank_placement: str = "auto"
     past_bank: str = "wrap"
 
@@ -120,6 +121,9 @@ def build_parser() -> RecordArgumentParser:
                      help="decode time: each fill's run times N passes of its fill alternating with N of real "
                           "prefill in the same engine, real prefill's run 2N of its own (default %(default)s; the "
                           "ratio's interval comes from the passes and their steps; 0: time not measured)")
+    own.add_argument("--time-by-class", choices=("on", "off"), default="on",
+                     help="with prompt classes, also time each class's prompts apart (2N + 2 more passes per class "
+                          "and run); off: only the whole run's, each class's decode time not measured")
     own.add_argument("--in-process", action="store_true",
                      help="every step in this process, one engine after another: saves each step's start (vLLM's "
                           "import, seconds); but --run-timeout is not enforced, vLLM's output goes to this terminal, "
@@ -221,7 +225,8 @@ def check_config(argv: Sequence[str] | None = None) -> CheckConfig:
                        constant=args.constant, split=args.split_reference, run_timeout=args.run_timeout,
                        engine=engine, argv=list(argv) if argv is not None else [], in_process=args.in_process,
                        serve=args.serve, concurrency=args.concurrency, decoys=args.decoys, verify=args.verify,
-                       time_passes=args.time_passes, bank_placement=args.bank_placement, past_bank=args.past_bank)
+                       time_passes=args.time_passes, time_by_class=args.time_by_class,
+                       bank_placement=args.bank_placement, past_bank=args.past_bank)
 
 
 def own_actions(p: RecordArgumentParser) -> list:

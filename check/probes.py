@@ -12,6 +12,7 @@ import os
 import time
 
 SPEC_COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+PASS_DONE = "kvfill-check: timed pass done in"  # + " 12.345 s": the step's log line the check's progress counts
 EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 
 
@@ -261,11 +262,13 @@ class StepTimer:
     1 + ``spec_tokens`` tokens (a prefill chunk).  Real prefill's first
     steps mix prompt chunks into the batch and a fill's do not, so only pure
     decode steps compare.  ``steps``: (seconds, requests in the batch) of
-    each pure decode step while ``on``."""
+    each pure decode step while ``on``.  Each pass (``on`` until it is
+    turned off) ends with a ``PASS_DONE`` line on stdout, the step's log:
+    the check's progress line counts them (``steps.PassProgress``)."""
 
     def __init__(self, llm, spec_tokens: int):
         self.steps: list[tuple[float, int]] = []
-        self.on = False
+        self._on, self._since = False, 0.0
         core = getattr(getattr(llm.llm_engine, "engine_core", None), "engine_core", None)
         self.available = core is not None and hasattr(core, "step_fn") and hasattr(core, "scheduler")
         if not self.available:
@@ -290,3 +293,15 @@ class StepTimer:
 
         core.scheduler.schedule = watched_schedule
         core.step_fn = timed
+
+    @property
+    def on(self) -> bool:
+        return self._on
+
+    @on.setter
+    def on(self, value: bool) -> None:
+        if value and not self._on:
+            self._since = time.perf_counter()
+        elif self._on and not value:
+            print(f"{PASS_DONE} {time.perf_counter() - self._since:.3f} s", flush=True)
+        self._on = bool(value)

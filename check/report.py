@@ -1,8 +1,14 @@
 """kvfill-check's one report writer: ``report.json``, ``report.md`` and
-``report.png`` in ``--out``, around the verdict lines (``verdict.py``).
+``report.png`` in ``--out``, around the verdict lines (``verdict.py``) -
+and who may write there: one check at a time (``holding``), an earlier
+check's report gone before this one's first step (``clear``), a stopped
+check's report marked partial, and vLLM's warnings that bear on timing
+carried from the steps' logs (``timing_warnings``).
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import math
 import os
@@ -15,6 +21,70 @@ from .verdict import _pct, time_class, time_host_line
 # Per-token and per-prompt lists a run measured (and each class's timed passes): in OUT/logs/RUN.json,
 # summarised in report.json (--serve: the client's own file, OUT/logs/served-RUN.json)
 RAW = ("greedy", "eos", "expert_counts", "texts", "timing_by_class")
+REPORTS = ("report.json", "report.md", "report.png")
+LOCK = ".kvfill-check.lock"  # in --out: flock'ed by the check writing there, holding its pid
+# vLLM's log line: "(EngineCore pid=1) WARNING 05-12 17:35:47 [cpu_worker.py:131] the message"
+VLLM_WARNING = re.compile(r"\bWARNING \d\d-\d\d [\d:]+ \[[^\]]*\] (.+)")
+TIMING_WORDS = ("performance", "slow", "degrad", "sub-optimal", "suboptimal")  # a warning that says timing suffers
+
+
+@contextlib.contextmanager
+def holding(out: str):
+    """``out`` for this check alone while the block runs: an exclusive
+    flock on ``OUT/.kvfill-check.lock``, which Linux drops when this
+    process ends however it ends, holding this process's pid for a second
+    check to name; that one gets CheckError naming the folder and the pid.
+    A folder made here that holds nothing else when the block ends (a
+    refusal before anything was written) is removed again."""
+    made = not os.path.isdir(out)
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, LOCK)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)  # not inherited by the steps (Python's default)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "not written yet"
+        os.close(fd)
+        from .cli import CheckError
+
+        raise CheckError(f"--out {out!r} is in use by another kvfill-check (pid {holder}) writing its report there; "
+                         f"expected an --out no running check holds (another folder, or this one once pid {holder} "
+                         f"has ended)") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    try:
+        yield
+    finally:
+        if made and os.listdir(out) == [LOCK]:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+                os.rmdir(out)
+        os.close(fd)
+
+
+def clear(out: str) -> None:
+    """An earlier check's report in ``out``, removed before this check's
+    first step: a rerun stopped before its own report would otherwise leave
+    that one in place, read as this run's."""
+    for name in REPORTS:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(out, name))
+
+
+def timing_warnings(paths: list[str]) -> list[dict]:
+    """vLLM's warnings in these logs that say timing suffers (performance
+    lost, slow, degraded, sub-optimal: e.g. speculative decoding on CPU
+    without Intel OpenMP), each once: ``{"warning": text, "logs": [the
+    logs' names that hold it]}``."""
+    found: dict[str, list[str]] = {}
+    for path in paths:
+        with open(path, errors="replace") as f:
+            for line in f:
+                m = VLLM_WARNING.search(re.sub(r"\x1b\[[0-9;]*m", "", line))  # colours, where vLLM forced them
+                if m and any(w in m.group(1).lower() for w in TIMING_WORDS):
+                    logs = found.setdefault(m.group(1).strip(), [])
+                    logs += [os.path.basename(path)] if os.path.basename(path) not in logs else []
+    return [{"warning": text, "logs": logs} for text, logs in found.items()]
 
 
 def write(out: str, cfg, res: dict, cmp: dict, lines: list[str]) -> list[str]:
@@ -90,6 +160,25 @@ def _setting_lines(cfg, res: dict) -> list[str]:
     return out + [""] if out else []
 
 
+def _partial_lines(res: dict) -> list[str]:
+    """A stopped check's report says so first, and what it did not measure."""
+    partial = res.get("partial")
+    if not partial:
+        return []
+    return [f"**Partial report**: the check was stopped by {partial['stopped_by']} before it ended; measured: "
+            f"{', '.join(partial['measured']) or 'nothing'}; not measured: {', '.join(partial['not_measured'])} "
+            f"(their lines below say \"not run\").", ""]
+
+
+def _warning_lines(res: dict) -> list[str]:
+    """vLLM's warnings that bear on the timings (``timing_warnings``), each once."""
+    found = res.get("timing_warnings")
+    if not found:
+        return []
+    return ["## vLLM's warnings that bear on timing", "",
+            *[f"- {w['warning']} ({', '.join(w['logs'])})" for w in found], ""]
+
+
 def _runners(res: dict) -> str:
     """"; vLLM's model runner V2" (each run's, as its worker reported it; several when runs differ)."""
     seen = sorted({s["model_runner"] for s in res["steps"].values() if s.get("model_runner")})
@@ -103,8 +192,8 @@ def markdown(cfg, res: dict, cmp: dict, lines: list[str]) -> str:
            f"{cfg.output_len} greedy tokens (EOS ignored); "
            f"{_eos_run(cfg)}; bank {'recorded over these prompts' if res['bank_recorded'] else res['bank']}"
            f"{_held(res)}"
-           f"; {res['runtime_s']:.0f} s in all{_runners(res)}.", "", *_setting_lines(cfg, res),
-           "## Verdicts", ""]
+           f"; {res['runtime_s']:.0f} s in all{_runners(res)}.", "", *_partial_lines(res), *_setting_lines(cfg, res),
+           *_warning_lines(res), "## Verdicts", ""]
     out += [f"- {line}" for line in lines]
     served = " served req/s | served TPOT ms |" if cfg.serve else ""
     _, band = time_host_line(cmp.get(REFERENCE, {}).get("decode_time"))

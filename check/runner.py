@@ -3,8 +3,9 @@ prefill, the split reference where one is needed, and each fill - every
 step a process of its own (``kvfill.check.child``), one after another, so one
 engine runs at a time and a failed step is reported while the others run.
 
-Progress goes to ``log`` as each step starts, every 30 s while it runs, and
-as it ends; each step's own output goes to ``OUT/logs/STEP.log``
+Progress goes to ``log`` as each step starts, every 30 s while it runs (a
+run's passes done and about how long the rest take: ``steps.PassProgress``),
+and as it ends; each step's own output goes to ``OUT/logs/STEP.log``
 (``steps.py``, which also stops the running step on SIGTERM, SIGHUP and
 SIGINT).  On vLLM CPU each engine's KV space is sized first
 (``kv_space.py``).  Once real prefill failed, the steps after it are not
@@ -15,12 +16,12 @@ from __future__ import annotations
 import os
 import time
 
-from . import probes
+from . import probes, report
 from .compare import REFERENCE_FAILED
 from .cli import CheckConfig, engine_kwargs, on_cpu, record_call
 from .inputs import Inputs, bank_coverage, prepare, read_bank
 from .kv_space import CPU_BLOCK_SIZE, kv_env, kv_space
-from .steps import _raise_if_stopped, child_env, step
+from .steps import Stopped, _raise_if_stopped, child_env, duration, step
 
 SAMPLE_TOKENS = 16
 
@@ -40,52 +41,81 @@ def fill_config(fill: str, cfg: CheckConfig, bank: str | None, stats: dict | Non
 def run_all(cfg: CheckConfig, inputs: Inputs | None = None, log=print) -> dict:
     """Every step; what ``compare`` and ``report`` read.  ``inputs``:
     ``inputs.prepare(cfg)``'s (made here when not given: its CheckError
-    comes before anything is written)."""
-    t_start = time.perf_counter()
+    comes before anything is written).  An earlier check's report in
+    ``--out`` is removed before the first step.  A signal that stops the
+    check (``Stopped``) carries what was measured until then as
+    ``partial``: this result with every run not measured marked "not run"."""
+    t_start, began = time.perf_counter(), time.time()
     inputs = inputs or prepare(cfg)
-    tok, ids, max_len = inputs.tok, inputs.ids, inputs.max_len
+    ids, max_len = inputs.ids, inputs.max_len
     kv = kv_space(cfg, len(ids), max_len)  # CheckError when the host cannot hold it: before anything is written
+    report.clear(cfg.out)
     os.makedirs(os.path.join(cfg.out, "logs"), exist_ok=True)
     if kv:
         log(f"KV space of each engine: {kv['gib']} GiB ({kv['source']})")
     env = kv_env(kv)
     for key, value in child_env(cfg).items():
         log(f"vLLM CPU with several workers: {key}={value} (one share of this process's cores each; set it to choose)")
-    steps: dict[str, dict] = {}
-    bank, made = cfg.bank, cfg.bank is None
+    config = probes.model_config(cfg.model, bool(cfg.engine.get("trust_remote_code", False)))
+    engine = engine_kwargs(cfg, len(ids), max_len)
+    # what the result is made of, as far as the steps got (a stop's partial report reads it)
+    got = {"steps": {}, "bank": cfg.bank, "stats": inputs.stats, "held": inputs.held, "fills": {}, "runs": [],
+           "moe": probes.moe_shape(config) if engine.get("enforce_eager") else None}
+    try:
+        _run_steps(cfg, inputs, engine, env, got, log)
+    except Stopped as stop:
+        not_measured = [r for r in got["runs"] if r not in got["steps"]]  # the one it stopped, and those after
+        for run in not_measured:
+            got["steps"][run] = {"run": run, "error": f"not run: the check was stopped by {stop.name}"}
+        for run, one in got["steps"].items():  # a run whose served part the stop cut short
+            if cfg.serve and run != "prefill_split" and "error" not in one and not {"served", "served_error"} & set(one):
+                one["served_error"] = f"not run: the check was stopped by {stop.name}"
+        measured = [r for r, one in got["steps"].items() if "error" not in one]
+        stop.partial = {**_result(cfg, inputs, kv, config, got, t_start, began, partial=True),
+                        "partial": {"stopped_by": stop.name, "measured": measured, "not_measured": not_measured}}
+        raise
+    return _result(cfg, inputs, kv, config, got, t_start, began)
+
+
+def _run_steps(cfg: CheckConfig, inputs: Inputs, engine: dict, env: dict, got: dict, log) -> None:
+    """The recording (unless --bank), real prefill, the split reference and
+    each fill, one after another, into ``got`` as they end."""
+    ids, max_len, steps = inputs.ids, inputs.max_len, got["steps"]
+    made = cfg.bank is None
     served = cfg.serve * (1 + len(cfg.fills))
     n_steps = made + 1 + (cfg.split == "on") + len(cfg.fills) + served  # the split is known once the bank is
     if made:
-        bank = os.path.abspath(os.path.join(cfg.out, "bank.safetensors"))
-        steps["record"] = step("record", {"kind": "record", "call": record_call(cfg, bank, max_len)}, cfg, 1,
+        got["runs"] = ["record"]
+        got["bank"] = os.path.abspath(os.path.join(cfg.out, "bank.safetensors"))
+        steps["record"] = step("record", {"kind": "record", "call": record_call(cfg, got["bank"], max_len)}, cfg, 1,
                                n_steps, log, env)
         if "error" in steps["record"]:
-            bank = None
-    stats, held = inputs.stats, inputs.held
-    if made and bank:
+            got["bank"] = None
+    if made and got["bank"]:
         try:
-            stats, held = read_bank(bank, ids)
+            got["stats"], got["held"] = read_bank(got["bank"], ids)
         except (ValueError, OSError) as exc:  # the recording wrote what kvfill cannot read back
             steps["record"] = {**steps["record"], "error": f"its bank cannot be read: {exc}"}
             log(f"record: its bank cannot be read - {exc}")
-            bank = None
+            got["bank"] = None
+    bank, stats = got["bank"], got["stats"]
     split = cfg.split == "on" or (cfg.split == "auto" and bool(stats and stats["has_state"]))
     n_steps = made + 1 + split + len(cfg.fills) + served
     spec = cfg.engine.get("speculative_config")
-    engine = engine_kwargs(cfg, len(ids), max_len)
     if cfg.temperature > 0 and cfg.max_tokens and "max_num_batched_tokens" not in cfg.engine and on_cpu():
         # vLLM CPU cannot rewind a seeded request's generator after a step that sampled for a prompt
         # still in prefill ("CPU Generator does not use offset"): prefill every prompt in one step
         engine["max_num_batched_tokens"] = max(sum(map(len, ids)), max_len, 2048)
-    config = probes.model_config(cfg.model, bool(cfg.engine.get("trust_remote_code", False)))
-    moe = probes.moe_shape(config) if engine.get("enforce_eager") else None
     base = {"kind": "run", "ids": ids, "engine": engine, "output_len": cfg.output_len,
-            "max_tokens": 0 if cfg.serve else cfg.max_tokens, "temperature": cfg.temperature, "moe": moe,
+            "max_tokens": 0 if cfg.serve else cfg.max_tokens, "temperature": cfg.temperature, "moe": got["moe"],
             "spec": bool(spec),
             "spec_tokens": _spec_tokens(spec), "decoys": decoys(ids, cfg.decoys) if cfg.decoys else None,
-            "time_passes": cfg.time_passes, "classes": inputs.classes}
+            "time_passes": cfg.time_passes,
+            # the classes a run times apart (measure.time_passes); --time-by-class off: the whole run's passes only
+            "classes": inputs.classes if cfg.time_by_class == "on" else None}
     runs = ["prefill", *(["prefill_split"] if split else []), *cfg.fills]
-    fills, i = {}, made
+    got["runs"] += runs
+    fills, i = got["fills"], made
     dataset = _served_dataset(cfg) if cfg.serve else None
     for run in runs:
         i += 1
@@ -108,27 +138,48 @@ def run_all(cfg: CheckConfig, inputs: Inputs | None = None, log=print) -> dict:
                 log(f"[{i}/{n_steps}] replay: not run - {refused}")
                 i += bool(dataset)
                 continue
-        steps[run] = step(run, {**base, "run": run, "engine": run_engine, "connector": connector}, cfg, i, n_steps,
-                          log, env)
-        if dataset and run != "prefill_split" and "error" not in steps[run]:
+        done = step(run, {**base, "run": run, "engine": run_engine, "connector": connector}, cfg, i, n_steps, log, env)
+        if dataset and run != "prefill_split" and "error" not in done:
             i += 1
-            steps[run].update(serve_step(run, cfg, run_engine, connector, dataset, base["decoys"], len(ids),
-                                         f"[{i}/{n_steps}]", log, env))
+            steps[run] = done  # measured, whatever happens to its served part
+            done.update(serve_step(run, cfg, run_engine, connector, dataset, base["decoys"], len(ids),
+                                   f"[{i}/{n_steps}]", log, env))
             _raise_if_stopped()
+        steps[run] = done
         if run == "prefill" and "error" in steps[run] and runs[1:]:
             log(f"real prefill failed: {', '.join(runs[1:])} not run (nothing to compare them with)")
+        elif run == "prefill" and runs[1:]:
+            left = [r for r in runs[1:] if r != "prefill_split"]  # each fill times as many passes as prefill
+            log(f"      about {duration(len(left) * (done.get('step_s', 0) + done.get('served_s', 0)))} left: "
+                f"{len(left)} more run(s), each about as long as real prefill's")
+
+
+def _result(cfg: CheckConfig, inputs: Inputs, kv, config: dict, got: dict, t_start: float, began: float,
+            partial: bool = False) -> dict:
+    """What ``compare`` and ``report`` read, from ``got`` (``run_all``)."""
+    ids, steps, bank, moe = inputs.ids, got["steps"], got["bank"], got["moe"]
     # replay's blocks as vLLM cut them: the block size its engine ran with (vLLM 0.34 picks the attention
     # backend's in the worker), else the one asked, vLLM CPU's default or 16, most GPU backends'
     block = next((steps[r]["block_size"] for r in ("replay", "prefill") if steps.get(r, {}).get("block_size")),
                  None) or int(cfg.engine.get("block_size") or (CPU_BLOCK_SIZE if on_cpu() else 16))
-    coverage = bank_coverage(bank, ids, block) if bank else None
-    return {"prompt_tokens": [len(t) for t in ids], "prompt_classes": inputs.classes, "max_model_len": max_len,
-            "kv_space": kv, "bank": bank, "bank_recorded": made,
-            "bank_stats": stats, "bank_prompts_held": held, "bank_coverage": coverage, "moe": moe,
+    try:
+        coverage = bank_coverage(bank, ids, block) if bank else None
+    except (ValueError, OSError):  # a recording the stop cut short
+        if not partial:
+            raise
+        coverage = None
+    logs = [os.path.join(cfg.out, "logs", f"{prefix}{run}{suffix}.log") for run in steps
+            for prefix, suffix in (("", ""), ("served-", "-server"), ("served-", "-client"))]
+    return {"prompt_tokens": [len(t) for t in ids], "prompt_classes": inputs.classes, "max_model_len": inputs.max_len,
+            "kv_space": kv, "bank": bank, "bank_recorded": cfg.bank is None,
+            "bank_stats": got["stats"], "bank_prompts_held": got["held"], "bank_coverage": coverage, "moe": moe,
             "moe_note": _moe_note(config, moe),
-            "speculative_config": spec,
+            "speculative_config": cfg.engine.get("speculative_config"),
             "indexer": any(k in config for k in ("index_topk", "index_n_heads")),
-            "fills": fills, "steps": steps, "samples": samples(tok, steps),
+            "fills": got["fills"], "steps": steps, "samples": samples(inputs.tok, steps),
+            # this check's logs only (an earlier check's stay in --out/logs): vLLM's warnings on timing
+            "timing_warnings": report.timing_warnings([p for p in logs if os.path.exists(p)
+                                                       and os.path.getmtime(p) >= began - 1]),
             "decoys": cfg.decoys, "runtime_s": round(time.perf_counter() - t_start, 1)}
 
 

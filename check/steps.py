@@ -2,7 +2,8 @@
 bounded by ``--run-timeout`` (or in this one, ``--in-process``), with a temp
 folder of its own removed however it ended; and the check's stop on a
 signal: SIGTERM, SIGHUP and SIGINT (``stop_on_signals``: ``Stopped``) stop
-the running step's process group (or, in-process, its engine).
+the running step's process group (or, in-process, its engine); and a
+run's progress, its timed passes counted from its log (``PassProgress``).
 """
 from __future__ import annotations
 
@@ -19,8 +20,10 @@ import tempfile
 import threading
 import time
 
+from . import classes
 from .child import PARENT_ENV, TMP_ENV, remove_temp_folder
 from .cli import CheckConfig, on_cpu
+from .probes import PASS_DONE
 
 HEARTBEAT_S = 30
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
@@ -137,7 +140,7 @@ def step(name: str, job: dict, cfg: CheckConfig, i: int, n: int, log, env: dict 
             proc = subprocess.Popen([sys.executable, "-m", "kvfill.check.child", job_file, result_file], stdout=out,
                                     stderr=subprocess.STDOUT, env=env, start_new_session=True)
             try:
-                rc = _wait(proc, name, cfg, log)
+                rc = _wait(proc, name, cfg, log, PassProgress(log_file, pass_plan(job)))
             finally:
                 _stop(proc)  # what of its group is left, also after the child's own exit
     finally:
@@ -203,9 +206,11 @@ def _in_process(name: str, job: dict, cfg: CheckConfig, i: int, n: int, log, env
     return {**result, "step_s": took}
 
 
-def _wait(proc: subprocess.Popen, name: str, cfg: CheckConfig, log) -> int | None:
+def _wait(proc: subprocess.Popen, name: str, cfg: CheckConfig, log, progress: "PassProgress | None" = None
+          ) -> int | None:
     """The child's exit status, or None when it ran past ``cfg.run_timeout``
-    (read at each look: a caller may shorten it) and was stopped."""
+    (read at each look: a caller may shorten it) and was stopped.  Every
+    ``HEARTBEAT_S`` a line: how long it has run, and ``progress``'s passes."""
     t0 = time.perf_counter()
     next_beat = HEARTBEAT_S
     while proc.poll() is None:
@@ -214,10 +219,61 @@ def _wait(proc: subprocess.Popen, name: str, cfg: CheckConfig, log) -> int | Non
             _stop(proc)
             return None
         if elapsed >= next_beat:
-            log(f"      {name}: running, {elapsed:.0f} s")
+            log(f"      {name}: running, {elapsed:.0f} s" + (progress.line() if progress else ""))
             next_beat += HEARTBEAT_S
         time.sleep(0.5)
     return proc.returncode
+
+
+def pass_plan(job: dict) -> list[tuple[float, bool]]:
+    """The passes a run's step makes (``measure.time_passes``), in order,
+    each as (its share of the prompts, whether it is untimed): 2 untimed
+    and 2N timed over every prompt, then as many over each class's prompts
+    (``classes`` in the job: --time-by-class on); [] for a step that times
+    none."""
+    n = job.get("time_passes") or 0
+    if job.get("kind") != "run" or job.get("run") == "prefill_split" or not n:
+        return []
+    shares = [1.0] + [len(idx) / len(job["ids"]) for idx in classes.groups(job.get("classes")).values()]
+    return [(share, i < 2) for share in shares for i in range(2 * n + 2)]
+
+
+class PassProgress:
+    """A step's passes as its log tells them (``probes.PASS_DONE`` lines)
+    against its ``pass_plan``: how many are done and about how long the rest
+    take - seconds per share of the prompts, from the timed passes done
+    (the untimed first ones run slower: only while no timed one is done)."""
+
+    def __init__(self, log_file: str, plan: list[tuple[float, bool]]):
+        self.log_file, self.plan, self.offset, self.took = log_file, plan, 0, []
+
+    def _read(self) -> None:
+        with open(self.log_file, "rb") as f:
+            f.seek(self.offset)
+            text = f.read()
+        text = text[:text.rfind(b"\n") + 1]  # whole lines only: the rest is read at the next look
+        self.offset += len(text)
+        for line in text.decode(errors="replace").splitlines():
+            if line.startswith(PASS_DONE):
+                self.took.append(float(line[len(PASS_DONE):].split()[0]))
+
+    def line(self) -> str:
+        """"; passes 5/24 done, about 7 min of them left" (empty for a step that makes none)."""
+        if not self.plan:
+            return ""
+        self._read()
+        done, total = min(len(self.took), len(self.plan)), len(self.plan)
+        if not done:
+            return f"; passes 0/{total} done (they follow the greedy run)"
+        seen = [i for i in range(done) if not self.plan[i][1]] or list(range(done))
+        per_share = sum(self.took[i] for i in seen) / sum(self.plan[i][0] for i in seen)
+        left = per_share * sum(share for share, _ in self.plan[done:])
+        return f"; passes {done}/{total} done, about {duration(left)} of them left"
+
+
+def duration(seconds: float) -> str:
+    """Seconds as a progress line says them: "90 s", "7 min"."""
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
 
 
 def _stop(proc: subprocess.Popen) -> None:
