@@ -180,10 +180,11 @@ def _class_eos(e: dict, r: dict, same: bool | None, floor: float | None) -> tupl
 def rejudge(cmp: dict, output_len: int, stored_by: str) -> list[str]:
     """A stored report's per-class figures by today's rules, from what it
     stores (``bench/fidelity.py --rejudge``): tokens per step over every
-    step (its counts are the drafts': exact), the EOS floor per class.  A decode time whose passes gained more than one token a step
-    is not recomputable (its passes are in the run's logs, not the
-    report): kept as ``stored`` with the commit that judged it, never
-    judged again.  What could not be recomputed."""
+    step (its counts are the drafts': exact), the EOS floor per class.  A
+    decode time whose passes gained more than one token a step is not
+    recomputable (its passes are in the run's logs, not the report): kept
+    as ``stored`` with the commit that judged it, never judged again.  What
+    could not be recomputed."""
     from .compare import spec
 
     lost = []

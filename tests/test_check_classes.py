@@ -118,8 +118,8 @@ def test_a_fill_whose_drafter_proposes_nothing_on_a_class_differs_there():
     cmp = compare.compare_all(res)
     assert cmp["by_class"]["code"]["zeros"]["spec"] is None
     text = "\n".join(verdict.verdicts(res, cmp))
-    assert "zeros, class code (2 prompts): greedy tokens 18/18 as real prefill's; no drafts vs acceptance 100% (12/12)" \
-        in text
+    assert ("zeros, class code (2 prompts): greedy tokens 18/18 as real prefill's; no drafts vs acceptance 100% "
+            "(12/12)") in text
     assert "zeros: differs from real prefill in class code (acceptance)" in text
 
 
