@@ -157,6 +157,8 @@ def _setting_lines(cfg, res: dict) -> list[str]:
                else "the bank's KV values" if stats else
                "N(0, 1): the bank holds no float KV rows to take a spread from")
         out.append(f"- normal fill: mean {normal['fill_mean']:.4g}, std {normal['fill_std']:.4g} - {why}")
+    if res.get("prompt_classes") and getattr(cfg, "time_by_class", "on") == "off" and cfg.time_passes:
+        out.append("- decode time per class: not measured (--time-by-class off: the whole run's passes only)")
     return out + [""] if out else []
 
 

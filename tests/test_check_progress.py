@@ -114,6 +114,7 @@ def test_time_by_class_off_times_the_whole_run_only_and_vllms_timing_warnings_re
     assert json.loads(open(paths[0]).read())["timing_warnings"] == res["timing_warnings"]
     md = open(paths[1]).read()
     assert md.count(slow) == 1 and f"- {slow} (prefill.log, zeros.log)" in md and "Pin memory" not in md
+    assert "- decode time per class: not measured (--time-by-class off: the whole run's passes only)" in md
     on = check_config(["--model", model, "--prompts", prompts, "--out", str(out), "--fills", "zeros"])
     runner.run_all(on, inputs, log=lambda line: None)
     assert len(pass_plan(jobs["prefill"])) == 24  # the default: the whole run's 8 and 8 per class
