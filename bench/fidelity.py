@@ -213,9 +213,9 @@ def rejudge(path: str) -> list[str]:
     """A stored kvfill-check report's figures, verdicts, report.md and .png
     again by today's code from what it stores (not its per-token logs):
     each timed pass (``_pass``), decode times, acceptance, the per-class
-    figures (``classes.rejudge``).  What cannot be recomputed is marked
+    figures (``check/rejudge.py``).  What cannot be recomputed is marked
     with the commit that stored it; returns what."""
-    from kvfill.check import classes, compare, report, verdict
+    from kvfill.check import compare, rejudge, report, verdict
 
     data = json.load(open(path))
     cmp, steps, lost = data["comparison"], data["steps"], []
@@ -238,7 +238,7 @@ def rejudge(path: str) -> list[str]:
         if row.get("drafts_equal") and "neither" not in row["drafts_equal"]:
             row["drafts_equal"] = None  # counted steps where neither drafted; the drafts are in the logs
             lost.append(f"{run}'s drafts step by step")
-    lost += classes.rejudge(cmp, args.output_len, mark["stored_by"])
+    lost += rejudge.rejudge(cmp, args.output_len, mark["stored_by"])
     lost = mark["not_recomputed"] = list(dict.fromkeys(mark.get("not_recomputed", []) + lost))  # and a rerun's
     mark["by"] = _git("rev-parse", "--short", "HEAD")
     data["verdicts"] = lines = [
