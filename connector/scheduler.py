@@ -14,7 +14,12 @@ A request whose ``kv_transfer_params`` hold ``{"kvfill_prefill": true}``
 (``SamplingParams(extra_args={"kv_transfer_params": ...})``, or the
 OpenAI API's ``kv_transfer_params`` field) is not filled: vLLM prefills it
 for real beside filled ones, in the same engine, its prefix-cache blocks
-kept apart from filled ones (``request_params.py``).
+kept apart from filled ones (``request_params.py``).  Where vLLM reads no
+connector KV for a request (``prompt_logprobs``) it prefills it for real;
+that, and a malformed ``kvfill_prefill`` past vLLM's front end (filled), are
+said once.  A request whose prefix hit ends in blocks other requests of its
+step fill (vLLM caches a block when it allocates it) fills them too: a
+refusal of the others' fill then fails them alone (``step_fill.fill_requests``).
 
 Record role (``record_dir``, used by ``kvfill.record``): nothing is granted;
 the block tables of scheduled requests are followed, and in the step whose
@@ -34,8 +39,9 @@ from kvfill.bank import sequence_key
 from .metadata import KVFillConnectorMetadata, KVFillStats, RecordItem
 from .options import FillOptions
 from .planner import RECORDED_KINDS, GroupKind, Planner, RequestSelection, wrapped_positions
-from .request_params import wants_prefill
+from .request_params import keep_apart, prefill_param_error, reads_no_connector_kv, wants_prefill
 from .specs import geometries_from_config, select_request, startup_fill_group_ids
+from .step_fill import block_token_ranges
 
 
 if TYPE_CHECKING:
@@ -134,7 +140,7 @@ class KVFillScheduler:
         aux = getattr(vllm_config, "aux_output_config", None)
         self.routed_experts = bool(getattr(aux, "enable_return_routed_experts", False))
         self.granted: dict[str, int] = {}  # request id -> tokens granted, until vLLM allocates
-        self.dropped_grant_logged = False
+        self.said_once: set[str] = set()  # what vLLM or a client changed of the workload, said once per run
         # The prompt tokens vLLM computes itself: its last one; with speculative decoding its last two, or
         # a multi-module MTP drafter's lookahead less one (``computed_tail``).
         self.computed_tail = computed_tail(vllm_config)
@@ -160,6 +166,11 @@ class KVFillScheduler:
             return 0, False  # recording: every prompt is prefilled for real
         if wants_prefill(getattr(request, "kv_transfer_params", None)):
             return 0, False  # asked to be prefilled for real (request_params.PREFILL_PARAM)
+        if reads_no_connector_kv(request):
+            self._say_once("prompt_logprobs", "request %s reads no connector KV (prompt_logprobs, or "
+                           "skip_reading_prefix_cache): vLLM prefills such requests for real, not kvfill; said once",
+                           request.request_id)
+            return 0, False
         preemptions = getattr(request, "num_preemptions", 0)
         seen = self.filled.get(request.request_id)
         if seen is not None and not (self.options.refill_on_preemption and preemptions > seen):
@@ -194,20 +205,20 @@ class KVFillScheduler:
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         num_local = self.asked.pop(request.request_id, None)
         granted = self.granted.pop(request.request_id, 0)
-        if granted and not num_external_tokens and self.routed_experts and not self.dropped_grant_logged:
-            self.dropped_grant_logged = True
-            logger.warning("KVFillConnector: vLLM dropped the fill of request %s (enable_return_routed_experts "
-                           "keeps a connector's grant only when it is block-aligned and already in the "
-                           "routed-experts cache): such requests are prefilled for real; logged once",
-                           request.request_id)
+        if granted and not num_external_tokens and self.routed_experts:
+            self._say_once("routed", "vLLM dropped the fill of request %s (enable_return_routed_experts keeps a "
+                           "connector's grant only when it is block-aligned and already in the routed-experts "
+                           "cache): such requests are prefilled for real; logged once", request.request_id)
         # Handled from here on, even with nothing to fill (a 1-token prompt, a
         # full local prefix hit): after a preemption its generated tokens are
         # not a prompt to fill unless refill_on_preemption says so (vLLM #57419).
         self.filled[request.request_id] = getattr(request, "num_preemptions", 0)
         if num_external_tokens == 0:
             return
-        if num_local is not None and num_local + num_external_tokens > request.num_tokens - self.computed_tail:
-            num_local = None  # not the query this grant answers: fall back to the tail
+        if num_local is None or num_local + num_external_tokens > request.num_tokens - self.computed_tail:
+            num_local = request.num_tokens - self.computed_tail - num_external_tokens  # the grant's own tail
+        start = self._shared_pending_start(blocks, num_local)  # this step's fills its prefix hit shares
+        num_external_tokens += num_local - start
         # Startup-filled groups are skipped before planning: their tables are
         # never looked at, so a table shorter than the prompt cannot raise.
         index = self.options.bank_index
@@ -218,7 +229,7 @@ class KVFillScheduler:
             sequences_at = lambda ends: index.sequences_for(tokens, ends)  # noqa: E731
         # The request-level sequence stays 0: only whole-block kinds take it, and
         # those are never replayed (circular buffers zeroed, cross attention synthetic).
-        sel = select_request(self.planner, request, blocks, num_external_tokens, num_local,
+        sel = select_request(self.planner, request, blocks, num_external_tokens, start,
                              skip_groups=self.startup_groups, sequences_at=sequences_at, tail=self.computed_tail)
         if index is not None:
             wrapped = wrapped_positions(self.planner.groups, sel.groups, index.lengths)
@@ -233,6 +244,43 @@ class KVFillScheduler:
                     g.sequences = np.full(len(g.block_ids), state, np.int64)
         if any(len(g.block_ids) for g in sel.groups):
             self.pending[request.request_id] = sel
+
+    def _shared_pending_start(self, blocks: "KVCacheBlocks", num_local: int) -> int:
+        """Where the request's fill starts: ``num_local``, or the first of the
+        blocks ending its prefix hit that other requests of this step fill
+        whole (module docstring) - so it writes only slots they write too.
+        One token-range group only: vLLM takes block-level load errors there
+        alone, and only there a block's table index is one in every table."""
+        geo = self.planner.groups[0] if len(self.planner.groups) == 1 else None
+        if (geo is None or geo.whole_blocks or geo.kind == GroupKind.MAMBA or not self.pending
+                or not num_local or num_local % geo.span):
+            return num_local
+        filling: dict[int, list[tuple[int, int]]] = {}
+        for sel in self.pending.values():
+            for block, span in block_token_ranges(geo, sel.groups[0]).items():
+                filling.setdefault(block, []).append(span)
+        start = num_local
+        for k in reversed(range(num_local // geo.span)):  # the newest blocks of a hit are this step's, if any
+            spans = filling.get(blocks.blocks[0][k].block_id, ())
+            if not any(lo <= k * geo.span and (k + 1) * geo.span <= hi for lo, hi in spans):
+                break
+            start = k * geo.span
+        return start
+
+    def on_new_request(self, request: "Request") -> None:
+        """vLLM adds a request: its prefix-cache hashes salted by its kind
+        (``request_params.keep_apart``); a malformed ``kvfill_prefill`` past
+        vLLM's front end is a fill, said once - never raised in the engine core."""
+        keep_apart(request)
+        line = prefill_param_error(getattr(request, "kv_transfer_params", None))
+        if line is not None:
+            self._say_once("malformed", "request %s: %s; it reached the engine core past vLLM's front-end check, "
+                           "so it is filled (read as not a prefill request); said once", request.request_id, line)
+
+    def _say_once(self, what: str, msg: str, *args) -> None:
+        if what not in self.said_once:
+            self.said_once.add(what)
+            logger.warning("KVFillConnector: " + msg, *args)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVFillConnectorMetadata:
         meta = KVFillConnectorMetadata(selections=self.pending, null_block_id=self.planner.null_block_id)

@@ -41,24 +41,30 @@ def fill_requests(selections: list, fill: Callable, planner: Planner, load_failu
     -> ``(plan, states, FillStats, StateWrite)``), and where that is refused
     - a request whose metadata the caches cannot take (the engine validates
     a whole plan before its first write) - each request on its own, so only
-    the refused ones go to ``kv_load_failure_policy`` (``skipped_blocks``)
-    and the rest of the step is filled.  ``(done, failed)``: ``done`` a list
-    of ``(selections, plan, states, stats, written)``, ``failed`` the block
-    ids to report."""
+    the refused ones go to ``kv_load_failure_policy`` (``skipped_blocks``),
+    and of their blocks only those no filled request of the step wrote: a
+    block a refused request shares with a filled neighbour (its prefix hit,
+    ``scheduler``) holds the neighbour's values, and reporting it would fail
+    the neighbour with it.  ``(done, failed)``: ``done`` a list of
+    ``(selections, plan, states, stats, written)``, ``failed`` the block ids
+    to report."""
     try:
         return [(selections, *fill(selections))], set()
     except ValueError as exc:
         if len(selections) == 1:
             return [], skipped_blocks(selections, exc, planner, load_failure_policy)
-    done, failed, refused = [], set(), 0
+    done, refused = [], []
     for sel in selections:
         try:
             done.append(([sel], *fill([sel])))
         except ValueError as exc:  # nothing of it written
-            refused += 1
-            failed |= skipped_blocks([sel], exc, planner, load_failure_policy)
+            refused.append((sel, exc))
+    filled = [sels[0] for sels, *_ in done]
+    failed = set()
+    for sel, exc in refused:
+        failed |= skipped_blocks([sel], exc, planner, load_failure_policy, filled)
     logger.error("KVFillConnector: %d of this step's %d requests could not be filled (above); the other %d were",
-                 refused, len(selections), len(selections) - refused)
+                 len(refused), len(selections), len(done))
     return done, failed
 
 
@@ -70,9 +76,12 @@ def log_fill(selections: list, stats, written, elapsed: float) -> None:
     )
 
 
-def skipped_blocks(selections, exc: ValueError, planner: Planner, load_failure_policy: Any) -> set[int]:
-    """A step's fill was skipped: the blocks to tell vLLM of, which applies
-    ``kv_load_failure_policy`` to them.
+def skipped_blocks(selections, exc: ValueError, planner: Planner, load_failure_policy: Any,
+                   filled=()) -> set[int]:
+    """A step's fill was skipped for ``selections``: the blocks to tell vLLM
+    of, which applies ``kv_load_failure_policy`` to them - each block they
+    were to fill, unless a request of ``filled`` (filled this step) wrote all
+    of that block they needed (``block_token_ranges``).
 
     vLLM 0.32 takes block-level load failures only with one KV cache group
     (block ids are per group); with several, ``fail`` fails loudly here and
@@ -80,7 +89,13 @@ def skipped_blocks(selections, exc: ValueError, planner: Planner, load_failure_p
     block reported).
     """
     if len(planner.groups) == 1:
-        failed = {int(b) for sel in selections for g in sel.groups for b in g.block_ids}
+        geo = planner.groups[0]
+        written: dict[int, list[tuple[int, int]]] = {}
+        for sel in filled:
+            for block, span in block_token_ranges(geo, sel.groups[0]).items():
+                written.setdefault(block, []).append(span)
+        failed = {block for sel in selections for block, (lo, hi) in block_token_ranges(geo, sel.groups[0]).items()
+                  if not any(w_lo <= lo and hi <= w_hi for w_lo, w_hi in written.get(block, ()))}
         failed.discard(planner.null_block_id)
         logger.error("KVFillConnector: skipped this step's fill (%d blocks reported as load errors), its "
                      "metadata does not fit the caches: %s", len(failed), exc)
@@ -91,6 +106,22 @@ def skipped_blocks(selections, exc: ValueError, planner: Planner, load_failure_p
         raise RuntimeError(msg + " (kv_load_failure_policy 'fail')") from exc
     logger.error("%s; kv_load_failure_policy %r: the step decodes over unfilled blocks", msg, load_failure_policy)
     return set()
+
+
+def block_token_ranges(geo, g) -> dict[int, tuple[int, int]]:
+    """Block id -> the global token range ``[lo, hi)`` of it a group
+    selection fills: the block's whole span for whole-block selections and
+    state blocks, else its span cut to the selection's tokens (a prefix
+    block sits at the same table index in every request that holds it, so
+    ranges of one block compare across requests)."""
+    out = {}
+    for i, block in enumerate(g.block_ids):
+        k = g.first_block + i
+        lo, hi = k * geo.span, (k + 1) * geo.span
+        if not (g.whole or geo.whole_blocks or geo.kind == GroupKind.MAMBA):
+            lo, hi = max(lo, g.token_lo), min(hi, g.token_hi)
+        out[int(block)] = (lo, hi)
+    return out
 
 
 def state_rule_breaks(selections, planner: Planner, lengths) -> list[str]:

@@ -31,7 +31,6 @@ from .metadata import (
 )
 from .options import FillOptions
 from .ranks import worker_where
-from .request_params import keep_apart
 from .scheduler import KVFillScheduler
 from .specs import filled_group_ids
 from .versions import untested_vllm
@@ -196,10 +195,11 @@ class KVFillConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ---------------------------------------------------------------- scheduler
     def on_new_request(self, request: "Request") -> None:
-        """Before vLLM looks the request up in its prefix cache: a
-        real-prefill request's hashes salted apart from filled ones'
-        (``request_params.keep_apart``)."""
-        keep_apart(request)
+        """Before vLLM looks the request up in its prefix cache: its hashes
+        salted by its kind, a malformed ``kvfill_prefill`` said, never raised
+        (``KVFillScheduler.on_new_request``)."""
+        assert self.scheduler is not None
+        self.scheduler.on_new_request(request)
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self.scheduler is not None
