@@ -361,6 +361,7 @@ else:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+@pytest.mark.e2e  # its stand-in check runs kvfill.check.serving, which needs vLLM's own platform (not the 0.34 lane's)
 def test_a_served_run_dies_with_a_killed_check_and_leaves_no_temp_folder_or_shared_memory(tmp_path):
     """Issue 67: SIGKILL to `kvfill-check --serve` left `vllm serve` (its port, its memory), `vllm bench serve`,
     /dev/shm files and kvfill-serve-* folders: neither had a parent-death signal, and the server's temp folder
