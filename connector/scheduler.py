@@ -41,7 +41,7 @@ from .options import FillOptions
 from .planner import RECORDED_KINDS, GroupKind, Planner, RequestSelection, wrapped_positions
 from .request_params import keep_apart, prefill_param_error, reads_no_connector_kv, wants_prefill
 from .specs import geometries_from_config, select_request, startup_fill_group_ids
-from .step_fill import block_token_ranges
+from .step_fill import covers, token_ranges_by_block
 
 
 if TYPE_CHECKING:
@@ -255,14 +255,10 @@ class KVFillScheduler:
         if (geo is None or geo.whole_blocks or geo.kind == GroupKind.MAMBA or not self.pending
                 or not num_local or num_local % geo.span):
             return num_local
-        filling: dict[int, list[tuple[int, int]]] = {}
-        for sel in self.pending.values():
-            for block, span in block_token_ranges(geo, sel.groups[0]).items():
-                filling.setdefault(block, []).append(span)
+        filling = token_ranges_by_block(geo, self.pending.values())
         start = num_local
         for k in reversed(range(num_local // geo.span)):  # the newest blocks of a hit are this step's, if any
-            spans = filling.get(blocks.blocks[0][k].block_id, ())
-            if not any(lo <= k * geo.span and (k + 1) * geo.span <= hi for lo, hi in spans):
+            if not covers(filling, blocks.blocks[0][k].block_id, k * geo.span, (k + 1) * geo.span):
                 break
             start = k * geo.span
         return start

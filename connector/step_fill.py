@@ -90,12 +90,9 @@ def skipped_blocks(selections, exc: ValueError, planner: Planner, load_failure_p
     """
     if len(planner.groups) == 1:
         geo = planner.groups[0]
-        written: dict[int, list[tuple[int, int]]] = {}
-        for sel in filled:
-            for block, span in block_token_ranges(geo, sel.groups[0]).items():
-                written.setdefault(block, []).append(span)
+        written = token_ranges_by_block(geo, filled)
         failed = {block for sel in selections for block, (lo, hi) in block_token_ranges(geo, sel.groups[0]).items()
-                  if not any(w_lo <= lo and hi <= w_hi for w_lo, w_hi in written.get(block, ()))}
+                  if not covers(written, block, lo, hi)}
         failed.discard(planner.null_block_id)
         logger.error("KVFillConnector: skipped this step's fill (%d blocks reported as load errors), its "
                      "metadata does not fit the caches: %s", len(failed), exc)
@@ -122,6 +119,21 @@ def block_token_ranges(geo, g) -> dict[int, tuple[int, int]]:
             lo, hi = max(lo, g.token_lo), min(hi, g.token_hi)
         out[int(block)] = (lo, hi)
     return out
+
+
+def token_ranges_by_block(geo, selections) -> dict[int, list[tuple[int, int]]]:
+    """Block id -> the token ranges ``selections`` (one group's) fill of it,
+    one per request (``block_token_ranges``)."""
+    out: dict[int, list[tuple[int, int]]] = {}
+    for sel in selections:
+        for block, span in block_token_ranges(geo, sel.groups[0]).items():
+            out.setdefault(block, []).append(span)
+    return out
+
+
+def covers(ranges: dict[int, list[tuple[int, int]]], block: int, lo: int, hi: int) -> bool:
+    """One request's range of ``block`` in ``ranges`` holds all of ``[lo, hi)``."""
+    return any(r_lo <= lo and hi <= r_hi for r_lo, r_hi in ranges.get(block, ()))
 
 
 def state_rule_breaks(selections, planner: Planner, lengths) -> list[str]:
