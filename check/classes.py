@@ -26,6 +26,8 @@ acceptance there is compared, never promised equal (``history_note``).
 """
 from __future__ import annotations
 
+import itertools
+
 # Drafting methods whose proposals read the run's history (vLLM's speculative_config "method").
 HISTORY_METHODS = {"suffix": "suffix decoding proposes from a tree of the outputs the engine generated before"}
 # vLLM 0.34's rejection_sample_method values whose acceptance is not greedy equality with the target's tokens.
@@ -43,17 +45,11 @@ def groups(classes: list[str] | None) -> dict[str, list[int]]:
     return out
 
 
-def accepted(tokens: list[int], drafts: list[list[int]]) -> tuple[int, int, int]:
-    """``(accepted, draft tokens, drafts)`` of one greedy request: each
-    step's draft (after the first token) checked against the tokens that
-    followed.  A step without a draft (an ngram drafter that found no match)
-    still gains its one token; a draft proposed once the request had all its
-    tokens was never verified and is not counted.  A draft reaching past
-    the request's last token counts only the tokens it can be checked on:
-    vLLM's counter may count the rest accepted, so a sum of these is at most
-    one draft per request below it (drafts and draft tokens are equal)."""
+def _verified(tokens: list[int], drafts: list[list[int]]):
+    """Each verified draft of one greedy request as ``(accepted, length)``:
+    each step's draft (after the first token) checked against the tokens
+    that followed (``accepted``'s rule)."""
     pos = 1  # tokens the request holds when its first draft is verified
-    acc = drafted = n = 0
     for d in drafts:
         if pos >= len(tokens):
             break
@@ -63,9 +59,36 @@ def accepted(tokens: list[int], drafts: list[list[int]]) -> tuple[int, int, int]
         m = 0
         while m < len(d) and pos + m < len(tokens) and d[m] == tokens[pos + m]:
             m += 1
-        acc, drafted, n = acc + m, drafted + len(d), n + 1
+        yield m, len(d)
         pos += m + 1
+
+
+def accepted(tokens: list[int], drafts: list[list[int]]) -> tuple[int, int, int]:
+    """``(accepted, draft tokens, drafts)`` of one greedy request: each
+    step's draft (after the first token) checked against the tokens that
+    followed.  A step without a draft (an ngram drafter that found no match)
+    still gains its one token; a draft proposed once the request had all its
+    tokens was never verified and is not counted.  A draft reaching past
+    the request's last token counts only the tokens it can be checked on:
+    vLLM's counter may count the rest accepted, so a sum of these is at most
+    one draft per request below it (drafts and draft tokens are equal)."""
+    acc = drafted = n = 0
+    for m, length in _verified(tokens, drafts):
+        acc, drafted, n = acc + m, drafted + length, n + 1
     return acc, drafted, n
+
+
+def accepted_per_position(tokens: list[int], drafts: list[list[int]]) -> list[int]:
+    """How many of one greedy request's verified drafts had their k-th token
+    accepted, for each draft position k (vLLM's
+    ``num_accepted_tokens_per_pos``): a draft accepting m tokens counts at
+    positions 0..m-1."""
+    out: list[int] = []
+    for m, length in _verified(tokens, drafts):
+        out += [0] * (length - len(out))
+        for k in range(m):
+            out[k] += 1
+    return out
 
 
 def counted(rows: list[dict]) -> dict:
@@ -75,7 +98,12 @@ def counted(rows: list[dict]) -> dict:
     if not rows or any("drafts" not in r for r in rows):
         return {}
     acc, drafted, n = (sum(x) for x in zip(*(accepted(r["tokens"], r["drafts"]) for r in rows)))
-    return {"num_drafts": n, "num_draft_tokens": drafted, "num_accepted_tokens": acc}
+    per_pos: list[int] = []
+    for r in rows:
+        mine = accepted_per_position(r["tokens"], r["drafts"])
+        per_pos = [a + b for a, b in itertools.zip_longest(per_pos, mine, fillvalue=0)]
+    return {"num_drafts": n, "num_draft_tokens": drafted, "num_accepted_tokens": acc,
+            "num_accepted_tokens_per_pos": per_pos}
 
 
 def spec_differs(row: dict, ref: dict) -> bool:
@@ -195,19 +223,24 @@ def history_note(spec_config: dict | None) -> str | None:
             "history, so acceptance can differ from real prefill's for reasons no fill controls")
 
 
-def class_table(cmp: dict, band: float, time_class) -> list[str]:
-    """The report's table by prompt class (none without classes)."""
-    per = cmp.get("by_class")
+def class_table(cmp: dict, band: float, time_class, key: str = "by_class") -> list[str]:
+    """The report's table by prompt class (none without classes), or with
+    ``key`` "by_depth" by depth (``--depths``: every class of one depth)."""
+    per = cmp.get(key)
     if not per:
         return []
-    out = ["", "## By prompt class", "",
-           "Each class's prompts on their own: greedy tokens as real prefill's, EOS-honoured mean length (= "
-           "where every length equals real prefill's), acceptance and tokens per step from each request's "
+    depth = key == "by_depth"
+    out = ["", "## By depth" if depth else "## By prompt class", "",
+           ("Each depth's prompts (every prompt cut to its first D tokens) on their own" if depth else
+            "Each class's prompts on their own") +
+           ": greedy tokens as real prefill's, EOS-honoured mean length (= "
+           "where every length equals real prefill's), acceptance, acceptance per draft position (of the drafts, "
+           "the share whose k-th token was accepted) and tokens per step from each request's "
            "drafts, decode time of the class's prompts timed apart (ratio to real prefill [95 %], and what it "
            "shows against the host's band).", "",
-           "| class | run | prompts | tokens = real | EOS mean length | acceptance | tokens/step "
-           "| decode ratio [95 %] |",
-           "|---|---|---|---|---|---|---|---|"]
+           f"| {'depth' if depth else 'class'} | run | prompts | tokens = real | EOS mean length | acceptance "
+           "| per position | tokens/step | decode ratio [95 %] |",
+           "|---|---|---|---|---|---|---|---|---|"]
     for c, runs in per.items():
         for run, row in runs.items():
             t, e, s, d = row.get("tokens"), row.get("eos"), row.get("spec"), row.get("decode_time")
@@ -222,5 +255,6 @@ def class_table(cmp: dict, band: float, time_class) -> list[str]:
                         f"{ {'differs': 'differs', 'within': 'within'}.get(kind, 'n.m.') }")
             elif d:  # no ratio: why, never a judgement
                 cell = f"not judged: {d['error']}"
-            out.append(f"| {c} | {run} | {row['prompts']} | {tok} | {eos} | {acc} | {tps} | {cell} |")
+            pos = " / ".join(f"{a:.0%}" for a in s.get("acceptance_per_position", ())) if s else ""
+            out.append(f"| {c} | {run} | {row['prompts']} | {tok} | {eos} | {acc} | {pos} | {tps} | {cell} |")
     return out

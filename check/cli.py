@@ -78,6 +78,7 @@ class CheckConfig:
     time_by_class: str = "on"
     bank_placement: str = "auto"
     past_bank: str = "wrap"
+    depths: list[tuple[str, int]] | None = None  # --depths: (label, tokens), smallest first (depths.parse)
 
 
 def build_parser() -> RecordArgumentParser:
@@ -148,6 +149,10 @@ def build_parser() -> RecordArgumentParser:
                      help="what replay writes past a recorded sequence's end (the connector's past_bank): the "
                           "sequence again from its start as recorded, or with its keys re-rotated to their true "
                           "positions")
+    own.add_argument("--depths", default=None, metavar="D,D,...",
+                     help="cut each prompt to its first D tokens for each depth D (an int, k = 1024: e.g. 1k,8k,32k), "
+                          "each depth a prompt class (with the file's classes: CLASS.D); every prompt must reach the "
+                          "largest depth")
     own.add_argument("--config", default=None, help="a YAML file of vLLM engine flags (as `vllm serve --config`)")
     EngineArgs.add_cli_args(p)
     _require_model(p)
@@ -207,6 +212,14 @@ def check_config(argv: Sequence[str] | None = None) -> CheckConfig:
     if args.decoys and (args.decoys < 1 or not args.enable_prefix_caching):
         raise CheckError(f"--decoys {args.decoys}: expected an int >= 1, with --enable-prefix-caching (without it "
                          f"no block is reused)")
+    depths = None
+    if args.depths is not None:
+        from .depths import parse as parse_depths
+
+        try:
+            depths = parse_depths(args.depths)
+        except ValueError as exc:
+            raise CheckError(str(exc)) from None
     if not args.run_timeout > 0:
         raise CheckError(f"--run-timeout {args.run_timeout}: expected seconds > 0")
     if args.bank is not None:
@@ -226,7 +239,7 @@ def check_config(argv: Sequence[str] | None = None) -> CheckConfig:
                        engine=engine, argv=list(argv) if argv is not None else [], in_process=args.in_process,
                        serve=args.serve, concurrency=args.concurrency, decoys=args.decoys, verify=args.verify,
                        time_passes=args.time_passes, time_by_class=args.time_by_class,
-                       bank_placement=args.bank_placement, past_bank=args.past_bank)
+                       bank_placement=args.bank_placement, past_bank=args.past_bank, depths=depths)
 
 
 def own_actions(p: RecordArgumentParser) -> list:

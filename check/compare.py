@@ -100,9 +100,13 @@ def spec(counters: dict, gained: int, steps: int | None = None) -> dict | None:
     if not draft_tokens:
         return None
     accepted = counters.get("num_accepted_tokens", 0)
-    return {"drafts": drafts, "draft_tokens": draft_tokens, "accepted": accepted,
-            "acceptance": round(accepted / draft_tokens, 4),
-            "tokens_per_step": round(tokens_per_step(gained, accepted, steps, drafts), 3)}
+    out = {"drafts": drafts, "draft_tokens": draft_tokens, "accepted": accepted,
+           "acceptance": round(accepted / draft_tokens, 4),
+           "tokens_per_step": round(tokens_per_step(gained, accepted, steps, drafts), 3)}
+    per_pos = counters.get("num_accepted_tokens_per_pos")
+    if per_pos and drafts:  # vLLM's per-position counter: of the drafts, the share whose k-th token was accepted
+        out["acceptance_per_position"] = [round(a / drafts, 4) for a in per_pos]
+    return out
 
 
 def drafts_equal(ref: list[dict], rows: list[dict]) -> dict | None:
@@ -201,16 +205,19 @@ def compare_all(res: dict) -> dict:
         out[run] = row
     if split and "error" not in split:
         out["prefill_split"] = {"tokens_vs_prefill": tokens(ref["greedy"], split["greedy"])}
-    per_class = by_class(res)
-    if per_class:
-        out["by_class"] = per_class
+    for name, key in (("by_class", "prompt_classes"), ("by_depth", "prompt_depths")):
+        per = by_class(res, key)
+        if per:
+            out[name] = per
     return out
 
 
-def by_class(res: dict) -> dict | None:
+def by_class(res: dict, key: str = "prompt_classes") -> dict | None:
     """Class -> run -> its figures on that class's prompts alone
-    (``classes.py``); None without classes."""
-    per = classes.groups(res.get("prompt_classes"))
+    (``classes.py``); None without classes.  ``key``: the result's list
+    of each prompt's class (``prompt_depths``: every class of one depth
+    together, ``--depths``)."""
+    per = classes.groups(res.get(key))
     if not per:
         return None
     steps = res["steps"]

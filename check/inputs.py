@@ -25,12 +25,26 @@ class Inputs:
     stats: dict | None  # a given --bank's value statistics (read_bank); None without --bank
     held: int | None = None  # how many prompts a given --bank holds whole (read_bank)
     classes: list[str] | None = None  # each prompt's class, from a JSONL prompts file (None: not given)
+    # --depths: each prompt's depth label, and the cut prompts' texts (the recording and the served data set
+    # read them from --out/logs/DEPTH_PROMPTS, runner.run_all); None without --depths
+    depths: list[str] | None = None
+    texts: list[str] | None = None
 
 
 def prepare(cfg: CheckConfig) -> Inputs:
     """Everything the runs need that the user's input decides; CheckError (or
     kvfill-record's RecordError about the prompts file) before any write."""
-    tok, ids, classes = token_ids(cfg)
+    tok, texts, ids, classes = token_ids(cfg)
+    labels = None
+    if cfg.depths:
+        from .depths import cut
+
+        try:
+            texts, ids, classes, labels = cut(tok, texts, ids, classes, cfg.depths, cfg.prompts)
+        except ValueError as exc:
+            raise CheckError(str(exc)) from None
+    else:
+        texts = None
     longest, output = max(map(len, ids)), max(cfg.output_len, cfg.max_tokens)
     if cfg.decoys and cfg.decoys >= min(map(len, ids)) - 1:
         raise CheckError(f"--decoys {cfg.decoys}: expected fewer than the shortest prompt's tokens less one "
@@ -59,11 +73,11 @@ def prepare(cfg: CheckConfig) -> Inputs:
             stats, held = read_bank(cfg.bank, ids)
         except (ValueError, OSError) as exc:
             raise CheckError(f"--bank: {exc}; expected a bank kvfill-record wrote") from None
-    return Inputs(tok, ids, max_len, stats, held, classes)
+    return Inputs(tok, ids, max_len, stats, held, classes, labels, texts)
 
 
-def token_ids(cfg: CheckConfig) -> tuple[object, list[list[int]], list[str] | None]:
-    """The tokenizer, the prompts' token ids read and tokenized as
+def token_ids(cfg: CheckConfig) -> tuple[object, list[str], list[list[int]], list[str] | None]:
+    """The tokenizer, the prompts, their token ids read and tokenized as
     kvfill-record does (so replay finds their rows), and their classes."""
     from transformers import AutoTokenizer
 
@@ -84,7 +98,7 @@ def token_ids(cfg: CheckConfig) -> tuple[object, list[list[int]], list[str] | No
     if empty:
         raise CheckError(f"--prompts {cfg.prompts!r}: prompt {empty[0]} tokenizes to no tokens; expected text the "
                          f"model's tokenizer makes at least one token of")
-    return tok, ids, classes
+    return tok, prompts, ids, classes
 
 
 # Files a tokenizer is read from (fast, slow, tiktoken): one of them in a folder says it is meant to hold one.

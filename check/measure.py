@@ -92,7 +92,7 @@ def run(job: dict) -> dict:
     result = {"run": job["run"], "model_runner": runner, "block_size": block, "startup_s": round(startup_s, 1),
               "greedy_s": round(greedy_s, 2), "timing": timing, "greedy": rows, "eos": eos_rows,
               "eos_s": round(eos_s, 2), "counters": after_greedy,
-              "eos_counters": {k: v - before_eos.get(k, 0) for k, v in after_eos.items()}}
+              "eos_counters": probes.counters_since(after_eos, before_eos)}
     if by_class:
         result["timing_by_class"] = by_class
     if notes:  # what a probe could not read on this run's model runner
@@ -157,7 +157,7 @@ def time_passes(llm, prompts, job) -> dict:
         after = probes.counters(llm)
         if i < 0:
             continue
-        spec = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+        spec = probes.counters_since(after, before)
         # a request's first token comes with its prefill (or fill) step; every later one in a decode step
         gained = sum(len(o.outputs[0].token_ids) - 1 for o in outs)
         timed = sum(b for _, b in timer.steps)

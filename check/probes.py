@@ -243,8 +243,22 @@ def counters(llm) -> dict:
         name = m.name.removeprefix("vllm:spec_decode_")
         if name in SPEC_COUNTERS:
             out[name] = int(getattr(m, "value", 0))
+        elif name == "num_accepted_tokens_per_pos":  # a Vector: one counter per draft position
+            out[name] = [int(v) for v in getattr(m, "values", ())]
         elif m.name == "vllm:prefix_cache_hits":
             out["prefix_cache_hit_tokens"] = int(getattr(m, "value", 0))
+    return out
+
+
+def counters_since(after: dict, before: dict) -> dict:
+    """What ``counters`` grew by between two readings (per position too)."""
+    out = {}
+    for k, v in after.items():
+        if isinstance(v, list):
+            was = before.get(k) or []
+            out[k] = [a - (was[i] if i < len(was) else 0) for i, a in enumerate(v)]
+        else:
+            out[k] = v - before.get(k, 0)
     return out
 
 

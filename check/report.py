@@ -220,6 +220,7 @@ def markdown(cfg, res: dict, cmp: dict, lines: list[str]) -> str:
                    f"| {_pct(s['acceptance']) if s else ''} | {tv_cell} | {_time_cells(row.get('decode_time'), band)} "
                    f"| {step.get('step_s', '')} |" + (_served_cells(step) if cfg.serve else ""))
     out += classes.class_table(cmp, band, time_class)
+    out += classes.class_table(cmp, band, time_class, "by_depth")
     if res.get("samples"):
         out += ["", "## What each run wrote", "", "The first prompt's first greedy tokens:", "",
                 "| run | text |", "|---|---|"]
@@ -245,6 +246,35 @@ def _served_cells(step: dict) -> str:
     return " failed | |" if step.get("served_error") else " | |"  # the recording and the split are not served
 
 
+_RUN_COLOURS = {REFERENCE: "tab:blue", "replay": "tab:orange", "normal": "tab:green", "constant": "tab:purple",
+                "zeros": "tab:gray"}
+
+
+def depth_curves(res: dict, cmp: dict) -> list[tuple[str, dict]]:
+    """``--depths``' curves: (panel title, run -> (depths in tokens, values))
+    for acceptance and the EOS-honoured mean output length against depth,
+    every run on one axis (none without --depths, or without drafts / an
+    EOS-honoured run)."""
+    per, depths = cmp.get("by_depth"), res.get("depths")
+    if not per or not depths:
+        return []
+    labels = [d for d in depths if d in per]
+    out = []
+    for name, value in (("acceptance (%) vs depth", lambda row: 100 * row["spec"]["acceptance"]
+                         if row.get("spec") else None),
+                        ("EOS-honoured mean output length vs depth", lambda row: row["eos"]["mean"]
+                         if row.get("eos") else None)):
+        lines = {}
+        for run in dict.fromkeys(r for d in labels for r in per[d]):
+            pts = [(depths[d], value(per[d][run])) for d in labels if run in per[d]]
+            pts = [(x, y) for x, y in pts if y is not None]
+            if pts:
+                lines[run] = ([x for x, _ in pts], [y for _, y in pts])
+        if lines:
+            out.append((name, lines))
+    return out
+
+
 def plot(path: str, res: dict, cmp: dict, title: str) -> bool:
     """Tokens equal, EOS lengths, acceptance, expert TV, decode time per run; False without matplotlib."""
     try:
@@ -268,7 +298,19 @@ def plot(path: str, res: dict, cmp: dict, title: str) -> bool:
     _, band = time_host_line(cmp.get(REFERENCE, {}).get("decode_time"))
     panels.append((f"decode time / real prefill\n(bar: 95 %; green: host resolves {band:.2g}x)",
                    lambda r: (cmp[r].get("decode_time") or {}).get("ratio", 0.0)))
-    fig, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels), 3.2), squeeze=False)
+    curves = depth_curves(res, cmp)
+    cols = max(len(panels), len(curves))
+    fig, axes = plt.subplots(1 + bool(curves), cols, figsize=(3.2 * cols, 3.2 * (1 + bool(curves))), squeeze=False)
+    for ax in list(axes[0][len(panels):]) + (list(axes[1][len(curves):]) if curves else []):
+        ax.set_visible(False)
+    for ax, (name, lines) in zip(axes[1] if curves else (), curves):
+        for run, (xs, ys) in lines.items():
+            ax.plot(xs, ys, marker="o", ms=3, label=run, lw=2.2 if run == REFERENCE else 1.2,
+                    color=_RUN_COLOURS.get(run), ls="-" if run in (REFERENCE, "replay") else "--")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("prompt depth (tokens)", fontsize=7)
+        ax.set_title(name, fontsize=8)
+        ax.legend(fontsize=6)
     for ax, (name, value) in zip(axes[0], panels):
         bars = ax.bar(runs, [value(r) for r in runs], color=["tab:blue" if r == REFERENCE else "tab:orange"
                                                              if r == "replay" else "tab:gray" for r in runs])

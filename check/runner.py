@@ -13,6 +13,8 @@ run.
 """
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import time
 
@@ -51,6 +53,9 @@ def run_all(cfg: CheckConfig, inputs: Inputs | None = None, log=print) -> dict:
     kv = kv_space(cfg, len(ids), max_len)  # CheckError when the host cannot hold it: before anything is written
     report.clear(cfg.out)
     os.makedirs(os.path.join(cfg.out, "logs"), exist_ok=True)
+    if inputs.texts is not None:  # --depths: the recording and the served data set read the cut prompts
+        cfg = dataclasses.replace(cfg, prompts=write_depth_prompts(cfg.out, inputs))
+        log(f"--depths: {len(inputs.ids)} prompts ({len(set(inputs.depths))} depths) written to {cfg.prompts}")
     if kv:
         log(f"KV space of each engine: {kv['gib']} GiB ({kv['source']})")
     env = kv_env(kv)
@@ -75,6 +80,20 @@ def run_all(cfg: CheckConfig, inputs: Inputs | None = None, log=print) -> dict:
                         "partial": {"stopped_by": stop.name, "measured": measured, "not_measured": not_measured}}
         raise
     return _result(cfg, inputs, kv, config, got, t_start, began)
+
+
+DEPTH_PROMPTS = "depth-prompts.jsonl"
+
+
+def write_depth_prompts(out: str, inputs: Inputs) -> str:
+    """The prompts ``--depths`` cut, as a JSONL prompts file in ``out``'s
+    logs (each line its text and class): what the recording and the served
+    data set read in place of the user's file."""
+    path = os.path.abspath(os.path.join(out, "logs", DEPTH_PROMPTS))
+    with open(path, "w") as f:
+        for text, c in zip(inputs.texts, inputs.classes):
+            f.write(json.dumps({"prompt": text, "class": c}) + "\n")
+    return path
 
 
 def _run_steps(cfg: CheckConfig, inputs: Inputs, engine: dict, env: dict, got: dict, log) -> None:
@@ -170,7 +189,9 @@ def _result(cfg: CheckConfig, inputs: Inputs, kv, config: dict, got: dict, t_sta
         coverage = None
     logs = [os.path.join(cfg.out, "logs", f"{prefix}{run}{suffix}.log") for run in steps
             for prefix, suffix in (("", ""), ("served-", "-server"), ("served-", "-client"))]
-    return {"prompt_tokens": [len(t) for t in ids], "prompt_classes": inputs.classes, "max_model_len": inputs.max_len,
+    return {"prompt_tokens": [len(t) for t in ids], "prompt_classes": inputs.classes,
+            "prompt_depths": inputs.depths, "depths": dict(cfg.depths) if cfg.depths else None,
+            "max_model_len": inputs.max_len,
             "kv_space": kv, "bank": bank, "bank_recorded": cfg.bank is None,
             "bank_stats": got["stats"], "bank_prompts_held": got["held"], "bank_coverage": coverage, "moe": moe,
             "moe_note": _moe_note(config, moe),

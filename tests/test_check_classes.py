@@ -106,8 +106,8 @@ def test_acceptance_eos_lengths_and_decode_time_are_reported_per_class_and_the_d
     cfg = check_config(["--model", str(tmp_path), "--prompts", __file__, "--out", str(tmp_path / "r")])
     md = report.markdown(cfg, res, cmp, lines)
     assert "## By prompt class" in md
-    assert "| code | prefill | 2 | reference | 11 | 100% (12/12) | 4 |" in md
-    assert "| prose | normal | 2 | 18/18 | 29 | 33% (8/24) | 2 | 2 [1.96, 2.082] differs |" in md
+    assert "| code | prefill | 2 | reference | 11 | 100% (12/12) | 100% / 100% / 100% | 4 |" in md
+    assert "| prose | normal | 2 | 18/18 | 29 | 33% (8/24) | 100% / 0% / 0% | 2 | 2 [1.96, 2.082] differs |" in md
 
 
 def test_a_fill_whose_drafter_proposes_nothing_on_a_class_differs_there():
