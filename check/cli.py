@@ -21,6 +21,7 @@ from vllm.engine.arg_utils import EngineArgs
 
 from kvfill.record.cli import REFUSED as RECORD_REFUSED
 from kvfill.record.cli import RecordArgumentParser, _check_engine_args, _require_model, parse
+from .depths import argument as depths_argument
 
 USAGE = "kvfill-check --model MODEL --prompts FILE [--bank BANK] [--out DIR] [check options] [vLLM engine options]"
 FILLS = ("replay", "normal", "constant", "zeros")
@@ -149,7 +150,7 @@ def build_parser() -> RecordArgumentParser:
                      help="what replay writes past a recorded sequence's end (the connector's past_bank): the "
                           "sequence again from its start as recorded, or with its keys re-rotated to their true "
                           "positions")
-    own.add_argument("--depths", default=None, metavar="D,D,...",
+    own.add_argument("--depths", default=None, metavar="D,D,...", type=depths_argument,
                      help="cut each prompt to its first D tokens for each depth D (an int, k = 1024: e.g. 1k,8k,32k), "
                           "each depth a prompt class (with the file's classes: CLASS.D); every prompt must reach the "
                           "largest depth")
@@ -212,14 +213,6 @@ def check_config(argv: Sequence[str] | None = None) -> CheckConfig:
     if args.decoys and (args.decoys < 1 or not args.enable_prefix_caching):
         raise CheckError(f"--decoys {args.decoys}: expected an int >= 1, with --enable-prefix-caching (without it "
                          f"no block is reused)")
-    depths = None
-    if args.depths is not None:
-        from .depths import parse as parse_depths
-
-        try:
-            depths = parse_depths(args.depths)
-        except ValueError as exc:
-            raise CheckError(str(exc)) from None
     if not args.run_timeout > 0:
         raise CheckError(f"--run-timeout {args.run_timeout}: expected seconds > 0")
     if args.bank is not None:
@@ -239,7 +232,7 @@ def check_config(argv: Sequence[str] | None = None) -> CheckConfig:
                        engine=engine, argv=list(argv) if argv is not None else [], in_process=args.in_process,
                        serve=args.serve, concurrency=args.concurrency, decoys=args.decoys, verify=args.verify,
                        time_passes=args.time_passes, time_by_class=args.time_by_class,
-                       bank_placement=args.bank_placement, past_bank=args.past_bank, depths=depths)
+                       bank_placement=args.bank_placement, past_bank=args.past_bank, depths=args.depths)
 
 
 def own_actions(p: RecordArgumentParser) -> list:

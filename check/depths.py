@@ -19,6 +19,7 @@ prompt class, so that depth is the only thing that changes between classes.
 """
 from __future__ import annotations
 
+import argparse
 import re
 
 MAX_BACK = 8  # tokens a cut may move back to find a boundary the text re-tokenizes at
@@ -41,6 +42,28 @@ def parse(text: str) -> list[tuple[str, int]]:
                              f"each depth once")
         out[n] = s.lower()
     return [(label, n) for n, label in sorted(out.items())]
+
+
+def argument(text: str) -> list[tuple[str, int]]:
+    """``parse`` as argparse's ``type`` (its error exits 2 with the line)."""
+    try:
+        return parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def cut_prompts(cfg, tok, texts: list[str], ids: list[list[int]], classes: list[str] | None):
+    """``cut`` as the check's inputs take it: ``(texts, ids, classes,
+    depth labels)``, texts and labels None without ``--depths``; a
+    CheckError for what ``cut`` refuses."""
+    if not cfg.depths:
+        return None, ids, classes, None
+    from .cli import CheckError
+
+    try:
+        return cut(tok, texts, ids, classes, cfg.depths, cfg.prompts)
+    except ValueError as exc:
+        raise CheckError(str(exc)) from None
 
 
 def _offsets(tok, text: str) -> list[tuple[int, int]] | None:

@@ -64,8 +64,12 @@ def test_a_prompt_shorter_than_the_largest_depth_is_refused_naming_it(check_mode
     with pytest.raises(CheckError, match=r"--depths 20: prompt 2 of .*p\.txt' has 12 tokens \(1 of 2 prompts are "
                                          r"shorter than 20\); expected every prompt at least as long"):
         prepare(check_config(["--model", model, "--prompts", prompts, "--depths", "10,20"]))
-    with pytest.raises(CheckError, match="--depths '4,k': 'k' is not a depth"):
+
+def test_a_bad_depths_value_exits_2_naming_it(check_model, capsys):
+    model, prompts = check_model
+    with pytest.raises(SystemExit) as e:
         check_config(["--model", model, "--prompts", prompts, "--depths", "4,k"])
+    assert e.value.code == 2 and "--depths '4,k': 'k' is not a depth; expected token counts" in capsys.readouterr().err
 
 
 class _MergingTokenizer:
