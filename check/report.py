@@ -308,6 +308,7 @@ def plot(path: str, res: dict, cmp: dict, title: str) -> bool:
             ax.plot(xs, ys, marker="o", ms=3, label=run, lw=2.2 if run == REFERENCE else 1.2,
                     color=_RUN_COLOURS.get(run), ls="-" if run in (REFERENCE, "replay") else "--")
         ax.set_xscale("log", base=2)
+        ax.set_xticks(list(res["depths"].values()), list(res["depths"]), fontsize=7)
         ax.set_xlabel("prompt depth (tokens)", fontsize=7)
         ax.set_title(name, fontsize=8)
         ax.legend(fontsize=6)

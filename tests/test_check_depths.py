@@ -174,7 +174,7 @@ def test_kvfill_check_along_depth_on_a_sliding_window_model_with_ngram_drafts(tm
     spec = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
                        "prompt_lookup_min": 2})
     r = subprocess.run([sys.executable, "-m", "kvfill.check", "--model", model, "--prompts", prompts, "--out", str(out),
-                        "--depths", "400,200", "--fills", "replay", "zeros", "--output-len", "10", "--max-tokens",
+                        "--depths", "400,200", "--fills", "replay", "--output-len", "10", "--max-tokens",
                         "16", "--time-passes", "0", "--speculative-config", spec], capture_output=True, text=True,
                        timeout=900)
     data = json.loads((out / "report.json").read_text())
@@ -195,7 +195,6 @@ def test_kvfill_check_along_depth_on_a_sliding_window_model_with_ngram_drafts(tm
         assert replay["tokens"]["identical"] and replay["eos_lengths_identical"], (d, replay)
         assert ref["spec"] and ref["spec"]["drafts"] > 0, (d, ref)  # the drafter proposed at this depth
         assert replay["spec"] == ref["spec"] and len(ref["spec"]["acceptance_per_position"]) == 3, (d, ref)
-        assert runs["zeros"]["spec"] is None or "acceptance_per_position" in runs["zeros"]["spec"]
     assert cmp["replay"]["drafts_equal"]["equal"] == cmp["replay"]["drafts_equal"]["total"] > 0
     own = cmp["prefill"]["spec"]["acceptance_per_position"]  # vLLM's own per-position counter, read from its metrics
     assert len(own) == 3 and own[0] >= own[1] >= own[2], own

@@ -1,0 +1,203 @@
+"""Fidelity along prompt depth: what each synthetic fill does to speculative
+acceptance, output lengths and tokens at the depths users benchmark, against
+real prefill and replay, on both trained models up to their context.
+
+    python bench/fidelity_depth.py --run                  # every model's check, then the table and plot
+    python bench/fidelity_depth.py --run --models smollm2  # one model
+    python bench/fidelity_depth.py                        # the table and plot from the stored reports
+
+Per model one ``kvfill-check --depths`` run (``check/depths.py``) on real
+long text (``bench/long_prompts.py``: Python source, prose documentation,
+and a summary request around a document; ``--per-kind`` prompts of each,
+every prompt cut to each depth, so depth is the only thing that changes),
+greedy, EOS honoured (``--max-tokens``), ngram drafts (3 tokens, lookup
+2-4), every fill kvfill-check compares.  SmolLM2-135M-Instruct runs to 7K
+(its context is 8K, less the output), Gemma-3-270M base to 31K (its 32K,
+less the output; 5 of 6 layers a 512-token window).  Gemma's deepest depth
+is checked again with replay from a host-kept bank and ``--past-bank
+rotate`` (``--variants``), reusing the first check's bank.  Suffix decoding
+is not in the study: vLLM 0.32's needs ``arctic_inference.suffix_decoding``,
+whose only wheel on the index (0.0.4) lacks it (0.3.0 is a source archive
+building a native extension).
+
+Reports: ``bench/results/fidelity/check-depth-MODEL[-VARIANT]-cpu.*``; the
+table goes into docs/fidelity.md between its depth markers, the curves into
+``bench/results/fidelity/depth.png``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+RESULTS = os.path.join(HERE, "results", "fidelity")
+WORK = os.path.join(ROOT, "out", "fidelity-depth")
+DOC = os.path.join(ROOT, "docs", "fidelity.md")
+BEGIN, END = "<!-- depth table: python bench/fidelity_depth.py -->", "<!-- end of the depth table -->"
+FILLS = ("replay", "normal", "constant", "zeros")
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+OUTPUT_LEN, MAX_TOKENS = 32, 128
+# name -> (title, depths, the model's builder in kvfill.bench, its default folder's attribute)
+MODELS = {
+    "smollm2": ("SmolLM2-135M-Instruct (dense, 8K)", "1k,2k,4k,7k", "real_model", "make_real_model"),
+    "gemma": ("Gemma-3-270M base (512-token window on 5 of 6 layers, 32K)", "1k,4k,8k,16k,31k", "gemma_model",
+              "make_gemma_model"),
+}
+# Gemma's deepest depth again, replaying the first check's bank another way
+VARIANTS = {"host-rotate": ["--bank-placement", "host", "--past-bank", "rotate"]}
+
+
+def _model(name: str) -> str:
+    import importlib
+
+    _, _, module, builder = MODELS[name]
+    return getattr(importlib.import_module(f"kvfill.bench.{module}"), builder)()
+
+
+def _check(model: str, prompts: str, out: str, depths: str, extra: list[str]) -> int:
+    from kvfill.check.depths import parse
+
+    deepest = parse(depths)[-1][1]
+    cmd = [sys.executable, "-m", "kvfill.check", "--model", model, "--prompts", prompts, "--out", out,
+           "--depths", depths, "--output-len", str(OUTPUT_LEN), "--max-tokens", str(MAX_TOKENS),
+           "--time-passes", "0", "--max-model-len", str(deepest + MAX_TOKENS + 16),
+           "--speculative-config", json.dumps(NGRAM), *extra]
+    print("$", " ".join(cmd), flush=True)
+    return subprocess.run(cmd, check=False).returncode
+
+
+def run(names: list[str], per_kind: int, variants: bool) -> None:
+    """Each model's check, then its variants, published into RESULTS."""
+    from kvfill.bench.check_presets import publish
+    from kvfill.bench.long_prompts import write
+    from kvfill.check.depths import parse
+
+    os.makedirs(WORK, exist_ok=True)
+    for name in names:
+        title, depths, _, _ = MODELS[name]
+        model, t0 = _model(name), time.perf_counter()
+        prompts = os.path.join(WORK, f"prompts-{name}.jsonl")
+        write(prompts, tokens=parse(depths)[-1][1] + 1024, per_kind=per_kind, tokenizers=[model])
+        out = os.path.join(WORK, name)
+        _check(model, prompts, out, depths, ["--fills", *FILLS])
+        publish(out, RESULTS, f"depth-{name}")
+        print(f"{name}: {time.perf_counter() - t0:.0f} s", flush=True)
+        bank = os.path.join(out, "bank.safetensors")
+        if name != "gemma" or not variants or not os.path.exists(bank):
+            continue
+        deepest = depths.split(",")[-1]
+        for tag, flags in VARIANTS.items():
+            vout = os.path.join(WORK, f"{name}-{tag}")
+            _check(model, prompts, vout, deepest, ["--bank", bank, "--fills", "replay", *flags])
+            publish(vout, RESULTS, f"depth-{name}-{tag}")
+
+
+def _pct(x) -> str:
+    return "" if x is None else f"{100 * x:.0f}%"
+
+
+def rows_of(report: str, title: str, data: dict) -> list[list]:
+    """One row per depth and run: the run's figures at that depth beside real prefill's."""
+    per = (data.get("comparison") or {}).get("by_depth") or {}
+    prompts = {d: data["prompt_depths"].count(d) for d in per}
+    out = []
+    for d, runs in per.items():
+        ref = runs.get("prefill") or {}
+        rs, re_ = ref.get("spec") or {}, ref.get("eos") or {}
+        for run, row in runs.items():
+            s, e, t = row.get("spec") or {}, row.get("eos") or {}, row.get("tokens")
+            pos = " / ".join(_pct(a) for a in s.get("acceptance_per_position", ()))
+            ref_pos = " / ".join(_pct(a) for a in rs.get("acceptance_per_position", ()))
+            out.append([title, d, run, "reference" if run == "prefill" else f"{t['equal']}/{t['total']}",
+                        f"{_pct(s.get('acceptance'))}" + ("" if run == "prefill" else f" vs {_pct(rs.get('acceptance'))}"),
+                        pos + ("" if run == "prefill" else f" vs {ref_pos}"),
+                        f"{s.get('tokens_per_step', '')}" + ("" if run == "prefill" else
+                                                             f" vs {rs.get('tokens_per_step', '')}"),
+                        f"{e.get('mean', '')}" + ("" if run == "prefill" else f" vs {re_.get('mean', '')}"
+                                                  + (" (each =)" if row.get("eos_lengths_identical") else "")),
+                        f"{prompts[d]} prompts, {s.get('drafts', 0)} drafts", report])
+    return out
+
+
+HEADER = ["model", "depth", "run", "tokens = real", "acceptance vs real", "per position vs real",
+          "tokens/step vs real", "EOS mean length vs real", "sample", "report"]
+
+
+def table() -> tuple[list[list], list[tuple[str, str, dict]], float]:
+    rows, reports, seconds = [], [], 0.0
+    for name, (title, _, _, _) in MODELS.items():
+        for tag in ["", *(f"-{v}" for v in VARIANTS)]:
+            path = os.path.join(RESULTS, f"check-depth-{name}{tag}-cpu.json")
+            if os.path.exists(path):
+                data = json.load(open(path))
+                rows += rows_of(os.path.basename(path)[:-5], title + (f" ({tag[1:]})" if tag else ""), data)
+                reports.append((title, tag, data))
+                seconds += data.get("runtime_s", 0.0)
+    return rows, reports, seconds
+
+
+def plot(reports: list[tuple[str, str, dict]], path: str) -> bool:
+    """Acceptance and EOS-honoured mean output length against depth, per model: every run on one axis."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    from kvfill.check.report import _RUN_COLOURS, depth_curves
+
+    main = [(title, data) for title, tag, data in reports if not tag]  # the variants' one depth draws no curve
+    if not main:
+        return False
+    fig, axes = plt.subplots(len(main), 2, figsize=(9, 3.4 * len(main)), squeeze=False)
+    for (title, data), row in zip(main, axes):
+        for ax, (name, lines) in zip(row, depth_curves(data, data["comparison"])):
+            for run, (xs, ys) in lines.items():
+                ax.plot(xs, ys, marker="o", ms=3, label=run, color=_RUN_COLOURS.get(run),
+                        lw=2.2 if run == "prefill" else 1.2, ls="-" if run in ("prefill", "replay") else "--")
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(list(data["depths"].values()), list(data["depths"]), fontsize=7)
+            ax.set_title(f"{title}\n{name}", fontsize=8)
+            ax.set_xlabel("prompt depth (tokens)", fontsize=7)
+            ax.legend(fontsize=6)
+    fig.suptitle("kvfill-check --depths, ngram drafts, greedy (python bench/fidelity_depth.py)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--run", action="store_true", help="run each model's check first (minutes to hours on 2 cores)")
+    p.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
+    p.add_argument("--per-kind", type=int, default=1, help="prompts of each kind (code, prose, chat) per depth")
+    p.add_argument("--no-variants", dest="variants", action="store_false",
+                   help="--run: not Gemma's host-kept / rotate replay at its deepest depth")
+    a = p.parse_args(argv)
+    if a.run:
+        run(a.models, a.per_kind, a.variants)
+    rows, reports, seconds = table()
+    text = open(DOC).read()
+    if BEGIN not in text or END not in text:
+        print(f"{DOC} has no depth table markers ({BEGIN!r} ... {END!r})", file=sys.stderr)
+        return 1
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    body = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+    body += ["| " + " | ".join(str(c).replace("|", "¦") for c in r) + " |" for r in rows]
+    body += ["", f"The stored reports' runtimes add up to {seconds / 60:.0f} minutes on this host."]
+    with open(DOC, "w") as f:
+        f.write(head + BEGIN + "\n\n" + "\n".join(body) + "\n\n" + END + tail)
+    drawn = plot(reports, os.path.join(RESULTS, "depth.png"))
+    print(f"{DOC}: {len(rows)} depth rows{'; depth.png drawn' if drawn else ''}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
