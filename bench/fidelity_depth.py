@@ -14,8 +14,9 @@ greedy, EOS honoured (``--max-tokens``), ngram drafts (3 tokens, lookup
 2-4), every fill kvfill-check compares.  SmolLM2-135M-Instruct runs to 7K
 (its context is 8K, less the output), Gemma-3-270M base to 31K (its 32K,
 less the output; 5 of 6 layers a 512-token window).  Gemma's deepest depth
-is checked again with replay from a host-kept bank and ``--past-bank
-rotate`` (``--variants``), reusing the first check's bank.  Suffix decoding
+is checked again on one prompt (``VARIANTS``): replay from a host-kept
+bank, and from a bank of the prompt's first half, written past its end as
+recorded (``--past-bank wrap``) or re-rotated (``rotate``).  Suffix decoding
 is not in the study: vLLM 0.32's needs ``arctic_inference.suffix_decoding``,
 whose only wheel on the index (0.0.4) lacks it (0.3.0 is a source archive
 building a native extension).
@@ -48,8 +49,12 @@ MODELS = {
     "gemma": ("Gemma-3-270M base (512-token window on 5 of 6 layers, 32K)", "1k,4k,8k,16k,31k", "gemma_model",
               "make_gemma_model"),
 }
-# Gemma's deepest depth again, replaying the first check's bank another way
-VARIANTS = {"host-rotate": ["--bank-placement", "host", "--past-bank", "rotate"]}
+# Gemma's deepest depth again, one prompt (the first: code), replayed another way: from the first check's
+# bank kept in host memory (every row the prompt's: equal to real prefill, or a bug), and from a bank of its
+# first half only (kvfill-record --positions), past which replay writes that half again (wrap) or with its
+# keys re-rotated to their true positions (rotate): how close each comes to real prefill is measured
+VARIANTS = {"host": (None, ["--bank-placement", "host"]), "wrap-half": (0.5, ["--past-bank", "wrap"]),
+            "rotate-half": (0.5, ["--past-bank", "rotate"])}
 
 
 def _model(name: str) -> str:
@@ -87,14 +92,35 @@ def run(names: list[str], per_kind: int, variants: bool) -> None:
         _check(model, prompts, out, depths, ["--fills", *FILLS])
         publish(out, RESULTS, f"depth-{name}")
         print(f"{name}: {time.perf_counter() - t0:.0f} s", flush=True)
+        if name == "gemma" and variants and os.path.exists(os.path.join(out, "bank.safetensors")):
+            run_variants(model, out, depths)
+
+
+def run_variants(model: str, out: str, depths: str) -> None:
+    """``VARIANTS`` on the first prompt at the deepest depth (what the first
+    check cut it to), each a check of its own beside real prefill."""
+    from kvfill.bench.check_presets import publish
+    from kvfill.check.depths import parse
+
+    label, deepest = parse(depths)[-1]
+    with open(os.path.join(out, "logs", "depth-prompts.jsonl")) as f:
+        first = next(line for line in f if json.loads(line)["class"].endswith(f".{label}"))
+    one = os.path.join(WORK, "variant-prompt.jsonl")
+    with open(one, "w") as f:
+        f.write(first)
+    for tag, (share, flags) in VARIANTS.items():
         bank = os.path.join(out, "bank.safetensors")
-        if name != "gemma" or not variants or not os.path.exists(bank):
-            continue
-        deepest = depths.split(",")[-1]
-        for tag, flags in VARIANTS.items():
-            vout = os.path.join(WORK, f"{name}-{tag}")
-            _check(model, prompts, vout, deepest, ["--bank", bank, "--fills", "replay", *flags])
-            publish(vout, RESULTS, f"depth-{name}-{tag}")
+        if share:  # a bank of the prompt's first positions only, recorded with the check's flags
+            bank = os.path.join(WORK, f"bank-{tag}.safetensors")
+            cmd = [sys.executable, "-m", "kvfill.record", "--model", model, "--prompts", one, "--out", bank,
+                   "--positions", str(int(deepest * share)), "--max-model-len", str(deepest + MAX_TOKENS + 16),
+                   "--enforce-eager", "--speculative-config", json.dumps(NGRAM)]
+            print("$", " ".join(cmd), flush=True)
+            if subprocess.run(cmd, check=False).returncode:
+                continue
+        vout = os.path.join(WORK, f"{os.path.basename(out)}-{tag}")
+        _check(model, one, vout, label, ["--bank", bank, "--fills", "replay", *flags])
+        publish(vout, RESULTS, f"depth-{os.path.basename(out)}-{tag}")
 
 
 def _pct(x) -> str:
@@ -178,7 +204,7 @@ def main(argv=None) -> int:
     p.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
     p.add_argument("--per-kind", type=int, default=1, help="prompts of each kind (code, prose, chat) per depth")
     p.add_argument("--no-variants", dest="variants", action="store_false",
-                   help="--run: not Gemma's host-kept / rotate replay at its deepest depth")
+                   help="--run: not Gemma's host-kept / half-bank replays at its deepest depth")
     a = p.parse_args(argv)
     if a.run:
         run(a.models, a.per_kind, a.variants)
