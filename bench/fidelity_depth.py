@@ -209,6 +209,9 @@ def main(argv=None) -> int:
     if a.run:
         run(a.models, a.per_kind, a.variants)
     rows, reports, seconds = table()
+    if not rows:
+        print(f"no depth reports in {RESULTS} (python bench/fidelity_depth.py --run); {DOC} left as it is")
+        return 0
     text = open(DOC).read()
     if BEGIN not in text or END not in text:
         print(f"{DOC} has no depth table markers ({BEGIN!r} ... {END!r})", file=sys.stderr)
