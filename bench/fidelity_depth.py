@@ -76,7 +76,7 @@ def _check(model: str, prompts: str, out: str, depths: str, extra: list[str]) ->
     return subprocess.run(cmd, check=False).returncode
 
 
-def run(names: list[str], per_kind: int, variants: bool) -> None:
+def run(names: list[str], per_kind: int, variants: bool, kinds: list[str] | None = None) -> None:
     """Each model's check, then its variants, published into RESULTS."""
     from kvfill.bench.check_presets import publish
     from kvfill.bench.long_prompts import write
@@ -88,6 +88,11 @@ def run(names: list[str], per_kind: int, variants: bool) -> None:
         model, t0 = _model(name), time.perf_counter()
         prompts = os.path.join(WORK, f"prompts-{name}.jsonl")
         write(prompts, tokens=parse(depths)[-1][1] + 1024, per_kind=per_kind, tokenizers=[model])
+        if kinds:  # only these kinds' lines (a prefill pass costs minutes per 10K tokens on 2 cores; the sidecar still names all)
+            with open(prompts) as f:
+                lines = [line for line in f if json.loads(line)["class"] in kinds]
+            with open(prompts, "w") as f:
+                f.writelines(lines)
         out = os.path.join(WORK, name)
         _check(model, prompts, out, depths, ["--fills", *FILLS])
         publish(out, RESULTS, f"depth-{name}")
@@ -203,11 +208,13 @@ def main(argv=None) -> int:
     p.add_argument("--run", action="store_true", help="run each model's check first (minutes to hours on 2 cores)")
     p.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
     p.add_argument("--per-kind", type=int, default=1, help="prompts of each kind (code, prose, chat) per depth")
+    p.add_argument("--kinds", nargs="+", choices=("code", "prose", "chat"), default=None,
+                   help="--run: only these kinds of prompt (default: all three)")
     p.add_argument("--no-variants", dest="variants", action="store_false",
                    help="--run: not Gemma's host-kept / half-bank replays at its deepest depth")
     a = p.parse_args(argv)
     if a.run:
-        run(a.models, a.per_kind, a.variants)
+        run(a.models, a.per_kind, a.variants, a.kinds)
     rows, reports, seconds = table()
     if not rows:
         print(f"no depth reports in {RESULTS} (python bench/fidelity_depth.py --run); {DOC} left as it is")
