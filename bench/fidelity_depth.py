@@ -88,7 +88,8 @@ def run(names: list[str], per_kind: int, variants: bool, kinds: list[str] | None
         model, t0 = _model(name), time.perf_counter()
         prompts = os.path.join(WORK, f"prompts-{name}.jsonl")
         write(prompts, tokens=parse(depths)[-1][1] + 1024, per_kind=per_kind, tokenizers=[model])
-        if kinds:  # only these kinds' lines (a prefill pass costs minutes per 10K tokens on 2 cores; the sidecar still names all)
+        if kinds:  # only these kinds' lines: a prefill pass costs minutes per 10K tokens on 2 cores (the sidecar
+            # still names every line)
             with open(prompts) as f:
                 lines = [line for line in f if json.loads(line)["class"] in kinds]
             with open(prompts, "w") as f:
@@ -144,8 +145,9 @@ def rows_of(report: str, title: str, data: dict) -> list[list]:
             s, e, t = row.get("spec") or {}, row.get("eos") or {}, row.get("tokens")
             pos = " / ".join(_pct(a) for a in s.get("acceptance_per_position", ()))
             ref_pos = " / ".join(_pct(a) for a in rs.get("acceptance_per_position", ()))
+            vs_acc = "" if run == "prefill" else f" vs {_pct(rs.get('acceptance'))}"
             out.append([title, d, run, "reference" if run == "prefill" else f"{t['equal']}/{t['total']}",
-                        f"{_pct(s.get('acceptance'))}" + ("" if run == "prefill" else f" vs {_pct(rs.get('acceptance'))}"),
+                        f"{_pct(s.get('acceptance'))}{vs_acc}",
                         pos + ("" if run == "prefill" else f" vs {ref_pos}"),
                         f"{s.get('tokens_per_step', '')}" + ("" if run == "prefill" else
                                                              f" vs {rs.get('tokens_per_step', '')}"),

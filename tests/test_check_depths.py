@@ -201,3 +201,23 @@ def test_kvfill_check_along_depth_on_a_sliding_window_model_with_ngram_drafts(tm
     md = (out / "report.md").read_text()
     assert "## By depth" in md and "| 400 | replay | 2 |" in md
     assert (out / "report.png").stat().st_size > 0
+
+
+def test_the_depth_studys_table_and_plot_read_a_reports_depths(tmp_path):
+    """bench/fidelity_depth.py's rows and curves from a report as
+    kvfill-check stores it (made-up runs): a row per depth and run beside
+    real prefill's figures, and the plot drawn."""
+    from kvfill.bench import fidelity_depth
+
+    steps = {"prefill": _run([WHOLE, WHOLE, ONE, ONE], [10, 12, 20, 22]),
+             "zeros": _run([ONE, ONE, ONE, ONE], [10, 12, 40, 44])}
+    res = {"steps": steps, "prompt_tokens": [10, 10, 30, 30], "prompt_classes": ["a.10", "b.10", "a.30", "b.30"],
+           "prompt_depths": ["10", "10", "30", "30"], "depths": {"10": 10, "30": 30}}
+    data = {**res, "comparison": compare.compare_all(res)}
+    rows = fidelity_depth.rows_of("check-depth-x-cpu", "x", data)
+    assert [r[1:3] for r in rows] == [["10", "prefill"], ["10", "zeros"], ["30", "prefill"], ["30", "zeros"]]
+    assert rows[1][3:8] == ["18/18", "33% vs 100%", "100% / 0% / 0% vs 100% / 100% / 100%", "2.0 vs 4.0",
+                            "11.0 vs 11.0 (each =)"]
+    assert rows[3][8] == "2 prompts, 8 drafts" and len(rows[0]) == len(fidelity_depth.HEADER)
+    assert fidelity_depth.plot([("x", "", data)], str(tmp_path / "depth.png"))
+    assert (tmp_path / "depth.png").stat().st_size > 0
