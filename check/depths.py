@@ -75,12 +75,13 @@ def _offsets(tok, text: str) -> list[tuple[int, int]] | None:
         return None
 
 
-def cut_one(tok, text: str, ids: list[int], depth: int) -> tuple[str, list[int]] | None:
+def cut_one(tok, text: str, ids: list[int], depth: int, offsets=None) -> tuple[str, list[int]] | None:
     """``text`` cut so it tokenizes to ``ids[:n]``, n the largest count
     within ``MAX_BACK`` of ``depth`` at which that holds; None where none
-    does.  Without offsets the text is the decoded tokens (special ones
-    left out: the tokenizer adds them again)."""
-    offsets = _offsets(tok, text)
+    does.  ``offsets``: ``_offsets(tok, text)`` where the caller has them
+    (one prompt is cut at every depth).  Without offsets the text is the
+    decoded tokens (special ones left out: the tokenizer adds them again)."""
+    offsets = _offsets(tok, text) if offsets is None else offsets
     for n in range(depth, max(depth - MAX_BACK, 0), -1):
         if offsets is not None and len(offsets) == len(ids):
             end = offsets[n - 1][1]
@@ -109,9 +110,10 @@ def cut(tok, texts: list[str], ids: list[list[int]], classes: list[str] | None,
                          f"{len(ids)} prompts are shorter than {deepest}); expected every prompt at least as long "
                          f"as the largest depth, so each depth class holds the same prompts cut shorter")
     out_texts, out_ids, out_classes, labels = [], [], [], []
+    offsets = [_offsets(tok, text) for text in texts]  # each prompt tokenized once, whatever the depths
     for label, depth in depths:
         for i, (text, t) in enumerate(zip(texts, ids)):
-            got = cut_one(tok, text, t, depth)
+            got = cut_one(tok, text, t, depth, offsets[i])
             if got is None:
                 raise ValueError(f"--depths {label}: prompt {i + 1} of {source!r} cut anywhere within {MAX_BACK} "
                                  f"tokens of {depth} tokenizes to other tokens than its own first ones; expected "
