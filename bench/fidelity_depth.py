@@ -182,7 +182,7 @@ def plot(reports: list[tuple[str, str, dict]], path: str) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    from kvfill.check.report import _RUN_COLOURS, depth_curves
+    from kvfill.check.report import depth_curves, draw_depth_curves
 
     main = [(title, data) for title, tag, data in reports if not tag]  # the variants' one depth draws no curve
     if not main:
@@ -190,14 +190,7 @@ def plot(reports: list[tuple[str, str, dict]], path: str) -> bool:
     fig, axes = plt.subplots(len(main), 2, figsize=(9, 3.4 * len(main)), squeeze=False)
     for (title, data), row in zip(main, axes):
         for ax, (name, lines) in zip(row, depth_curves(data, data["comparison"])):
-            for run, (xs, ys) in lines.items():
-                ax.plot(xs, ys, marker="o", ms=3, label=run, color=_RUN_COLOURS.get(run),
-                        lw=2.2 if run == "prefill" else 1.2, ls="-" if run in ("prefill", "replay") else "--")
-            ax.set_xscale("log", base=2)
-            ax.set_xticks(list(data["depths"].values()), list(data["depths"]), fontsize=7)
-            ax.set_title(f"{title}\n{name}", fontsize=8)
-            ax.set_xlabel("prompt depth (tokens)", fontsize=7)
-            ax.legend(fontsize=6)
+            draw_depth_curves(ax, f"{title}\n{name}", lines, data["depths"])
     fig.suptitle("kvfill-check --depths, ngram drafts, greedy (python bench/fidelity_depth.py)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

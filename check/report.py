@@ -275,6 +275,19 @@ def depth_curves(res: dict, cmp: dict) -> list[tuple[str, dict]]:
     return out
 
 
+def draw_depth_curves(ax, title: str, lines: dict, depths: dict) -> None:
+    """One of ``depth_curves``' panels on ``ax``: every run's line against
+    depth (log scale, ticked at ``depths``: label -> tokens)."""
+    for run, (xs, ys) in lines.items():
+        ax.plot(xs, ys, marker="o", ms=3, label=run, lw=2.2 if run == REFERENCE else 1.2,
+                color=_RUN_COLOURS.get(run), ls="-" if run in (REFERENCE, "replay") else "--")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(list(depths.values()), list(depths), fontsize=7)
+    ax.set_xlabel("prompt depth (tokens)", fontsize=7)
+    ax.set_title(title, fontsize=8)
+    ax.legend(fontsize=6)
+
+
 def plot(path: str, res: dict, cmp: dict, title: str) -> bool:
     """Tokens equal, EOS lengths, acceptance, expert TV, decode time per run; False without matplotlib."""
     try:
@@ -304,14 +317,7 @@ def plot(path: str, res: dict, cmp: dict, title: str) -> bool:
     for ax in list(axes[0][len(panels):]) + (list(axes[1][len(curves):]) if curves else []):
         ax.set_visible(False)
     for ax, (name, lines) in zip(axes[1] if curves else (), curves):
-        for run, (xs, ys) in lines.items():
-            ax.plot(xs, ys, marker="o", ms=3, label=run, lw=2.2 if run == REFERENCE else 1.2,
-                    color=_RUN_COLOURS.get(run), ls="-" if run in (REFERENCE, "replay") else "--")
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(list(res["depths"].values()), list(res["depths"]), fontsize=7)
-        ax.set_xlabel("prompt depth (tokens)", fontsize=7)
-        ax.set_title(name, fontsize=8)
-        ax.legend(fontsize=6)
+        draw_depth_curves(ax, name, lines, res["depths"])
     for ax, (name, value) in zip(axes[0], panels):
         bars = ax.bar(runs, [value(r) for r in runs], color=["tab:blue" if r == REFERENCE else "tab:orange"
                                                              if r == "replay" else "tab:gray" for r in runs])
