@@ -94,15 +94,21 @@ def run(names: list[str], per_kind: int, variants: bool, kinds: list[str] | None
                 lines = [line for line in f if json.loads(line)["class"] in kinds]
             with open(prompts, "w") as f:
                 f.writelines(lines)
-        out = os.path.join(WORK, name)
-        _check(model, prompts, out, depths, ["--fills", *FILLS])
+        out, kept = os.path.join(WORK, name), os.path.join(WORK, f"bank-{name}.safetensors")
+        # an earlier run's recording of these prompts is replayed again, not recorded again (the recording is
+        # a third of a check's time); the report says how many prompts it holds whole
+        reuse = ["--bank", kept] if os.path.exists(kept) else []
+        _check(model, prompts, out, depths, [*reuse, "--fills", *FILLS])
+        if not reuse and os.path.exists(os.path.join(out, "bank.safetensors")):
+            os.replace(os.path.join(out, "bank.safetensors"), kept)
         publish(out, RESULTS, f"depth-{name}")
-        print(f"{name}: {time.perf_counter() - t0:.0f} s", flush=True)
-        if name == "gemma" and variants and os.path.exists(os.path.join(out, "bank.safetensors")):
-            run_variants(model, out, depths)
+        print(f"{name}: {time.perf_counter() - t0:.0f} s" + (f" (the recording {kept} reused)" if reuse else ""),
+              flush=True)
+        if name == "gemma" and variants and os.path.exists(kept):
+            run_variants(model, kept, out, depths)
 
 
-def run_variants(model: str, out: str, depths: str) -> None:
+def run_variants(model: str, main_bank: str, out: str, depths: str) -> None:
     """``VARIANTS`` on the first prompt at the deepest depth (what the first
     check cut it to), each a check of its own beside real prefill."""
     from kvfill.bench.check_presets import publish
@@ -115,7 +121,7 @@ def run_variants(model: str, out: str, depths: str) -> None:
     with open(one, "w") as f:
         f.write(first)
     for tag, (share, flags) in VARIANTS.items():
-        bank = os.path.join(out, "bank.safetensors")
+        bank = main_bank
         if share:  # a bank of the prompt's first positions only, recorded with the check's flags
             bank = os.path.join(WORK, f"bank-{tag}.safetensors")
             cmd = [sys.executable, "-m", "kvfill.record", "--model", model, "--prompts", one, "--out", bank,
@@ -207,9 +213,14 @@ def main(argv=None) -> int:
                    help="--run: only these kinds of prompt (default: all three)")
     p.add_argument("--no-variants", dest="variants", action="store_false",
                    help="--run: not Gemma's host-kept / half-bank replays at its deepest depth")
+    p.add_argument("--variants-only", action="store_true",
+                   help="only Gemma's variants, from its stored check (out/fidelity-depth/gemma) and recording")
     a = p.parse_args(argv)
     if a.run:
         run(a.models, a.per_kind, a.variants, a.kinds)
+    if a.variants_only:
+        run_variants(_model("gemma"), os.path.join(WORK, "bank-gemma.safetensors"), os.path.join(WORK, "gemma"),
+                     MODELS["gemma"][1])
     rows, reports, seconds = table()
     if not rows:
         print(f"no depth reports in {RESULTS} (python bench/fidelity_depth.py --run); {DOC} left as it is")
