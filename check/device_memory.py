@@ -102,8 +102,9 @@ PEAK_ALLOWANCE = 8 * GiB
 # for such allocations after the measure (KV_CACHE_NON_TORCH_RESERVE_BYTES on CUDA, bank_fit.NON_TORCH_RESERVE).
 NON_TORCH_ALLOWANCE = GiB // 2
 # Rotary cos/sin tables re-rotation keeps on the GPU, per position below max_model_len: up to two distinct
-# float32 tables of 128 columns (a model's and a sparse indexer's: 64 MiB each at 128k positions).
-TABLE_BYTES_PER_POSITION = 2 * 128 * 4
+# float32 tables of up to 256 columns (a model's and a sparse indexer's, or Gemma 3's two layer types' at its
+# head size of 256: 128 MiB each at 128k positions).
+TABLE_BYTES_PER_POSITION = 2 * 256 * 4
 # auto keeps the bank on the GPU where the utilization that makes room for it is at least this (the
 # weights and the KV cache keep half the GPU); in host memory otherwise.
 AUTO_DEVICE_UTILIZATION = 0.5

@@ -47,6 +47,8 @@ def check_rotate(model_config, max_len: int, past_bank: str = "rotate") -> None:
         return
     from vllm.transformers_utils.config import iter_rope_parameters
 
+    from kvfill.connector.rotary_source import layer_type_parameters
+
     hf = getattr(model_config, "hf_text_config", None) or model_config.hf_config
     why = no_rotary(model_config)
     if why:
@@ -64,7 +66,7 @@ def check_rotate(model_config, max_len: int, past_bank: str = "rotate") -> None:
                          f"first: {nope[0]}); their keys would be turned as rotary ones{WRAP}")
     params = list(iter_rope_parameters(hf))
     distinct = {repr(sorted((k, v) for k, v in p.items() if k != "partial_rotary_factor")) for p in params}
-    if len(distinct) > 1:
+    if len(distinct) > 1 and layer_type_parameters(hf) is None:  # per layer type: each layer turned by its own
         raise CheckError(f"--past-bank rotate: the model has {len(distinct)} different rotary embeddings (rope "
                          f"parameters per layer type); which layer uses which is not known to replay{WRAP}")
     if any(p.get("mrope_section") or p.get("rope_type") == "mrope" for p in params):

@@ -21,11 +21,18 @@ the model's dtype (DeepSeek's YaRN keeps its own float32).
   config's ``indexer_rope_interleave`` - two embeddings of one table; the
   indexer's rows and ``fp8_ds_mla`` rows are turned in their packed bytes.
 
+* Per-layer-type embeddings (Gemma 3: base 10000 on its sliding-window
+  layers, 1e6 on its full ones): where the config keys ``rope_parameters``
+  by the names in ``layer_types``, each layer is turned by the table of its
+  own type (``layer_ropes``): its type is ``layer_types`` at its index in
+  vLLM's layer name, and its type's embedding is the one ``get_rope`` made
+  from that type's parameters (its cache's key holds them).
+
 What cannot be matched is refused naming why, never guessed: several
-different tables (per-layer-type bases, e.g. Gemma 3), a layer whose head
-size is no embedding's, multimodal M-RoPE and dual-chunk attention (not one
-table row per position), ``nvfp4_ds_mla`` rows, a LongRoPE bank that does
-not say its ``max_model_len``.
+different tables no layer type tells apart, a layer whose head size is no
+embedding's, multimodal M-RoPE and dual-chunk attention (not one table row
+per position), ``nvfp4_ds_mla`` rows, a LongRoPE bank that does not say its
+``max_model_len``.
 """
 from __future__ import annotations
 
@@ -49,9 +56,64 @@ WRAP = " - use past_bank 'wrap'"
 
 def model_ropes() -> list[Any]:
     """The rotary embeddings vLLM made in this process (the loaded model's)."""
+    return list(made_ropes().values())
+
+
+def made_ropes() -> dict[tuple, Any]:
+    """vLLM's cache of the rotary embeddings it made in this process:
+    ``get_rope``'s key (head size, rotary dim, positions, pairing, the rope
+    parameters as a tuple of items, ...) -> the embedding."""
     from vllm.model_executor.layers.rotary_embedding import _ROPE_DICT
 
-    return list(_ROPE_DICT.values())
+    return dict(_ROPE_DICT)
+
+
+def layer_type_parameters(hf) -> dict[str, dict] | None:
+    """Each layer type's rope parameters where the config gives every type
+    in ``layer_types`` its own (transformers' ``rope_parameters`` keyed by
+    type: Gemma 3's ``sliding_attention`` and ``full_attention``); None for
+    one set of parameters for every layer."""
+    types, params = getattr(hf, "layer_types", None), getattr(hf, "rope_parameters", None)
+    if not types or not isinstance(params, dict) or not all(isinstance(params.get(t), dict) for t in types):
+        return None
+    return {t: params[t] for t in dict.fromkeys(types)}
+
+
+def layer_ropes(hf, names, made: Mapping[tuple, Any]) -> dict[str, Any] | None:
+    """Layer name -> the rotary embedding of its layer type (module
+    docstring), for a config with rope parameters per layer type; None for
+    any other.  ``made``: ``made_ropes()``.  ValueError naming the type
+    whose parameters made no embedding or several different tables, or a
+    layer whose index in its name is past ``layer_types``."""
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    per_type = layer_type_parameters(hf)
+    if per_type is None:
+        return None
+
+    def items(p: Mapping) -> dict:  # as get_rope keys them: lists become tuples
+        return {k: tuple(v) if isinstance(v, list) else v for k, v in p.items()}
+
+    ropes = {}
+    for kind, params in per_type.items():
+        found: list = []
+        for key, rope in made.items():
+            args = key[4] if isinstance(key, tuple) and len(key) > 4 else None
+            if isinstance(args, tuple) and dict(args) == items(params) and not any(_same_table(rope, f) for f in found):
+                found.append(rope)
+        if len(found) != 1:
+            raise ValueError(f"past_bank 'rotate': the config's rope_parameters for layer type {kind!r} ({params}) "
+                             f"made {len(found)} different rotary embeddings in vLLM "
+                             f"({'; '.join(_describe(r) for r in found[:4]) or 'none'}); expected one{WRAP}")
+        ropes[kind] = found[0]
+    types, out = list(hf.layer_types), {}
+    for name in names:
+        index = extract_layer_index(name)
+        if not 0 <= index < len(types):
+            raise ValueError(f"past_bank 'rotate': layer {name}'s index {index} is past the config's "
+                             f"{len(types)} layer_types, so its rotary embedding is not known{WRAP}")
+        out[name] = ropes[types[index]]
+    return out
 
 
 def _neox(rope) -> bool:
@@ -104,7 +166,8 @@ def _tables(rope, model_dtype: torch.dtype,
 
 def rotary_layers(ropes: list[Any], kv_geometry: Mapping[str, tuple[int, int, int] | None],
                   packed: Mapping[str, str], model_dtype: torch.dtype, *, indexer_neox: bool | None = None,
-                  recorded_max_model_len: int | None = None, max_positions: int | None = None) -> dict[str, Rotary]:
+                  recorded_max_model_len: int | None = None, max_positions: int | None = None,
+                  by_layer: Mapping[str, Any] | None = None) -> dict[str, Rotary]:
     """Layer -> its ``Rotary`` for every layer of K/V geometry or of a
     rotated packing (``packed``: layer -> its packed kind, ``indexer_mx``
     for an indexer whose scales are UE8M0 bytes), module docstring;
@@ -112,7 +175,11 @@ def rotary_layers(ropes: list[Any], kv_geometry: Mapping[str, tuple[int, int, in
     ``max_positions``: the serving max_model_len - the tables are cut to
     the positions a fill can reach (true and recorded alike: the bank is
     cut there too), as they go to the device; ValueError naming what
-    cannot be matched."""
+    cannot be matched.  ``by_layer``: each layer's own embedding
+    (``layer_ropes``), where the model has one per layer type: the layers
+    of each distinct table are matched to it as above."""
+    if by_layer is not None:
+        return _per_layer(by_layer, kv_geometry, packed, model_dtype, recorded_max_model_len, max_positions)
     tables = []
     for r in ropes:
         if not any(_same_table(r, d) for d in tables):
@@ -165,6 +232,31 @@ def rotary_layers(ropes: list[Any], kv_geometry: Mapping[str, tuple[int, int, in
     return out
 
 
+def _per_layer(by_layer: Mapping[str, Any], kv_geometry: Mapping, packed: Mapping[str, str],
+               model_dtype: torch.dtype, recorded_max_model_len: int | None,
+               max_positions: int | None) -> dict[str, Rotary]:
+    """``rotary_layers`` for layers each with its own embedding: one table
+    per distinct embedding, shared by its layers."""
+    if packed:
+        raise ValueError(f"past_bank 'rotate': per-layer-type rotary embeddings with DeepSeek's packed rows "
+                         f"({sorted(set(packed.values()))}) are not matched{WRAP}")
+    groups: list[tuple[Any, dict]] = []
+    for name, kv in kv_geometry.items():
+        if kv is None:
+            continue
+        if name not in by_layer:
+            raise ValueError(f"past_bank 'rotate': layer {name} has keys but no layer type's rotary embedding{WRAP}")
+        group = next((g for r, g in groups if _same_table(r, by_layer[name])), None)
+        if group is None:
+            groups.append((by_layer[name], group := {}))
+        group[name] = kv
+    out: dict[str, Rotary] = {}
+    for rope, layers in groups:
+        out.update(rotary_layers([rope], layers, {}, model_dtype, recorded_max_model_len=recorded_max_model_len,
+                                 max_positions=max_positions))
+    return out
+
+
 def worker_rotary(vllm_config, groups, kv_geometry: Mapping, packed: Mapping[str, str],
                   bank_metadata: Mapping[str, str]) -> dict[str, Rotary]:
     """A replaying worker's rotary layers (``rotary_layers`` over its replayed
@@ -185,7 +277,10 @@ def worker_rotary(vllm_config, groups, kv_geometry: Mapping, packed: Mapping[str
     kinds = {n: ("indexer_mx" if indexer_mx_scales() else "indexer") if k == INDEXER else k
              for n, k in packed.items() if n in replayed}
     recorded = bank_metadata.get("max_model_len")
-    rotary = rotary_layers(model_ropes(), replayed, kinds, model.dtype,
+    made = made_ropes()
+    by_layer = layer_ropes(getattr(model, "hf_text_config", None) or hf,
+                           [n for n, kv in replayed.items() if kv is not None], made)
+    rotary = rotary_layers(list(made.values()), replayed, kinds, model.dtype, by_layer=by_layer,
                            indexer_neox=not getattr(hf, "indexer_rope_interleave", False) if kinds else None,
                            recorded_max_model_len=int(recorded) if str(recorded or "").isdigit() else None,
                            max_positions=model.max_model_len or None)

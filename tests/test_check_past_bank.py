@@ -1,7 +1,8 @@
 """kvfill-check refuses ``--past-bank rotate`` before any engine for a model
 replay cannot turn (check/past_bank.py; issue 61, finding 7: Gemma-3 ran
 real prefill first, then replay failed at registration and the check
-exited 0).  On transformers' own configs of the models named."""
+exited 0; it now replays Gemma-3 turning each layer by its type's table).
+On transformers' own configs of the models named."""
 from types import SimpleNamespace
 
 import pytest
@@ -18,15 +19,21 @@ def _model(hf) -> SimpleNamespace:
     return SimpleNamespace(hf_text_config=hf, hf_config=hf)
 
 
+def _unnamed_types(hf):
+    """Gemma 3's two rope parameter sets, but layer types that name neither: no layer's table is known."""
+    hf.layer_types = ["attention"] * len(hf.layer_types)
+    return hf
+
+
 @pytest.mark.parametrize("hf, max_len, named", [
-    (Gemma3TextConfig(), 1024, "2 different rotary embeddings"),
+    (_unnamed_types(Gemma3TextConfig()), 1024, "2 different rotary embeddings"),
     (LlamaConfig(no_rope_layers=[1, 1, 0, 1]), 1024, "declares 1 layers without RoPE (no_rope_layers, first: 2)"),
     (LlamaConfig(max_position_embeddings=512), 1100, "max_model_len 1100 is past the model's rotary table (512"),
     (LlamaConfig(max_position_embeddings=512, rope_parameters={"rope_type": "yarn", "factor": 2.0,
                                                                "rope_theta": 1e4,
                                                                "original_max_position_embeddings": 512}),
      1100, "past the model's rotary table (1024 positions)"),
-], ids=["gemma3", "no-rope-layers", "past-table", "past-yarn-table"])
+], ids=["gemma3-types-unnamed", "no-rope-layers", "past-table", "past-yarn-table"])
 def test_rotate_is_refused_at_start_naming_why(hf, max_len, named):
     with pytest.raises(CheckError, match="--past-bank rotate") as err:
         check_rotate(_model(hf), max_len)
@@ -36,6 +43,7 @@ def test_rotate_is_refused_at_start_naming_why(hf, max_len, named):
 
 def test_a_plain_or_scaled_model_within_its_table_is_taken():
     check_rotate(_model(LlamaConfig(max_position_embeddings=512)), 512)
+    check_rotate(_model(Gemma3TextConfig()), 1024)  # a table per layer type: each layer turned by its own
     yarn = LlamaConfig(max_position_embeddings=512, rope_parameters={"rope_type": "yarn", "factor": 4.0,
                                                                      "rope_theta": 1e4,
                                                                      "original_max_position_embeddings": 512})
