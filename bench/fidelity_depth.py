@@ -180,6 +180,14 @@ def table() -> tuple[list[list], list[tuple[str, str, dict]], float]:
     return rows, reports, seconds
 
 
+def longest_first_token(data: dict) -> tuple[float, int] | None:
+    """Real prefill's longest time to first token in its greedy pass (seconds from a request's first
+    scheduling: its prefill, and the steps it shared with the others) and that prompt's tokens."""
+    times = (data.get("steps") or {}).get("prefill", {}).get("first_token_s") or []
+    got = [(t, n) for t, n in zip(times, data.get("prompt_tokens") or []) if t is not None]
+    return max(got) if got else None
+
+
 def plot(reports: list[tuple[str, str, dict]], path: str) -> bool:
     """Acceptance and EOS-honoured mean output length against depth, per model: every run on one axis."""
     try:
@@ -234,6 +242,13 @@ def main(argv=None) -> int:
     body = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
     body += ["| " + " | ".join(str(c).replace("|", "¦") for c in r) + " |" for r in rows]
     body += ["", f"The stored reports' runtimes add up to {seconds / 60:.0f} minutes on this host."]
+    for title, tag, data in reports:
+        longest = longest_first_token(data)
+        if longest:
+            body.append(f"{title}{f' ({tag[1:]})' if tag else ''}: real prefill's longest time to first token "
+                        f"{longest[0]:.0f} s, a {longest[1]}-token prompt "
+                        f"({len(data['prompt_tokens'])} prompt{'s' if len(data['prompt_tokens']) > 1 else ''} "
+                        f"in the pass).")
     with open(DOC, "w") as f:
         f.write(head + BEGIN + "\n\n" + "\n".join(body) + "\n\n" + END + tail)
     drawn = plot(reports, os.path.join(RESULTS, "depth.png"))

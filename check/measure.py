@@ -90,7 +90,8 @@ def run(job: dict) -> dict:
         before_eos = probes.counters(llm)
         eos_rows, eos_s, after_eos = _eos(llm, prompts, job)
     result = {"run": job["run"], "model_runner": runner, "block_size": block, "startup_s": round(startup_s, 1),
-              "greedy_s": round(greedy_s, 2), "timing": timing, "greedy": rows, "eos": eos_rows,
+              "greedy_s": round(greedy_s, 2), "first_token_s": [first_token_s(o) for o in outs], "timing": timing,
+              "greedy": rows, "eos": eos_rows,
               "eos_s": round(eos_s, 2), "counters": after_greedy,
               "eos_counters": probes.counters_since(after_eos, before_eos)}
     if by_class:
@@ -102,6 +103,15 @@ def run(job: dict) -> dict:
         result["expert_layers"] = hooked
         result["expert_counts"] = [[(c or zeros).get(str(layer), [0] * moe[0]) for layer in hooked] for c in counts]
     return result
+
+
+def first_token_s(out) -> float | None:
+    """Seconds from a request's first scheduling to its first token (vLLM's
+    engine-core timestamps, ``RequestOutput.metrics``): its prefill, and the
+    steps it shared with other requests; None where vLLM kept no stats."""
+    m = getattr(out, "metrics", None)
+    start, first = getattr(m, "scheduled_ts", 0.0), getattr(m, "first_token_ts", 0.0)
+    return round(first - start, 3) if start and first and first >= start else None
 
 
 def _eos(llm, prompts, job) -> tuple[list[dict], float, dict]:

@@ -198,6 +198,8 @@ def test_kvfill_check_along_depth_on_a_sliding_window_model_with_ngram_drafts(tm
     assert cmp["replay"]["drafts_equal"]["equal"] == cmp["replay"]["drafts_equal"]["total"] > 0
     own = cmp["prefill"]["spec"]["acceptance_per_position"]  # vLLM's own per-position counter, read from its metrics
     assert len(own) == 3 and own[0] >= own[1] >= own[2], own
+    first = data["steps"]["prefill"]["first_token_s"]  # each prompt's time to its first token, from vLLM's stats
+    assert len(first) == 4 and all(t is not None and t > 0 for t in first), first
     md = (out / "report.md").read_text()
     assert "## By depth" in md and "| 400 | replay | 2 |" in md
     assert (out / "report.png").stat().st_size > 0
@@ -219,5 +221,8 @@ def test_the_depth_studys_table_and_plot_read_a_reports_depths(tmp_path):
     assert rows[1][3:8] == ["18/18", "33% vs 100%", "100% / 0% / 0% vs 100% / 100% / 100%", "2.0 vs 4.0",
                             "11.0 vs 11.0 (each =)"]
     assert rows[3][8] == "2 prompts, 8 drafts" and len(rows[0]) == len(fidelity_depth.HEADER)
+    assert fidelity_depth.longest_first_token(data) is None  # a report from before first_token_s
+    steps["prefill"]["first_token_s"] = [1.5, None, 9.25, 8.0]
+    assert fidelity_depth.longest_first_token(data) == (9.25, 30)
     assert fidelity_depth.plot([("x", "", data)], str(tmp_path / "depth.png"))
     assert (tmp_path / "depth.png").stat().st_size > 0
