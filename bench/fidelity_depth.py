@@ -64,12 +64,15 @@ def _model(name: str) -> str:
     return getattr(importlib.import_module(f"kvfill.bench.{module}"), builder)()
 
 
-def _check(model: str, prompts: str, out: str, depths: str, extra: list[str]) -> int:
+def _check(model: str, prompts: str, out: str, depths: str | None, extra: list[str], deepest: int = 0) -> int:
+    """kvfill-check on ``prompts``, each cut to ``depths`` (None: the prompts as they are, the longest
+    ``deepest`` tokens)."""
     from kvfill.check.depths import parse
 
-    deepest = parse(depths)[-1][1]
+    deepest = parse(depths)[-1][1] if depths else deepest
     cmd = [sys.executable, "-m", "kvfill.check", "--model", model, "--prompts", prompts, "--out", out,
-           "--depths", depths, "--output-len", str(OUTPUT_LEN), "--max-tokens", str(MAX_TOKENS),
+           *(["--depths", depths] if depths else []), "--output-len", str(OUTPUT_LEN),
+           "--max-tokens", str(MAX_TOKENS),
            "--time-passes", "0", "--max-model-len", str(deepest + MAX_TOKENS + 16),
            "--speculative-config", json.dumps(NGRAM), *extra]
     print("$", " ".join(cmd), flush=True)
@@ -131,7 +134,9 @@ def run_variants(model: str, main_bank: str, out: str, depths: str) -> None:
             if subprocess.run(cmd, check=False).returncode:
                 continue
         vout = os.path.join(WORK, f"{os.path.basename(out)}-{tag}")
-        _check(model, one, vout, label, ["--bank", bank, "--fills", "replay", *flags])
+        # the prompt as the first check cut it (its class "code.<label>"), not cut again: a cut that moved back
+        # a few tokens to a clean boundary is shorter than the depth
+        _check(model, one, vout, None, ["--bank", bank, "--fills", "replay", *flags], deepest)
         publish(vout, RESULTS, f"depth-{os.path.basename(out)}-{tag}")
 
 
@@ -141,8 +146,11 @@ def _pct(x) -> str:
 
 def rows_of(report: str, title: str, data: dict) -> list[list]:
     """One row per depth and run: the run's figures at that depth beside real prefill's."""
-    per = (data.get("comparison") or {}).get("by_depth") or {}
-    prompts = {d: data["prompt_depths"].count(d) for d in per}
+    cmp = data.get("comparison") or {}
+    # a variant's check ran on a prompt already cut (its class "KIND.DEPTH", no --depths): by class
+    labels = data.get("prompt_depths") or data.get("prompt_classes") or []
+    per = cmp.get("by_depth") or cmp.get("by_class") or {}
+    prompts = {d: labels.count(d) for d in per}
     out = []
     for d, runs in per.items():
         ref = runs.get("prefill") or {}

@@ -221,6 +221,12 @@ def test_the_depth_studys_table_and_plot_read_a_reports_depths(tmp_path):
     assert rows[1][3:8] == ["18/18", "33% vs 100%", "100% / 0% / 0% vs 100% / 100% / 100%", "2.0 vs 4.0",
                             "11.0 vs 11.0 (each =)"]
     assert rows[3][8] == "2 prompts, 8 drafts" and len(rows[0]) == len(fidelity_depth.HEADER)
+    variant = {**res, "prompt_classes": ["a.30"], "prompt_depths": None, "prompt_tokens": [30],
+               "steps": {r: {k: v[2:3] if isinstance(v, list) else v for k, v in got.items()}
+                         for r, got in steps.items()}}  # one prompt already cut, no --depths: by its class
+    variant["comparison"] = compare.compare_all(variant)
+    assert [(r[1], r[2], r[3], r[8]) for r in fidelity_depth.rows_of("v", "x", variant)] == [
+        ("a.30", "prefill", "reference", "1 prompts, 4 drafts"), ("a.30", "zeros", "9/9", "1 prompts, 4 drafts")]
     assert fidelity_depth.longest_first_token(data) is None  # a report from before first_token_s
     steps["prefill"]["first_token_s"] = [1.5, None, 9.25, 8.0]
     assert fidelity_depth.longest_first_token(data) == (9.25, 30)
