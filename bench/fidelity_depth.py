@@ -14,9 +14,10 @@ greedy, EOS honoured (``--max-tokens``), ngram drafts (3 tokens, lookup
 2-4), every fill kvfill-check compares.  SmolLM2-135M-Instruct runs to 7K
 (its context is 8K, less the output), Gemma-3-270M base to 31K (its 32K,
 less the output; 5 of 6 layers a 512-token window).  Gemma's deepest depth
-is checked again on one prompt (``VARIANTS``): replay from a host-kept
-bank, and from a bank of the prompt's first half, written past its end as
-recorded (``--past-bank wrap``) or re-rotated (``rotate``).  Suffix decoding
+is checked again on one prompt, in one check (``VARIANTS``, kvfill-check
+``--also-replay``): replay from a host-kept bank, and from a bank of the
+prompt's first half, written past its end as recorded (``past_bank=wrap``)
+or re-rotated (``rotate``), each beside one real prefill.  Suffix decoding
 is not in the study: vLLM 0.32's needs ``arctic_inference.suffix_decoding``,
 whose only wheel on the index (0.0.4) lacks it (0.3.0 is a source archive
 building a native extension).
@@ -49,12 +50,13 @@ MODELS = {
     "gemma": ("Gemma-3-270M base (512-token window on 5 of 6 layers, 32K)", "1k,4k,8k,16k,31k", "gemma_model",
               "make_gemma_model"),
 }
-# Gemma's deepest depth again, one prompt (the first: code), replayed another way: from the first check's
-# bank kept in host memory (every row the prompt's: equal to real prefill, or a bug), and from a bank of its
-# first half only (kvfill-record --positions), past which replay writes that half again (wrap) or with its
-# keys re-rotated to their true positions (rotate): how close each comes to real prefill is measured
-VARIANTS = {"host": (None, ["--bank-placement", "host"]), "wrap-half": (0.5, ["--past-bank", "wrap"]),
-            "rotate-half": (0.5, ["--past-bank", "rotate"])}
+# Gemma's deepest depth again, one prompt (the first: code), in one check of its own beside real prefill: replay
+# of the first check's bank, the same bank kept in host memory (every row the prompt's: equal to real prefill,
+# or a bug), and a bank of its first half only (kvfill-record --positions), past which replay writes that half
+# again (wrap) or with its keys re-rotated to their true positions (rotate): how close each comes to real
+# prefill is measured.  --also-replay run -> (the bank's share of the prompt, its settings)
+VARIANTS = {"replay-host": (None, "bank_placement=host"), "replay-half-wrap": (0.5, "past_bank=wrap"),
+            "replay-half-rotate": (0.5, "past_bank=rotate")}
 
 
 def _model(name: str) -> str:
@@ -112,8 +114,8 @@ def run(names: list[str], per_kind: int, variants: bool, kinds: list[str] | None
 
 
 def run_variants(model: str, main_bank: str, out: str, depths: str) -> None:
-    """``VARIANTS`` on the first prompt at the deepest depth (what the first
-    check cut it to), each a check of its own beside real prefill."""
+    """``VARIANTS`` on the first prompt at the deepest depth (as the first
+    check cut it): one check, its real prefill run once."""
     from kvfill.bench.check_presets import publish
     from kvfill.check.depths import parse
 
@@ -123,21 +125,20 @@ def run_variants(model: str, main_bank: str, out: str, depths: str) -> None:
     one = os.path.join(WORK, "variant-prompt.jsonl")
     with open(one, "w") as f:
         f.write(first)
-    for tag, (share, flags) in VARIANTS.items():
-        bank = main_bank
-        if share:  # a bank of the prompt's first positions only, recorded with the check's flags
-            bank = os.path.join(WORK, f"bank-{tag}.safetensors")
-            cmd = [sys.executable, "-m", "kvfill.record", "--model", model, "--prompts", one, "--out", bank,
-                   "--positions", str(int(deepest * share)), "--max-model-len", str(deepest + MAX_TOKENS + 16),
-                   "--enforce-eager", "--speculative-config", json.dumps(NGRAM)]
-            print("$", " ".join(cmd), flush=True)
-            if subprocess.run(cmd, check=False).returncode:
-                continue
-        vout = os.path.join(WORK, f"{os.path.basename(out)}-{tag}")
-        # the prompt as the first check cut it (its class "code.<label>"), not cut again: a cut that moved back
-        # a few tokens to a clean boundary is shorter than the depth
-        _check(model, one, vout, None, ["--bank", bank, "--fills", "replay", *flags], deepest)
-        publish(vout, RESULTS, f"depth-{os.path.basename(out)}-{tag}")
+    half = os.path.join(WORK, "bank-half.safetensors")  # the prompt's first positions only, the check's flags
+    cmd = [sys.executable, "-m", "kvfill.record", "--model", model, "--prompts", one, "--out", half,
+           "--positions", str(deepest // 2), "--max-model-len", str(deepest + MAX_TOKENS + 16),
+           "--enforce-eager", "--speculative-config", json.dumps(NGRAM)]
+    print("$", " ".join(cmd), flush=True)
+    if subprocess.run(cmd, check=False).returncode:
+        return
+    also = [f"{run}:" + ",".join([*([f"bank={half}"] if share else []), settings])
+            for run, (share, settings) in VARIANTS.items()]
+    vout = os.path.join(WORK, f"{os.path.basename(out)}-variants")
+    # the prompt as the first check cut it (its class "code.<label>"), not cut again: a cut that moved back a few
+    # tokens to a clean boundary is shorter than the depth
+    _check(model, one, vout, None, ["--bank", main_bank, "--fills", "replay", "--also-replay", *also], deepest)
+    publish(vout, RESULTS, f"depth-{os.path.basename(out)}-variants")
 
 
 def _pct(x) -> str:
@@ -178,7 +179,7 @@ HEADER = ["model", "depth", "run", "tokens = real", "acceptance vs real", "per p
 def table() -> tuple[list[list], list[tuple[str, str, dict]], float]:
     rows, reports, seconds = [], [], 0.0
     for name, (title, _, _, _) in MODELS.items():
-        for tag in ["", *(f"-{v}" for v in VARIANTS)]:
+        for tag in ("", "-variants"):
             path = os.path.join(RESULTS, f"check-depth-{name}{tag}-cpu.json")
             if os.path.exists(path):
                 data = json.load(open(path))

@@ -21,7 +21,9 @@ from vllm.engine.arg_utils import EngineArgs
 
 from kvfill.record.cli import REFUSED as RECORD_REFUSED
 from kvfill.record.cli import RecordArgumentParser, _check_engine_args, _require_model, parse
+from . import replays
 from .depths import argument as depths_argument
+from .paths import check_file, check_out
 
 USAGE = "kvfill-check --model MODEL --prompts FILE [--bank BANK] [--out DIR] [check options] [vLLM engine options]"
 FILLS = ("replay", "normal", "constant", "zeros")
@@ -79,6 +81,7 @@ class CheckConfig:
     time_by_class: str = "on"
     bank_placement: str = "auto"
     past_bank: str = "wrap"
+    also_replay: dict = dataclasses.field(default_factory=dict)  # --also-replay: run -> its settings (replays.py)
     depths: list[tuple[str, int]] | None = None  # --depths: (label, tokens), smallest first (depths.parse)
 
 
@@ -150,6 +153,10 @@ def build_parser() -> RecordArgumentParser:
                      help="what replay writes past a recorded sequence's end (the connector's past_bank): the "
                           "sequence again from its start as recorded, or with its keys re-rotated to their true "
                           "positions")
+    own.add_argument("--also-replay", nargs="+", default=None, metavar="NAME:KEY=VALUE,...",
+                     help="replay again beside replay with its own bank, bank_placement or past_bank, each run "
+                          "judged against the same real prefill, e.g. replay-half:bank=half.safetensors,"
+                          "past_bank=rotate (check/replays.py)")
     own.add_argument("--depths", default=None, metavar="D,D,...", type=depths_argument,
                      help="cut each prompt to its first D tokens for each depth D (an int, k = 1024: e.g. 1k,8k,32k), "
                           "each depth a prompt class (with the file's classes: CLASS.D); every prompt must reach the "
@@ -185,7 +192,7 @@ def check_config(argv: Sequence[str] | None = None) -> CheckConfig:
     if found:
         raise CheckError("kvfill-check cannot honour these vLLM flags:\n  " + "\n  ".join(found))
     _check_config_file(p, argv)
-    _check_out(args.out)
+    check_out(args.out)
     if args.normal is not None and not (math.isfinite(args.normal[0]) and 0 < args.normal[1] < math.inf):
         raise CheckError(f"--normal {args.normal[0]} {args.normal[1]}: expected a finite mean and a finite std > 0")
     if not math.isfinite(args.constant):
@@ -215,10 +222,14 @@ def check_config(argv: Sequence[str] | None = None) -> CheckConfig:
                          f"no block is reused)")
     if not args.run_timeout > 0:
         raise CheckError(f"--run-timeout {args.run_timeout}: expected seconds > 0")
+    also = replays.parse(args.also_replay)
+    for run, settings in also.items():
+        if "bank" in settings:
+            check_file(f"--also-replay {run}: bank", settings["bank"], "a bank file kvfill-record wrote")
     if args.bank is not None:
-        _check_file("--bank", args.bank, "a bank file kvfill-record wrote (its --out), or no --bank (the check "
+        check_file("--bank", args.bank, "a bank file kvfill-record wrote (its --out), or no --bank (the check "
                                          "records one)")
-    _check_file("--prompts", args.prompts, "a text or .jsonl file of prompts")
+    check_file("--prompts", args.prompts, "a text or .jsonl file of prompts")
     try:
         _check_engine_args(args)
     except ValueError as exc:  # RecordError: vLLM rejected the flags
@@ -232,7 +243,8 @@ def check_config(argv: Sequence[str] | None = None) -> CheckConfig:
                        engine=engine, argv=list(argv) if argv is not None else [], in_process=args.in_process,
                        serve=args.serve, concurrency=args.concurrency, decoys=args.decoys, verify=args.verify,
                        time_passes=args.time_passes, time_by_class=args.time_by_class,
-                       bank_placement=args.bank_placement, past_bank=args.past_bank, depths=args.depths)
+                       bank_placement=args.bank_placement, past_bank=args.past_bank, depths=args.depths,
+                       also_replay=also)
 
 
 def own_actions(p: RecordArgumentParser) -> list:
@@ -261,42 +273,6 @@ def _check_config_file(p: RecordArgumentParser, argv: Sequence[str] | None) -> N
             if mine:
                 raise CheckError(f"--config {argv[i + 1]!r}: {', '.join(map(str, mine))} - kvfill-check's own "
                                  f"option(s), not vLLM engine flags; expected them on the command line")
-
-
-def _check_out(out: str) -> None:
-    """``--out`` is a folder the check makes or writes into."""
-    if os.path.exists(out) and not os.path.isdir(out):
-        raise CheckError(f"--out {out!r} exists and is not a folder; expected a folder for the report (made if "
-                         f"missing)")
-    parent = os.path.abspath(out)
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
-        raise CheckError(f"--out {out!r}: {parent!r} is not a writable folder; expected --out in a folder the "
-                         f"check can write")
-    # Permission bits do not say it all (root passes them; /proc and read-only mounts refuse anyway): a folder
-    # made and removed at once says whether the check's own will be.
-    import tempfile
-
-    try:
-        os.rmdir(tempfile.mkdtemp(prefix=".kvfill-check-", dir=parent))
-    except OSError as exc:
-        raise CheckError(f"--out {out!r}: no folder can be made in {parent!r} ({exc.strerror}); expected --out "
-                         f"in a folder the check can write") from None
-
-
-def _check_file(flag: str, path: str, expected: str) -> None:
-    """An input file the check reads (perhaps more than once: the recording and the runs each read the
-    prompts): a regular file that exists."""
-    if os.path.isdir(path):
-        raise CheckError(f"{flag} {path!r} is a folder; expected {expected}")
-    if not os.path.exists(path):
-        raise CheckError(f"{flag} {path!r}: no such file; expected {expected}")
-    if not os.path.isfile(path):
-        raise CheckError(f"{flag} {path!r} is not a regular file (a pipe or device is read once, the check reads "
-                         f"it more than once); expected {expected}")
-    if not os.access(path, os.R_OK):
-        raise CheckError(f"{flag} {path!r}: not readable here; expected {expected}")
 
 
 def serve_argv(argv: Sequence[str]) -> list[str]:

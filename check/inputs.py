@@ -51,20 +51,31 @@ def prepare(cfg: CheckConfig) -> Inputs:
                             f"generated + {MAX_LEN_SLACK})", "a smaller --max-model-len" if given else
                             "a lower --output-len / --max-tokens, or shorter prompts")
     check_rotate(model, max_len, cfg.past_bank)  # what replay would refuse at its registration, refused now
+    for run, own in cfg.also_replay.items():  # --also-replay's runs: the same, with their own settings
+        check_rotate(model, max_len, own.get("past_bank", cfg.past_bank))
+        if "bank" in own:
+            _given_bank(cfg, model, own["bank"], f"--also-replay {run}: bank")
     stats = held = None
     if cfg.bank is not None:
-        from kvfill.bank.stream import read_stored
-
-        try:
-            stored = read_stored(cfg.bank)
-        except (ValueError, OSError) as exc:  # BankError: not a bank, or one kvfill cannot read
-            raise CheckError(f"--bank: {exc}; expected a bank kvfill-record wrote") from None
-        check_bank_fits(cfg, model, stored)  # before the rows are read: a header says it
+        _given_bank(cfg, model, cfg.bank, "--bank")
         try:
             stats, held = read_bank(cfg.bank, ids)
         except (ValueError, OSError) as exc:
             raise CheckError(f"--bank: {exc}; expected a bank kvfill-record wrote") from None
     return Inputs(tok, ids, max_len, stats, held, classes, labels, texts)
+
+
+def _given_bank(cfg: CheckConfig, model, path: str, flag: str) -> None:
+    """A bank the user gave, refused (CheckError naming ``flag``) where
+    kvfill cannot read it or it cannot replay into ``model``, from its
+    header, before any row is read."""
+    from kvfill.bank.stream import read_stored
+
+    try:
+        stored = read_stored(path)
+    except (ValueError, OSError) as exc:  # BankError: not a bank, or one kvfill cannot read
+        raise CheckError(f"{flag}: {exc}; expected a bank kvfill-record wrote") from None
+    check_bank_fits(cfg, model, stored, flag)
 
 
 def check_model_len(cfg: CheckConfig, max_len: int, what: str, expected: str):
@@ -92,7 +103,7 @@ def check_model_len(cfg: CheckConfig, max_len: int, what: str, expected: str):
 _CACHE_VALUES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 
 
-def check_bank_fits(cfg: CheckConfig, model, stored) -> None:
+def check_bank_fits(cfg: CheckConfig, model, stored, flag: str = "--bank") -> None:
     """A --bank whose replay into --model must fail, refused before any run:
     CheckError naming the bank's model and geometry and the model's.
 
@@ -149,7 +160,7 @@ def check_bank_fits(cfg: CheckConfig, model, stored) -> None:
     head = (f"one latent row of {model.get_head_size()} (MLA)" if mla else
             f"{model.get_total_num_kv_heads()} KV heads x {model.get_head_size()}")
     layers = f"{attention} attention layers" if attention is not None else "attention layers"
-    raise CheckError(f"--bank {stored.path!r} ({bank}) cannot replay into --model {cfg.model!r} ({layers} of "
+    raise CheckError(f"{flag} {stored.path!r} ({bank}) cannot replay into --model {cfg.model!r} ({layers} of "
                      f"{head}, {dtype_name(model.dtype)}): {why}; expected {expected}")
 
 

@@ -23,6 +23,7 @@ from .compare import REFERENCE_FAILED
 from .cli import CheckConfig, engine_kwargs, on_cpu, record_call
 from .inputs import Inputs, bank_coverage, prepare, read_bank
 from .kv_space import CPU_BLOCK_SIZE, kv_env, kv_space
+from .replays import fill_runs, replay_config
 from .steps import Stopped, _raise_if_stopped, child_env, duration, step
 
 SAMPLE_TOKENS = 16
@@ -30,10 +31,8 @@ SAMPLE_TOKENS = 16
 
 def fill_config(fill: str, cfg: CheckConfig, bank: str | None, stats: dict | None) -> dict:
     """A fill's ``kv_connector_extra_config``."""
-    if fill == "replay":
-        return {"fill_mode": "replay", "bank": bank, **({"verify": "raise"} if cfg.verify else {}),
-                **({"bank_placement": cfg.bank_placement} if cfg.bank_placement != "auto" else {}),
-                **({"past_bank": cfg.past_bank} if cfg.past_bank != "wrap" else {})}
+    if fill == "replay" or fill in cfg.also_replay:
+        return replay_config(fill, cfg, bank)
     if fill == "normal":
         mean, std = cfg.normal or ((stats["mean"], stats["std"]) if stats else (0.0, 1.0))
         return {"fill_mean": mean, "fill_std": std}
@@ -101,8 +100,8 @@ def _run_steps(cfg: CheckConfig, inputs: Inputs, engine: dict, env: dict, got: d
     each fill, one after another, into ``got`` as they end."""
     ids, max_len, steps = inputs.ids, inputs.max_len, got["steps"]
     made = cfg.bank is None
-    served = cfg.serve * (1 + len(cfg.fills))
-    n_steps = made + 1 + (cfg.split == "on") + len(cfg.fills) + served  # the split is known once the bank is
+    served = cfg.serve * (1 + len(fill_runs(cfg)))
+    n_steps = made + 1 + (cfg.split == "on") + len(fill_runs(cfg)) + served  # the split is known once the bank is
     if made:
         got["runs"] = ["record"]
         got["bank"] = os.path.abspath(os.path.join(cfg.out, "bank.safetensors"))
@@ -119,7 +118,7 @@ def _run_steps(cfg: CheckConfig, inputs: Inputs, engine: dict, env: dict, got: d
             got["bank"] = None
     bank, stats = got["bank"], got["stats"]
     split = cfg.split == "on" or (cfg.split == "auto" and bool(stats and stats["has_state"]))
-    n_steps = made + 1 + split + len(cfg.fills) + served
+    n_steps = made + 1 + split + len(fill_runs(cfg)) + served
     spec = cfg.engine.get("speculative_config")
     if cfg.temperature > 0 and cfg.max_tokens and "max_num_batched_tokens" not in cfg.engine and on_cpu():
         # vLLM CPU cannot rewind a seeded request's generator after a step that sampled for a prompt
@@ -132,7 +131,7 @@ def _run_steps(cfg: CheckConfig, inputs: Inputs, engine: dict, env: dict, got: d
             "time_passes": cfg.time_passes,
             # the classes a run times apart (measure.time_passes); --time-by-class off: the whole run's passes only
             "classes": inputs.classes if cfg.time_by_class == "on" else None}
-    runs = ["prefill", *(["prefill_split"] if split else []), *cfg.fills]
+    runs = ["prefill", *(["prefill_split"] if split else []), *fill_runs(cfg)]
     got["runs"] += runs
     fills, i = got["fills"], made
     dataset = _served_dataset(cfg) if cfg.serve else None
@@ -141,20 +140,21 @@ def _run_steps(cfg: CheckConfig, inputs: Inputs, engine: dict, env: dict, got: d
         if run != "prefill" and "error" in steps["prefill"]:  # nothing to compare the rest with
             steps[run] = {"run": run, "error": REFERENCE_FAILED}
             continue
-        if run == "replay" and bank is None:
-            steps[run] = {"run": run, "error": "not run: no bank (the recording failed; see above)"}
-            log(f"[{i}/{n_steps}] replay: not run - no bank (the recording failed)")
-            continue
         connector, run_engine = None, engine
-        if run in cfg.fills:
+        if run != "prefill" and run != "prefill_split":
             fills[run] = fill_config(run, cfg, bank, stats)
             connector = {"kv_connector": "KVFillConnector", "kv_role": "kv_both",
                          "kv_connector_extra_config": fills[run]}
-        if run == "replay":
-            run_engine, refused = replay_engine(cfg, engine, fills[run], bank, max_len, log)
+        if run in fills and fills[run].get("fill_mode") == "replay":
+            if fills[run]["bank"] is None:
+                del fills[run]
+                steps[run] = {"run": run, "error": "not run: no bank (the recording failed; see above)"}
+                log(f"[{i}/{n_steps}] {run}: not run - no bank (the recording failed)")
+                continue
+            run_engine, refused = replay_engine(cfg, engine, fills[run], fills[run]["bank"], max_len, log)
             if refused:
                 steps[run] = {"run": run, "error": refused}
-                log(f"[{i}/{n_steps}] replay: not run - {refused}")
+                log(f"[{i}/{n_steps}] {run}: not run - {refused}")
                 i += bool(dataset)
                 continue
         done = step(run, {**base, "run": run, "engine": run_engine, "connector": connector}, cfg, i, n_steps, log, env)
@@ -187,13 +187,17 @@ def _result(cfg: CheckConfig, inputs: Inputs, kv, config: dict, got: dict, t_sta
         if not partial:
             raise
         coverage = None
+    # --also-replay's runs with a bank of their own: what each wrote, by where its rows came from
+    others = {run: bank_coverage(extra["bank"], ids, block) for run, extra in got["fills"].items()
+              if run != "replay" and extra.get("fill_mode") == "replay" and extra.get("bank") not in (None, bank)}
     logs = [os.path.join(cfg.out, "logs", f"{prefix}{run}{suffix}.log") for run in steps
             for prefix, suffix in (("", ""), ("served-", "-server"), ("served-", "-client"))]
     return {"prompt_tokens": [len(t) for t in ids], "prompt_classes": inputs.classes,
             "prompt_depths": inputs.depths, "depths": dict(cfg.depths) if cfg.depths else None,
             "max_model_len": inputs.max_len,
             "kv_space": kv, "bank": bank, "bank_recorded": cfg.bank is None,
-            "bank_stats": got["stats"], "bank_prompts_held": got["held"], "bank_coverage": coverage, "moe": moe,
+            "bank_stats": got["stats"], "bank_prompts_held": got["held"], "bank_coverage": coverage,
+            "replay_coverage": others, "moe": moe,
             "moe_note": _moe_note(config, moe),
             "speculative_config": cfg.engine.get("speculative_config"),
             "indexer": any(k in config for k in ("index_topk", "index_n_heads")),

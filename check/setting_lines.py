@@ -29,24 +29,37 @@ def decoy_line(res: dict) -> str:
                    f"there)" if unused else "")
 
 
-def coverage_lines(cov: dict | None, prompts: int, ev) -> list[str]:
-    """What replay wrote, by where its rows came from (``inputs.bank_coverage``):
+def run_coverage_lines(res: dict, run: str, prompts: int, ev) -> list[str]:
+    """``coverage_lines`` of a replay run - ``replay``, or an ``--also-replay``
+    run (``check/replays.py``) - from its own bank's coverage or replay's
+    (``res["replay_coverage"]``, ``res["bank_coverage"]``); none for any other run."""
+    own = (res.get("fills") or {}).get(run) or {}
+    if run != "replay" and own.get("fill_mode") != "replay":
+        return []
+    cov = (res.get("replay_coverage") or {}).get(run, res.get("bank_coverage"))
+    return coverage_lines(cov, prompts, ev, run, own.get("past_bank", "wrap"))
+
+
+def coverage_lines(cov: dict | None, prompts: int, ev, run: str = "replay", past_bank: str = "wrap") -> list[str]:
+    """What a replay run wrote, by where its rows came from (``inputs.bank_coverage``):
     positions past a recorded sequence's length wrap - a repeated context,
-    not the prompt's, so replay is not shown valid there whatever the tokens
-    say (``ev``: replay's ``verdict.Evidence``); positions of another
+    not the prompt's, so the run is not shown valid there whatever the tokens
+    say (``ev``: its ``verdict.Evidence``), its keys rotated for the row's
+    position, or re-rotated to their own (``past_bank``); positions of another
     recorded text are named (a bank over other prompts: the moe preset's)."""
     if not cov:
         return []
     lines, total = [], cov["positions"]
+    keys = "keys re-rotated to position t" if past_bank == "rotate" else "keys rotated for position t mod N"
     if cov["other"]:
-        lines.append(f"replay: {cov['other']} of the {total} filled positions replay another recorded text's rows "
+        lines.append(f"{run}: {cov['other']} of the {total} filled positions replay another recorded text's rows "
                      f"(a sequence whose tokens differ there, picked by the block's token hash), so those prompts' "
                      f"tokens need not be real prefill's")
     if cov["wrapped"]:
-        lines.append(f"replay: {cov['wrapped']} of the {total} filled positions ({cov['prompts_wrapped']} of {prompts} "
+        lines.append(f"{run}: {cov['wrapped']} of the {total} filled positions ({cov['prompts_wrapped']} of {prompts} "
                      f"prompts) lie past their recorded sequence's length (the longest holds "
-                     f"{cov['longest_sequence']}) and wrap: they replay it again from its start (row t mod N, keys "
-                     f"rotated for position t mod N), so decode reads a short text repeated, not the prompt - record "
-                     f"prompts as long as the benchmark's")
+                     f"{cov['longest_sequence']}) and wrap: they replay it again from its start (row t mod N, {keys}), "
+                     f"so decode reads a short text repeated, not the prompt - record prompts as long as the "
+                     f"benchmark's")
         ev.unknown.append(f"{cov['wrapped']} of {total} filled positions wrapped past the bank's sequences")
     return lines

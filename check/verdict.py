@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from . import classes
 from .compare import REFERENCE, REFERENCE_FAILED
-from .setting_lines import coverage_lines, decoy_line, indexer_line
+from .setting_lines import decoy_line, indexer_line, run_coverage_lines
 
 # A fill's expert-load TV within this many times real prefill's halves floor is noise: the floor is
 # itself one draw of a noisy statistic (two halves of one sample), measured once.
@@ -116,8 +116,7 @@ def verdicts(res: dict, cmp: dict) -> list[str]:
             lines.append(f"{run}: run failed - {step['error']}")
             continue
         row, ev = cmp[run], Evidence()
-        if run == "replay":
-            lines += coverage_lines(res.get("bank_coverage"), prompts, ev)
+        lines += run_coverage_lines(res, run, prompts, ev)
         line, exact = token_verdict(run, row)
         lines.append(line)
         if exact:
