@@ -19,6 +19,11 @@ from kvfill.check.verdict import verdicts  # noqa: E402
 from kvfill.kernels import Bank  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def _vllm_platform(vllm_cpu_platform):
+    """conftest's vllm_cpu_platform for every test here (vLLM 0.34's CUDA wheel resolves no platform alone)."""
+
+
 def _bank(path, kv=(2, 16, 16)) -> str:
     """A bank of the tiny Llama's two attention layers (``kv`` their K/V geometry), 7 positions."""
     width = kv[0] * (kv[1] + kv[2])
