@@ -24,6 +24,12 @@ REPORTS = sorted(glob.glob(os.path.join(ROOT, "bench", "results", "check-*.json"
 FIGURES = ("ms_per_token", "ratio", "interval", "passes", "steps")
 
 
+@pytest.fixture(autouse=True)
+def _vllm_platform(vllm_cpu_platform):
+    """conftest's vllm_cpu_platform for every test here: on the 0.34 lane the reports' command lines are parsed
+    by vLLM's flag parser, which needs a platform whatever test ran before in this process."""
+
+
 def _load(path: str) -> dict:
     with open(path) as f:
         return json.load(f)
