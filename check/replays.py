@@ -52,7 +52,7 @@ def replay_config(run: str, cfg, bank: str | None) -> dict:
     """The ``kv_connector_extra_config`` of ``replay`` (``run`` "replay")
     or of an ``--also-replay`` run: the check's replay settings, the run's
     own over them; ``bank``: the check's (``--bank`` or its recording)."""
-    own = cfg.also_replay.get(run, {}) if run != "replay" else {}
+    own = cfg.also_replay.get(run, {})  # none for "replay": its names start "replay-"
     placement = own.get("bank_placement", cfg.bank_placement)
     past = own.get("past_bank", cfg.past_bank)
     return {"fill_mode": "replay", "bank": own.get("bank", bank), **({"verify": "raise"} if cfg.verify else {}),

@@ -141,7 +141,7 @@ def _run_steps(cfg: CheckConfig, inputs: Inputs, engine: dict, env: dict, got: d
             steps[run] = {"run": run, "error": REFERENCE_FAILED}
             continue
         connector, run_engine = None, engine
-        if run != "prefill" and run != "prefill_split":
+        if run not in ("prefill", "prefill_split"):  # a fill, or an --also-replay run
             fills[run] = fill_config(run, cfg, bank, stats)
             connector = {"kv_connector": "KVFillConnector", "kv_role": "kv_both",
                          "kv_connector_extra_config": fills[run]}
